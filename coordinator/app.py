@@ -1,0 +1,261 @@
+"""Phase two for one app: commit completed epochs exactly once, abort the rest.
+
+An epoch N is complete once Spark has durably finished micro-batch N. Any one
+of these proves it, and each alone can be lost, so all are consulted:
+
+- the barrier the driver's listener publishes (onQueryProgress, fast);
+- a registration for a later epoch (batch N+1 starts only after commits/N);
+- ``commits/N`` in the query's checkpoint directory.
+
+The run that completed N is the last run that registered anything for N: once
+commits/N exists no later run re-runs N. Its winners are committed; every other
+pre-commit of N (losers, earlier runs) is aborted. The decision is written to
+ZooKeeper before any commit, so a successor resumes it rather than re-deciding.
+
+Usage::
+
+    app = AppCoordinator(client, "/twophase", "orders", signer, owner="driver")
+    app.acquire()          # fences any previous owner
+    app.run(stop_event)    # or app.reconcile() once, as the recovery CLI does
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+from kazoo.client import KazooClient
+from kazoo.exceptions import BadVersionError, KazooException, NoNodeError, NodeExistsError
+from kazoo.recipe.watchers import ChildrenWatch, DataWatch
+from tenacity import Retrying, retry_if_not_exception_type, stop_after_attempt, wait_exponential
+
+from coordinator.fence import Fence, Fenced
+from coordinator.layout import AppPaths, QueryPaths
+from coordinator.precommits import Attempt, PrecommitRegistry
+from coordinator.state import EpochRecord, EpochState
+from coordinator.zk import dump, read_json
+from twophase.checkpoint import completed_epochs
+from twophase.signing import Signer
+from twophase.sink import CommitFailed, TwoPhaseCommitSink
+
+log = logging.getLogger("twophase.coordinator")
+
+
+@dataclass
+class CommitPolicy:
+    """How hard phase two tries before it records a failure and moves on to the next round."""
+
+    attempts: int = 5
+    max_backoff: float = 5.0
+    retain_epochs: int = 10   # committed epoch records kept for `twophase status`
+    poll_interval: float = 2.0
+
+
+class AppCoordinator:
+    def __init__(self, client: KazooClient, root: str, app: str, signer: Signer,
+                 owner: str, policy: CommitPolicy | None = None) -> None:
+        self.client = client
+        self.app = app
+        self.paths = AppPaths(root, app)
+        self.fence = Fence(client, self.paths.fence)
+        self.signer = signer
+        self.owner = owner
+        self.policy = policy or CommitPolicy()
+        self.wake = threading.Event()
+        self._sink: tuple[int, TwoPhaseCommitSink] | None = None
+        self._watched: set[str] = set()
+
+    def acquire(self) -> None:
+        token = self.fence.acquire(self.owner)
+        log.info("app %s: %s owns phase two (fence token %d)", self.app, self.owner, token)
+
+    # -- the loop ---------------------------------------------------------
+
+    def run(self, stop: threading.Event) -> None:
+        """Reconcile on every wake-up (watch, listener) and every poll interval, until stopped or fenced."""
+        self.acquire()
+        self.client.retry(self.client.ensure_path, self.paths.queries)
+        ChildrenWatch(self.client, self.paths.queries, self._watch_queries)
+        while not stop.is_set():
+            self.wake.clear()
+            try:
+                self.reconcile()
+            except Fenced:
+                log.error("app %s: fenced; another coordinator took over, %s stops", self.app, self.owner)
+                raise
+            except KazooException as e:
+                log.warning("app %s: ZooKeeper trouble, retrying: %r", self.app, e)
+            except Exception:
+                log.exception("app %s: reconcile failed, retrying", self.app)
+            self.wake.wait(self.policy.poll_interval)
+
+    def _watch_queries(self, query_ids: list[str]) -> None:
+        for qid in set(query_ids) - self._watched:
+            self._watched.add(qid)
+            qp = self.paths.query(qid)
+            self.client.ensure_path(qp.epochs)
+            ChildrenWatch(self.client, qp.epochs, lambda _: self.wake.set())
+            DataWatch(self.client, qp.barrier, lambda *_: self.wake.set())
+        self.wake.set()
+
+    # -- reconcile --------------------------------------------------------
+
+    def reconcile(self, recovering: bool = False) -> list[str]:
+        """One pass over every query of the app; returns what it did, for the CLI."""
+        actions: list[str] = []
+        try:
+            query_ids = self.client.retry(self.client.get_children, self.paths.queries)
+        except NoNodeError:
+            return actions
+        for qid in sorted(query_ids):
+            self._reconcile_query(qid, self.paths.query(qid), recovering, actions)
+        return actions
+
+    def _reconcile_query(self, qid: str, qp: QueryPaths, recovering: bool, actions: list[str]) -> None:
+        try:
+            names = self.client.retry(self.client.get_children, qp.epochs)
+        except NoNodeError:
+            return
+        epochs = sorted(int(n) for n in names)
+        watermark = read_json(self.client, qp.watermark, {"epoch": -1})["epoch"]
+        self._collect_garbage(qp, [n for n in epochs if n <= watermark], actions)
+        pending = [n for n in epochs if n > watermark]
+        if not pending:
+            return
+        barrier = read_json(self.client, qp.barrier, {"epoch": -1})["epoch"]
+        checkpoint = read_json(self.client, qp.base, {}).get("checkpoint")
+        registry = PrecommitRegistry(self.client, qp, self.signer)
+        for epoch in pending:
+            complete = epoch < epochs[-1] or epoch <= barrier or self._in_checkpoint(checkpoint, epoch)
+            raw, stat = self.client.retry(self.client.get, qp.epoch(epoch))
+            record = EpochRecord.decode(raw)
+            attempts = registry.load(epoch)
+            if record.state is EpochState.FAILED:
+                log.error("app %s epoch %d is FAILED (%s); later epochs wait: run `twophase recover`",
+                          self.app, epoch, record.error)
+                return
+            if not complete:
+                self._abort_stale_runs(qp, epoch, attempts, actions)
+                return
+            if not self._phase_two(qid, qp, epoch, record, stat.version, attempts, recovering, actions):
+                return
+
+    def _in_checkpoint(self, checkpoint: str | None, epoch: int) -> bool:
+        if not checkpoint:
+            return False
+        try:
+            return epoch in completed_epochs(checkpoint)
+        except (OSError, ValueError) as e:
+            log.warning("app %s: cannot read checkpoint %s: %s", self.app, checkpoint, e)
+            return False
+
+    def _abort_stale_runs(self, qp: QueryPaths, epoch: int, attempts: list[Attempt], actions: list[str]) -> None:
+        """Pre-commits of an epoch that a newer run is redoing are never reused: abort them now."""
+        if not attempts:
+            return
+        latest_run = attempts[-1].run
+        for attempt in attempts:
+            if attempt.run != latest_run:
+                self._finish(qp, epoch, attempt, commit=False, recovering=True, actions=actions)
+
+    def _phase_two(self, qid: str, qp: QueryPaths, epoch: int, record: EpochRecord, version: int,
+                   attempts: list[Attempt], recovering: bool, actions: list[str]) -> bool:
+        if record.state is EpochState.OPEN:
+            run = attempts[-1].run if attempts else None
+            winners = tuple(sorted(a.name for a in attempts if a.run == run and a.won))
+            decided = record.to(EpochState.COMMITTING, run=run, winners=winners)
+            txn = self.fence.transaction()
+            txn.set_data(qp.epoch(epoch), decided.encode(), version=version)
+            try:
+                self.fence.commit(txn)
+            except BadVersionError:
+                return False  # changed under us; the next round re-reads it
+            record = decided
+        else:
+            recovering = True  # resuming a decision made by an earlier owner
+        for attempt in attempts:
+            commit = attempt.name in record.winners
+            if not self._finish(qp, epoch, attempt, commit, recovering, actions):
+                return False
+        txn = self.fence.transaction()
+        txn.set_data(qp.epoch(epoch), record.to(EpochState.COMMITTED).encode())
+        txn.set_data(qp.watermark, dump({"epoch": epoch}))
+        self.client.retry(self.client.ensure_path, qp.watermark)
+        self.fence.commit(txn)
+        log.info("app %s query %s: epoch %d committed (%d partitions from run %s)",
+                 self.app, qid, epoch, len(record.winners), record.run)
+        actions.append(f"epoch {epoch}: committed {len(record.winners)} pre-commit(s) of run {record.run}")
+        return True
+
+    def _finish(self, qp: QueryPaths, epoch: int, attempt: Attempt, commit: bool,
+                recovering: bool, actions: list[str]) -> bool:
+        """Commit or abort one pre-commit with retries, then drop its record. False if it failed."""
+        sink = self.sink()
+        if commit:
+            operation = sink.recover_and_commit if recovering else sink.commit
+        else:
+            operation = sink.recover_and_abort if recovering else sink.abort
+        self.fence.check()  # a deposed owner must not touch the external system
+        retrying = Retrying(
+            stop=stop_after_attempt(self.policy.attempts),
+            wait=wait_exponential(multiplier=0.05, max=self.policy.max_backoff),
+            retry=retry_if_not_exception_type(CommitFailed),
+            reraise=True,
+        )
+        try:
+            retrying(operation, attempt.handle)
+        except Exception as e:
+            self._record_failure(qp, epoch, attempt, commit, e)
+            return False
+        txn = self.fence.transaction()
+        txn.delete(f"{qp.attempts(epoch)}/{attempt.name}")
+        try:
+            self.fence.commit(txn)
+        except NoNodeError:
+            pass
+        if not commit:
+            actions.append(f"epoch {epoch}: aborted {attempt.name}")
+        return True
+
+    def _record_failure(self, qp: QueryPaths, epoch: int, attempt: Attempt, commit: bool, error: Exception) -> None:
+        verb = "commit" if commit else "abort"
+        path = f"{qp.failures(epoch)}/{attempt.name}"
+        previous = read_json(self.client, path, {"count": 0})
+        failure = {"operation": verb, "error": repr(error), "count": previous["count"] + self.policy.attempts,
+                   "at": time.time(), "permanent": isinstance(error, CommitFailed)}
+        log.error("app %s epoch %d: %s of %s failed %d times: %r; epoch stays uncommitted",
+                  self.app, epoch, verb, attempt.name, failure["count"], error)
+        txn = self.fence.transaction()
+        if isinstance(error, CommitFailed):
+            raw, stat = self.client.retry(self.client.get, qp.epoch(epoch))
+            failed = EpochRecord.decode(raw).to(EpochState.FAILED, error=f"{attempt.name}: {error}")
+            txn.set_data(qp.epoch(epoch), failed.encode(), version=stat.version)
+        self.client.retry(self.client.ensure_path, qp.failures(epoch))
+        try:
+            self.client.create(path)
+        except NodeExistsError:
+            pass
+        txn.set_data(path, dump(failure))
+        self.fence.commit(txn)
+
+    def _collect_garbage(self, qp: QueryPaths, committed: list[int], actions: list[str]) -> None:
+        """Drop committed epoch records beyond the retention bound, aborting any late leftovers."""
+        registry = PrecommitRegistry(self.client, qp, self.signer)
+        for epoch in committed[: max(0, len(committed) - self.policy.retain_epochs)]:
+            # Anything registered here after the commit is a zombie attempt: never committed.
+            for attempt in registry.load(epoch):
+                if not self._finish(qp, epoch, attempt, commit=False, recovering=True, actions=actions):
+                    return
+            self.fence.check()
+            self.client.retry(self.client.delete, qp.epoch(epoch), recursive=True)
+
+    # -- the sink ---------------------------------------------------------
+
+    def sink(self) -> TwoPhaseCommitSink:
+        """The app's sink as its driver stored it, reloaded when a new driver stores a new one."""
+        raw, stat = self.client.retry(self.client.get, self.paths.sink)
+        if self._sink is None or self._sink[0] != stat.mzxid:
+            self._sink = (stat.mzxid, self.signer.loads(raw, what=f"sink of app {self.app}"))
+        return self._sink[1]

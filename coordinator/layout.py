@@ -1,0 +1,92 @@
+"""Where the coordinator keeps its state in ZooKeeper.
+
+::
+
+    <root>/apps/<app>                            {"coordinator": "embedded" | "daemon"}
+    <root>/apps/<app>/sink                       the sink, signed cloudpickle
+    <root>/apps/<app>/fence                      its version is the current owner's token
+    <root>/apps/<app>/queries/<query>            {"checkpoint": path}
+    <root>/apps/<app>/queries/<query>/runs/<run>     {"started": ts}; child "alive" is ephemeral
+    <root>/apps/<app>/queries/<query>/barrier    {"epoch": N, "run": R}  Spark reported N done
+    <root>/apps/<app>/queries/<query>/watermark  {"epoch": N}  every epoch <= N is committed
+    <root>/apps/<app>/queries/<query>/epochs/<N:019d>                     epoch record
+    <root>/apps/<app>/queries/<query>/epochs/<N>/attempts/<run>.<p>.<a>   signed pre-commit
+    <root>/apps/<app>/queries/<query>/epochs/<N>/winners/<run>.<p>        winning attempt name
+    <root>/apps/<app>/queries/<query>/epochs/<N>/failures/<attempt>       last phase-two error
+    <root>/daemon/election                       leader election of the HA daemons
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_ROOT = "/twophase"
+
+
+@dataclass(frozen=True)
+class AppPaths:
+    root: str
+    app: str
+
+    @property
+    def base(self) -> str:
+        return f"{self.root}/apps/{self.app}"
+
+    @property
+    def sink(self) -> str:
+        return f"{self.base}/sink"
+
+    @property
+    def fence(self) -> str:
+        return f"{self.base}/fence"
+
+    @property
+    def queries(self) -> str:
+        return f"{self.base}/queries"
+
+    def query(self, query_id: str) -> "QueryPaths":
+        return QueryPaths(f"{self.queries}/{query_id}")
+
+
+@dataclass(frozen=True)
+class QueryPaths:
+    base: str
+
+    @property
+    def runs(self) -> str:
+        return f"{self.base}/runs"
+
+    def run(self, run_id: str) -> str:
+        return f"{self.runs}/{run_id}"
+
+    @property
+    def barrier(self) -> str:
+        return f"{self.base}/barrier"
+
+    @property
+    def watermark(self) -> str:
+        return f"{self.base}/watermark"
+
+    @property
+    def epochs(self) -> str:
+        return f"{self.base}/epochs"
+
+    def epoch(self, epoch: int) -> str:
+        return f"{self.epochs}/{epoch:019d}"
+
+    def attempts(self, epoch: int) -> str:
+        return f"{self.epoch(epoch)}/attempts"
+
+    def winners(self, epoch: int) -> str:
+        return f"{self.epoch(epoch)}/winners"
+
+    def failures(self, epoch: int) -> str:
+        return f"{self.epoch(epoch)}/failures"
+
+
+def election_path(root: str) -> str:
+    return f"{root}/daemon/election"
+
+
+def app_names(root: str) -> str:
+    return f"{root}/apps"

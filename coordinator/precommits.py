@@ -1,0 +1,122 @@
+"""Pre-commit registration: the writer side of the ZooKeeper state.
+
+Every pre-committed transaction is recorded (so nobody loses track of one), and
+within a run exactly one attempt per (epoch, partition) wins: its attempt node
+and the ``winners/<run>.<partition>`` node are created in one multi-op, so the
+second attempt to finish finds the winner and aborts its own transaction.
+
+Usage (in a Spark task)::
+
+    registry = PrecommitRegistry(client, app_paths.query(ctx.query_id), signer)
+    if registry.winner(ctx) is not None:
+        ...                                  # an earlier attempt already won: skip rows
+    won = registry.register(ctx, handle)
+    if not won:
+        sink.abort(handle)
+        registry.forget(ctx)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kazoo.client import KazooClient
+from kazoo.exceptions import NodeExistsError, NoNodeError
+
+from coordinator.layout import QueryPaths
+from twophase.signing import Signer
+from twophase.sink import TxnContext
+
+
+def attempt_name(ctx: TxnContext) -> str:
+    return f"{ctx.run_id}.{ctx.partition}.{ctx.attempt}"
+
+
+def winner_name(ctx: TxnContext) -> str:
+    return f"{ctx.run_id}.{ctx.partition}"
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """A registered pre-commit, as the coordinator reads it back."""
+
+    name: str
+    run: str
+    partition: int
+    attempt: int
+    won: bool
+    handle: Any
+    registered: float  # seconds since the epoch, from the znode's ctime
+    zxid: int          # creation order across the whole ensemble
+
+
+class PrecommitRegistry:
+    def __init__(self, client: KazooClient, paths: QueryPaths, signer: Signer) -> None:
+        self._client = client
+        self._paths = paths
+        self._signer = signer
+
+    def winner(self, ctx: TxnContext) -> str | None:
+        """The attempt that already won this (run, epoch, partition), if any."""
+        try:
+            raw, _ = self._client.retry(self._client.get, f"{self._paths.winners(ctx.epoch)}/{winner_name(ctx)}")
+        except NoNodeError:
+            return None
+        return raw.decode()
+
+    def register(self, ctx: TxnContext, handle: Any) -> bool:
+        """Record a pre-committed handle; True if this attempt won its partition."""
+        return self._client.retry(self._register, ctx, handle)
+
+    def _register(self, ctx: TxnContext, handle: Any) -> bool:
+        # Idempotent, so that client.retry can repeat it after a connection loss
+        # that hid whether the multi-op went through.
+        name = attempt_name(ctx)
+        attempt_path = f"{self._paths.attempts(ctx.epoch)}/{name}"
+        txn = self._client.transaction()
+        txn.create(attempt_path, self._signer.dumps({"handle": handle, "won": True}))
+        txn.create(f"{self._paths.winners(ctx.epoch)}/{winner_name(ctx)}", name.encode())
+        results = txn.commit()
+        if not any(isinstance(r, Exception) for r in results):
+            return True
+        if isinstance(results[0], NoNodeError):
+            self._client.ensure_path(self._paths.attempts(ctx.epoch))
+            self._client.ensure_path(self._paths.winners(ctx.epoch))
+            return self._register(ctx, handle)
+        if self.winner(ctx) == name:
+            return True
+        try:
+            self._client.create(attempt_path, self._signer.dumps({"handle": handle, "won": False}))
+        except NodeExistsError:
+            pass
+        return False
+
+    def forget(self, ctx: TxnContext) -> None:
+        """Drop a losing attempt's record once it has aborted its own transaction."""
+        try:
+            self._client.retry(self._client.delete, f"{self._paths.attempts(ctx.epoch)}/{attempt_name(ctx)}")
+        except NoNodeError:
+            pass
+
+    def load(self, epoch: int) -> list[Attempt]:
+        """Every registered attempt of an epoch, oldest first. Raises SignatureError on tampering."""
+        base = self._paths.attempts(epoch)
+        try:
+            names = self._client.retry(self._client.get_children, base)
+        except NoNodeError:
+            return []
+        # Pipelined reads: one round trip for the whole epoch, not one per partition.
+        pending = [(n, self._client.get_async(f"{base}/{n}")) for n in names]
+        attempts = []
+        for name, result in pending:
+            try:
+                raw, stat = result.get()
+            except NoNodeError:
+                continue  # deleted meanwhile: already handled
+            record = self._signer.loads(raw, what=f"pre-commit {base}/{name}")
+            run, partition, attempt = name.rsplit(".", 2)
+            attempts.append(Attempt(name, run, int(partition), int(attempt), record["won"],
+                                    record["handle"], stat.ctime / 1000.0, stat.czxid))
+        return sorted(attempts, key=lambda a: a.zxid)
+

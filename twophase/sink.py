@@ -1,0 +1,96 @@
+"""The two-phase-commit sink contract, after Flink's TwoPhaseCommitSinkFunction.
+
+A sink is a participant in a two-phase commit. Writers run in Spark tasks; the
+second phase (commit or abort) runs later, in the coordinator's process, from
+the handle alone.
+
+Usage::
+
+    class MySink(TwoPhaseCommitSink):
+        def begin_transaction(self, ctx):
+            return MyTxn(ctx)
+
+        def write(self, txn, row):
+            txn.rows.append(row)
+
+        def pre_commit(self, txn):
+            key = store.stage(txn.rows)        # durable, still invisible
+            return {"key": key}                # small and picklable
+
+        def commit(self, handle):
+            store.publish(handle["key"])       # idempotent
+
+        def abort(self, handle_or_txn):
+            store.discard(...)                 # idempotent
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class TxnContext:
+    """Where a transaction comes from: one attempt of one partition of one epoch."""
+
+    app: str
+    query_id: str
+    run_id: str
+    epoch: int
+    partition: int
+    attempt: int
+
+    @property
+    def name(self) -> str:
+        """A name unique to this attempt, safe in file names and ZooKeeper paths."""
+        return f"{self.run_id}.{self.epoch}.{self.partition}.{self.attempt}"
+
+
+class CommitFailed(Exception):
+    """Raised by commit() when the handle can never be committed.
+
+    For example the external system expired the prepared transaction. The
+    coordinator stops retrying, records the failure and leaves the epoch
+    uncommitted; every other exception from commit() is retried with backoff.
+    """
+
+
+class TwoPhaseCommitSink(ABC):
+    """Base class for exactly-once sinks.
+
+    Instances are cloudpickled to Spark executors and to the coordinator, so
+    keep connections out of ``__init__``; open them lazily.
+    """
+
+    @abstractmethod
+    def begin_transaction(self, ctx: TxnContext) -> Any:
+        """Start a transaction for one task attempt and return it."""
+
+    @abstractmethod
+    def write(self, txn: Any, row: Any) -> None:
+        """Add one row to the transaction."""
+
+    @abstractmethod
+    def pre_commit(self, txn: Any) -> Any:
+        """Make the written data durable but invisible; return a small picklable handle.
+
+        The handle must be all that another process needs to commit or abort.
+        """
+
+    @abstractmethod
+    def commit(self, handle: Any) -> None:
+        """Make the pre-committed data visible. A second call is a no-op."""
+
+    @abstractmethod
+    def abort(self, handle_or_txn: Any) -> None:
+        """Discard a transaction, pre-committed or not. A second call is a no-op."""
+
+    def recover_and_commit(self, handle: Any) -> None:
+        """Commit a handle found after a crash; override if recovery needs more."""
+        self.commit(handle)
+
+    def recover_and_abort(self, handle: Any) -> None:
+        """Abort a handle found after a crash; override if recovery needs more."""
+        self.abort(handle)
