@@ -41,7 +41,7 @@ def zk(zk_server: ZooKeeperServer, zk_root: str) -> Iterator[KazooClient]:
 
 
 @pytest.fixture(scope="session")
-def spark():
+def spark(zk_server):  # depends on zk_server so that ZooKeeper outlives the driver hooks
     # Workers must run this interpreter (the venv's), not python3 on PATH.
     os.environ["PYSPARK_PYTHON"] = sys.executable
     os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
@@ -59,4 +59,11 @@ def spark():
     )
     session.sparkContext.setLogLevel("WARN")
     yield session
+    from twophase.spark.driver import DriverHook
+
+    DriverHook.close_all()
     session.stop()
+
+
+# Tests sign ZooKeeper payloads with a fixed secret instead of creating ~/.config/twophase/secret.
+os.environ.setdefault("TWOPHASE_SECRET", "twophase-test-secret-0123456789")

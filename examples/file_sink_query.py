@@ -1,0 +1,116 @@
+"""A streaming query through TwoPhaseSink(FileSink): JSON files in, exactly-once JSON lines out.
+
+Run it against a ZooKeeper of your own::
+
+    python -m examples.file_sink_query --zk 127.0.0.1:2181 --input /tmp/in \\
+        --output /tmp/out --checkpoint /tmp/ck
+
+It processes every file in --input (one file per micro-batch) and exits once
+all of them are committed. --fail-first-attempts makes the first attempt of
+some partitions fail, as a flaky executor would; Spark retries them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import zlib
+from typing import Any
+
+from sinks.files import FileSink
+
+INPUT_SCHEMA = "id LONG, batch LONG, payload STRING"
+
+
+def write_input(input_dir: str, batch: int, ids: range) -> None:
+    """Write one input file atomically, so the file source never sees half of it."""
+    os.makedirs(input_dir, exist_ok=True)
+    tmp = os.path.join(input_dir, f".batch-{batch:05d}.tmp")
+    with open(tmp, "w") as f:
+        for i in ids:
+            f.write(json.dumps({"id": i, "batch": batch, "payload": f"row-{i}"}) + "\n")
+    os.rename(tmp, os.path.join(input_dir, f"batch-{batch:05d}.json"))
+
+
+class FaultyFileSink(FileSink):
+    """A FileSink whose first task attempts fail now and then, and which can be slow.
+
+    fail_rate is the share of (epoch, partition) pairs whose first attempt raises
+    mid-write; the choice is a hash, so it is the same in every worker.
+    """
+
+    def __init__(self, path: str, fail_rate: float = 0.0, slow_ms: int = 0) -> None:
+        super().__init__(path)
+        self.fail_rate = fail_rate
+        self.slow_ms = slow_ms
+
+    def begin_transaction(self, ctx):
+        txn = super().begin_transaction(ctx)
+        key = f"{ctx.run_id}:{ctx.epoch}:{ctx.partition}".encode()
+        txn.fail = ctx.attempt == 0 and zlib.crc32(key) % 1000 < self.fail_rate * 1000
+        return txn
+
+    def write(self, txn, row: Any) -> None:
+        if self.slow_ms:
+            time.sleep(self.slow_ms / 1000)
+        super().write(txn, row)
+        if txn.fail and txn.rows >= 1:
+            raise RuntimeError("injected failure: first attempt of this partition dies mid-write")
+
+
+def build_spark(master: str = "local[2,4]"):
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    from pyspark.sql import SparkSession
+
+    spark = (SparkSession.builder.master(master).appName("twophase-file-sink")
+             .config("spark.ui.enabled", "false")
+             .config("spark.sql.shuffle.partitions", "4")
+             .config("spark.driver.host", "127.0.0.1")
+             .config("spark.driver.bindAddress", "127.0.0.1")
+             .getOrCreate())
+    spark.sparkContext.setLogLevel("ERROR")
+    return spark
+
+
+def start_query(spark, writer, input_dir: str, checkpoint: str, partitions: int = 4):
+    """Every input file is one micro-batch; rows are spread over `partitions` tasks."""
+    return (spark.readStream.schema(INPUT_SCHEMA).option("maxFilesPerTrigger", 1).json(input_dir)
+            .repartition(partitions)
+            .writeStream.foreach(writer)
+            .option("checkpointLocation", checkpoint)
+            .trigger(availableNow=True)
+            .start())
+
+
+def main(argv: list[str] | None = None) -> int:
+    from twophase.spark import TwoPhaseSink
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--zk", required=True)
+    parser.add_argument("--input", required=True)
+    parser.add_argument("--output", required=True)
+    parser.add_argument("--checkpoint", required=True)
+    parser.add_argument("--app", default="file-sink-example")
+    parser.add_argument("--root", default="/twophase")
+    parser.add_argument("--partitions", type=int, default=4)
+    parser.add_argument("--fail-rate", type=float, default=0.0)
+    parser.add_argument("--slow-ms", type=int, default=0)
+    parser.add_argument("--coordinator", choices=("embedded", "daemon"), default="embedded")
+    args = parser.parse_args(argv)
+
+    spark = build_spark()
+    sink = FaultyFileSink(args.output, fail_rate=args.fail_rate, slow_ms=args.slow_ms)
+    writer = TwoPhaseSink(sink, app=args.app, zk=args.zk, root=args.root, coordinator=args.coordinator)
+    query = start_query(spark, writer, args.input, args.checkpoint, args.partitions)
+    query.awaitTermination()
+    if args.coordinator == "embedded":
+        writer.await_committed(query, timeout=120)
+    spark.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,133 @@
+"""TwoPhaseSink: the ForeachWriter that plugs a TwoPhaseCommitSink into Spark.
+
+Usage::
+
+    query = (df.writeStream
+             .foreach(TwoPhaseSink(FileSink("/data/out"), app="orders", zk="127.0.0.1:2181"))
+             .option("checkpointLocation", "/data/checkpoints/orders")
+             .start())
+
+Each task attempt runs one transaction: open() begins it, process() writes,
+close(None) pre-commits and registers the handle in ZooKeeper, close(error)
+aborts. Within a run one attempt per (epoch, partition) wins; a later attempt
+that finds a winner skips its rows. Constructing the writer on the driver
+installs the driver-side hook (listener and, by default, the embedded
+coordinator); nothing else is asked of the user.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from pyspark import TaskContext
+from pyspark.sql import SparkSession
+from pyspark.sql.streaming import StreamingQuery
+
+from coordinator.app import CommitPolicy
+from coordinator.layout import DEFAULT_ROOT, AppPaths
+from coordinator.precommits import PrecommitRegistry
+from coordinator.zk import shared_client
+from twophase.signing import Signer, load_secret
+from twophase.sink import TwoPhaseCommitSink, TxnContext
+
+_APP_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+COORDINATOR_MODES = ("embedded", "daemon")
+
+
+class ContinuousProcessingNotSupported(RuntimeError):
+    pass
+
+
+class TwoPhaseSink:
+    """A Spark ForeachWriter giving a TwoPhaseCommitSink exactly-once output.
+
+    Args:
+        sink: the participant that stores the rows.
+        app: names this pipeline's state in ZooKeeper; one app per sink.
+        zk: the ZooKeeper connection string.
+        root: the znode under which all twophase state lives.
+        secret: HMAC secret for payloads in ZooKeeper (see twophase.signing.load_secret).
+        coordinator: "embedded" runs phase two in this driver; "daemon" leaves it
+            to `twophase coordinator` daemons.
+        policy: retry and retention settings of the embedded coordinator.
+        spark: the session to hook into; the active one by default.
+    """
+
+    def __init__(self, sink: TwoPhaseCommitSink, app: str, zk: str, root: str = DEFAULT_ROOT,
+                 secret: str | bytes | None = None, coordinator: str = "embedded",
+                 policy: CommitPolicy | None = None, spark: SparkSession | None = None) -> None:
+        if not isinstance(sink, TwoPhaseCommitSink):
+            raise TypeError(f"sink must be a TwoPhaseCommitSink, got {type(sink).__name__}")
+        if not _APP_NAME.match(app):
+            raise ValueError(f"app {app!r}: use letters, digits, '_', '.', '-' (at most 128)")
+        if coordinator not in COORDINATOR_MODES:
+            raise ValueError(f"coordinator must be one of {COORDINATOR_MODES}, got {coordinator!r}")
+        if not root.startswith("/") or root.endswith("/"):
+            raise ValueError(f"root {root!r} must be an absolute znode path without a trailing '/'")
+        self.sink = sink
+        self.app = app
+        self.zk = zk
+        self.root = root
+        self._secret = load_secret(secret)
+        from twophase.spark.driver import DriverHook
+
+        self._hook_key = DriverHook.install(self, coordinator, policy or CommitPolicy(), spark)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Only what tasks need travels to executors; the driver hook stays home.
+        return {k: v for k, v in self.__dict__.items() if k in ("sink", "app", "zk", "root", "_secret")}
+
+    @property
+    def paths(self) -> AppPaths:
+        return AppPaths(self.root, self.app)
+
+    def await_committed(self, query: StreamingQuery, timeout: float = 60.0) -> int | None:
+        """Block until every epoch Spark completed for `query` is committed; return the watermark."""
+        from twophase.spark.driver import DriverHook
+
+        return DriverHook.get(self._hook_key).await_committed(query, timeout)
+
+    # -- ForeachWriter protocol (runs in Spark tasks) ---------------------
+
+    def open(self, partition_id: int, epoch_id: int) -> bool:
+        task = TaskContext.get()
+        if task.getLocalProperty("__is_continuous_processing") == "true":
+            raise ContinuousProcessingNotSupported(
+                "TwoPhaseSink needs micro-batch epochs as commit barriers; "
+                "use a micro-batch trigger instead of trigger(continuous=...)")
+        self._ctx = TxnContext(
+            app=self.app,
+            query_id=task.getLocalProperty("sql.streaming.queryId"),
+            run_id=task.getLocalProperty("spark.jobGroup.id"),
+            epoch=epoch_id,
+            partition=partition_id,
+            attempt=task.attemptNumber(),
+        )
+        self._registry = PrecommitRegistry(
+            shared_client(self.zk), self.paths.query(self._ctx.query_id), Signer(self._secret))
+        if self._registry.winner(self._ctx) is not None:
+            self._txn = None  # an earlier attempt of this run already pre-committed this partition
+            return False
+        self._txn = self.sink.begin_transaction(self._ctx)
+        return True
+
+    def process(self, row: Any) -> None:
+        self.sink.write(self._txn, row)
+
+    def close(self, error: BaseException | None) -> None:
+        txn, self._txn = getattr(self, "_txn", None), None
+        if txn is None:
+            return
+        if error is not None:
+            self.sink.abort(txn)
+            return
+        handle = self.sink.pre_commit(txn)
+        try:
+            won = self._registry.register(self._ctx, handle)
+        except BaseException:
+            self.sink.abort(handle)
+            raise
+        if not won:
+            self.sink.abort(handle)
+            self._registry.forget(self._ctx)
