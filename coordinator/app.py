@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kazoo.client import KazooClient
 from kazoo.exceptions import BadVersionError, KazooException, NoNodeError, NodeExistsError
@@ -53,9 +53,29 @@ class CommitPolicy:
     poll_interval: float = 2.0
 
 
+@dataclass
+class PassOptions:
+    """How one reconcile pass behaves; the defaults are the coordinator's loop."""
+
+    recovering: bool = False        # use recover_and_commit / recover_and_abort
+    dry_run: bool = False           # report, change nothing
+    abort_incomplete: bool = False  # no query runs: abort every pre-commit of incomplete epochs
+    retry_failed: bool = False      # put FAILED epochs back to COMMITTING
+    checkpoint: str | None = None   # read commits/N here instead of the recorded location
+    actions: list[str] = field(default_factory=list)
+
+
+def publish_app(client: KazooClient, paths: AppPaths, signer: Signer, sink: TwoPhaseCommitSink, mode: str) -> None:
+    """Store the app's coordinator mode and its sink, signed, where any coordinator can load it."""
+    client.retry(client.ensure_path, paths.sink)
+    client.retry(client.set, paths.base, dump({"coordinator": mode}))
+    client.retry(client.set, paths.sink, signer.dumps(sink))
+
+
 class AppCoordinator:
     def __init__(self, client: KazooClient, root: str, app: str, signer: Signer,
-                 owner: str, policy: CommitPolicy | None = None) -> None:
+                 owner: str, policy: CommitPolicy | None = None,
+                 wake: threading.Event | None = None) -> None:
         self.client = client
         self.app = app
         self.paths = AppPaths(root, app)
@@ -63,7 +83,7 @@ class AppCoordinator:
         self.signer = signer
         self.owner = owner
         self.policy = policy or CommitPolicy()
-        self.wake = threading.Event()
+        self.wake = wake or threading.Event()
         self._sink: tuple[int, TwoPhaseCommitSink] | None = None
         self._watched: set[str] = set()
 
@@ -73,23 +93,31 @@ class AppCoordinator:
 
     # -- the loop ---------------------------------------------------------
 
-    def run(self, stop: threading.Event) -> None:
-        """Reconcile on every wake-up (watch, listener) and every poll interval, until stopped or fenced."""
+    def prepare(self) -> None:
+        """Take ownership and watch the app, so that changes wake the loop."""
         self.acquire()
         self.client.retry(self.client.ensure_path, self.paths.queries)
         ChildrenWatch(self.client, self.paths.queries, self._watch_queries)
+
+    def run(self, stop: threading.Event) -> None:
+        """Reconcile on every wake-up (watch, listener) and every poll interval, until stopped or fenced."""
+        self.prepare()
         while not stop.is_set():
             self.wake.clear()
-            try:
-                self.reconcile()
-            except Fenced:
-                log.error("app %s: fenced; another coordinator took over, %s stops", self.app, self.owner)
-                raise
-            except KazooException as e:
-                log.warning("app %s: ZooKeeper trouble, retrying: %r", self.app, e)
-            except Exception:
-                log.exception("app %s: reconcile failed, retrying", self.app)
+            self.reconcile_logged()
             self.wake.wait(self.policy.poll_interval)
+
+    def reconcile_logged(self) -> None:
+        """One reconcile pass for a long-running loop: transient trouble is logged, fencing is raised."""
+        try:
+            self.reconcile()
+        except Fenced:
+            log.error("app %s: fenced; another coordinator took over, %s stops", self.app, self.owner)
+            raise
+        except KazooException as e:
+            log.warning("app %s: ZooKeeper trouble, retrying: %r", self.app, e)
+        except Exception:
+            log.exception("app %s: reconcile failed, retrying", self.app)
 
     def _watch_queries(self, query_ids: list[str]) -> None:
         for qid in set(query_ids) - self._watched:
@@ -102,83 +130,103 @@ class AppCoordinator:
 
     # -- reconcile --------------------------------------------------------
 
-    def reconcile(self, recovering: bool = False) -> list[str]:
-        """One pass over every query of the app; returns what it did, for the CLI."""
-        actions: list[str] = []
+    def reconcile(self, options: "PassOptions | None" = None) -> list[str]:
+        """One pass over every query of the app; returns what it did (or would do), for the CLI."""
+        options = options or PassOptions()
         try:
             query_ids = self.client.retry(self.client.get_children, self.paths.queries)
         except NoNodeError:
-            return actions
+            return options.actions
         for qid in sorted(query_ids):
-            self._reconcile_query(qid, self.paths.query(qid), recovering, actions)
-        return actions
+            self._reconcile_query(qid, self.paths.query(qid), options)
+        return options.actions
 
-    def _reconcile_query(self, qid: str, qp: QueryPaths, recovering: bool, actions: list[str]) -> None:
+    def _reconcile_query(self, qid: str, qp: QueryPaths, options: "PassOptions") -> None:
         try:
             names = self.client.retry(self.client.get_children, qp.epochs)
         except NoNodeError:
             return
         epochs = sorted(int(n) for n in names)
         watermark = read_json(self.client, qp.watermark, {"epoch": -1})["epoch"]
-        self._collect_garbage(qp, [n for n in epochs if n <= watermark], actions)
+        if not options.dry_run:
+            self._collect_garbage(qp, [n for n in epochs if n <= watermark], options)
         pending = [n for n in epochs if n > watermark]
         if not pending:
             return
         barrier = read_json(self.client, qp.barrier, {"epoch": -1})["epoch"]
-        checkpoint = read_json(self.client, qp.base, {}).get("checkpoint")
+        in_checkpoint = self._checkpoint_epochs(options.checkpoint or read_json(self.client, qp.base, {}).get("checkpoint"))
         registry = PrecommitRegistry(self.client, qp, self.signer)
         for epoch in pending:
-            complete = epoch < epochs[-1] or epoch <= barrier or self._in_checkpoint(checkpoint, epoch)
+            complete = epoch < epochs[-1] or epoch <= barrier or epoch in in_checkpoint
             raw, stat = self.client.retry(self.client.get, qp.epoch(epoch))
             record = EpochRecord.decode(raw)
             attempts = registry.load(epoch)
             if record.state is EpochState.FAILED:
-                log.error("app %s epoch %d is FAILED (%s); later epochs wait: run `twophase recover`",
-                          self.app, epoch, record.error)
-                return
+                if not options.retry_failed:
+                    log.error("app %s epoch %d is FAILED (%s); later epochs wait: run `twophase recover "
+                              "--retry-failed`", self.app, epoch, record.error)
+                    options.actions.append(f"epoch {epoch}: FAILED ({record.error}), blocks later epochs")
+                    return
+                record = self._decide(qp, epoch, record.to(EpochState.COMMITTING, error=None), stat.version, options)
+                if record is None:
+                    return
             if not complete:
-                self._abort_stale_runs(qp, epoch, attempts, actions)
+                self._abort_incomplete(qp, epoch, attempts, options)
                 return
-            if not self._phase_two(qid, qp, epoch, record, stat.version, attempts, recovering, actions):
+            if not self._phase_two(qid, qp, epoch, record, stat.version, attempts, options):
                 return
 
-    def _in_checkpoint(self, checkpoint: str | None, epoch: int) -> bool:
+    def _checkpoint_epochs(self, checkpoint: str | None) -> set[int]:
         if not checkpoint:
-            return False
+            return set()
         try:
-            return epoch in completed_epochs(checkpoint)
+            return set(completed_epochs(checkpoint))
         except (OSError, ValueError) as e:
             log.warning("app %s: cannot read checkpoint %s: %s", self.app, checkpoint, e)
-            return False
+            return set()
 
-    def _abort_stale_runs(self, qp: QueryPaths, epoch: int, attempts: list[Attempt], actions: list[str]) -> None:
-        """Pre-commits of an epoch that a newer run is redoing are never reused: abort them now."""
-        if not attempts:
-            return
-        latest_run = attempts[-1].run
+    def _abort_incomplete(self, qp: QueryPaths, epoch: int, attempts: list[Attempt], options: "PassOptions") -> None:
+        """Pre-commits of an epoch that Spark will re-run are never reused.
+
+        Those of runs older than the latest one are aborted at once; with
+        abort_incomplete (recovery while no query runs) all of them are.
+        """
+        latest_run = attempts[-1].run if attempts else None
         for attempt in attempts:
-            if attempt.run != latest_run:
-                self._finish(qp, epoch, attempt, commit=False, recovering=True, actions=actions)
+            if attempt.run != latest_run or options.abort_incomplete:
+                if not self._finish(qp, epoch, attempt, commit=False, recovering=True, options=options):
+                    return
+
+    def _decide(self, qp: QueryPaths, epoch: int, decided: EpochRecord, version: int,
+                options: "PassOptions") -> EpochRecord | None:
+        """Record the decision before acting on it; None if the record changed under us."""
+        if options.dry_run:
+            return decided
+        txn = self.fence.transaction()
+        txn.set_data(qp.epoch(epoch), decided.encode(), version=version)
+        try:
+            self.fence.commit(txn)
+        except BadVersionError:
+            return None  # the next round re-reads it
+        return decided
 
     def _phase_two(self, qid: str, qp: QueryPaths, epoch: int, record: EpochRecord, version: int,
-                   attempts: list[Attempt], recovering: bool, actions: list[str]) -> bool:
+                   attempts: list[Attempt], options: "PassOptions") -> bool:
+        recovering = options.recovering or record.state is not EpochState.OPEN
         if record.state is EpochState.OPEN:
             run = attempts[-1].run if attempts else None
             winners = tuple(sorted(a.name for a in attempts if a.run == run and a.won))
-            decided = record.to(EpochState.COMMITTING, run=run, winners=winners)
-            txn = self.fence.transaction()
-            txn.set_data(qp.epoch(epoch), decided.encode(), version=version)
-            try:
-                self.fence.commit(txn)
-            except BadVersionError:
-                return False  # changed under us; the next round re-reads it
-            record = decided
-        else:
-            recovering = True  # resuming a decision made by an earlier owner
+            record = self._decide(qp, epoch, record.to(EpochState.COMMITTING, run=run, winners=winners),
+                                  version, options)
+            if record is None:
+                return False
         for attempt in attempts:
             commit = attempt.name in record.winners
-            if not self._finish(qp, epoch, attempt, commit, recovering, actions):
+            if not self._finish(qp, epoch, attempt, commit, recovering, options):
                 return False
+        if options.dry_run:
+            options.actions.append(f"epoch {epoch}: would commit {len(record.winners)} pre-commit(s) of run {record.run}")
+            return True
         txn = self.fence.transaction()
         txn.set_data(qp.epoch(epoch), record.to(EpochState.COMMITTED).encode())
         txn.set_data(qp.watermark, dump({"epoch": epoch}))
@@ -186,12 +234,16 @@ class AppCoordinator:
         self.fence.commit(txn)
         log.info("app %s query %s: epoch %d committed (%d partitions from run %s)",
                  self.app, qid, epoch, len(record.winners), record.run)
-        actions.append(f"epoch {epoch}: committed {len(record.winners)} pre-commit(s) of run {record.run}")
+        options.actions.append(f"epoch {epoch}: committed {len(record.winners)} pre-commit(s) of run {record.run}")
         return True
 
     def _finish(self, qp: QueryPaths, epoch: int, attempt: Attempt, commit: bool,
-                recovering: bool, actions: list[str]) -> bool:
+                recovering: bool, options: "PassOptions") -> bool:
         """Commit or abort one pre-commit with retries, then drop its record. False if it failed."""
+        if options.dry_run:
+            if not commit:
+                options.actions.append(f"epoch {epoch}: would abort {attempt.name}")
+            return True
         sink = self.sink()
         if commit:
             operation = sink.recover_and_commit if recovering else sink.commit
@@ -216,7 +268,7 @@ class AppCoordinator:
         except NoNodeError:
             pass
         if not commit:
-            actions.append(f"epoch {epoch}: aborted {attempt.name}")
+            options.actions.append(f"epoch {epoch}: aborted {attempt.name}")
         return True
 
     def _record_failure(self, qp: QueryPaths, epoch: int, attempt: Attempt, commit: bool, error: Exception) -> None:
@@ -240,13 +292,13 @@ class AppCoordinator:
         txn.set_data(path, dump(failure))
         self.fence.commit(txn)
 
-    def _collect_garbage(self, qp: QueryPaths, committed: list[int], actions: list[str]) -> None:
+    def _collect_garbage(self, qp: QueryPaths, committed: list[int], options: "PassOptions") -> None:
         """Drop committed epoch records beyond the retention bound, aborting any late leftovers."""
         registry = PrecommitRegistry(self.client, qp, self.signer)
         for epoch in committed[: max(0, len(committed) - self.policy.retain_epochs)]:
             # Anything registered here after the commit is a zombie attempt: never committed.
             for attempt in registry.load(epoch):
-                if not self._finish(qp, epoch, attempt, commit=False, recovering=True, actions=actions):
+                if not self._finish(qp, epoch, attempt, commit=False, recovering=True, options=options):
                     return
             self.fence.check()
             self.client.retry(self.client.delete, qp.epoch(epoch), recursive=True)

@@ -27,7 +27,7 @@ from kazoo.recipe.watchers import DataWatch
 from pyspark.sql import SparkSession
 from pyspark.sql.streaming import StreamingQuery, StreamingQueryListener
 
-from coordinator.app import AppCoordinator, CommitPolicy
+from coordinator.app import AppCoordinator, CommitPolicy, publish_app
 from coordinator.fence import Fenced
 from coordinator.layout import AppPaths
 from coordinator.zk import connect, dump, read_json
@@ -109,9 +109,7 @@ class DriverHook(StreamingQueryListener):
         spark.streams.addListener(self)
 
     def store_sink(self, writer, mode: str) -> None:
-        self.client.retry(self.client.ensure_path, self.paths.sink)
-        self.client.retry(self.client.set, self.paths.base, dump({"coordinator": mode}))
-        self.client.retry(self.client.set, self.paths.sink, self.signer.dumps(writer.sink))
+        publish_app(self.client, self.paths, self.signer, writer.sink, mode)
 
     def _coordinate(self) -> None:
         try:

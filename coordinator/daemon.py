@@ -1,0 +1,99 @@
+"""The HA coordinator daemon: several run, one leads, the leader runs phase two.
+
+Daemons join a kazoo Election under ``<root>/daemon/election``. The leader takes
+the fence of every app configured with ``coordinator="daemon"`` (so a deposed
+leader's state changes fail atomically) and reconciles them until it stops,
+loses its ZooKeeper session, or is fenced; then it rejoins the election.
+
+Usage::
+
+    daemon = CoordinatorDaemon("127.0.0.1:2181", "/twophase", Signer(load_secret()))
+    daemon.run(stop_event)        # blocks; `twophase coordinator` does this
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+
+from kazoo.client import KazooState
+from kazoo.exceptions import NoNodeError
+
+from coordinator.app import AppCoordinator, CommitPolicy
+from coordinator.fence import Fenced
+from coordinator.layout import AppPaths, app_names, election_path
+from coordinator.zk import connect, read_json
+from twophase.signing import Signer
+
+log = logging.getLogger("twophase.daemon")
+
+
+class CoordinatorDaemon:
+    def __init__(self, hosts: str, root: str, signer: Signer, policy: CommitPolicy | None = None,
+                 identifier: str | None = None) -> None:
+        self.hosts = hosts
+        self.root = root
+        self.signer = signer
+        self.policy = policy or CommitPolicy()
+        self.identifier = identifier or f"{socket.gethostname()}:{os.getpid()}"
+        self.leading = threading.Event()
+        self._wake = threading.Event()
+        self._session_lost = threading.Event()
+
+    def run(self, stop: threading.Event) -> None:
+        client = connect(self.hosts)
+        client.add_listener(self._on_state)
+        try:
+            election = client.Election(election_path(self.root), self.identifier)
+            while not stop.is_set():
+                self._session_lost.clear()
+                log.info("daemon %s: waiting for leadership", self.identifier)
+                # Election.run blocks until elected, then holds the lock while _lead runs.
+                runner = threading.Thread(target=election.run, args=(self._lead, client, stop), daemon=True)
+                runner.start()
+                while runner.is_alive() and not stop.is_set():
+                    runner.join(0.2)
+                if stop.is_set():
+                    election.cancel()
+                    self._wake.set()
+                    runner.join(5)
+        finally:
+            client.stop()
+            client.close()
+
+    def _on_state(self, state: str) -> None:
+        if state == KazooState.LOST:
+            self._session_lost.set()  # our election node is gone: someone else may lead now
+            self._wake.set()
+
+    def _lead(self, client, stop: threading.Event) -> None:
+        log.info("daemon %s: leading", self.identifier)
+        self.leading.set()
+        apps: dict[str, AppCoordinator] = {}
+        try:
+            client.retry(client.ensure_path, app_names(self.root))
+            client.ChildrenWatch(app_names(self.root), lambda _: self._wake.set())
+            while not stop.is_set() and not self._session_lost.is_set():
+                self._wake.clear()
+                for name in self._daemon_apps(client):
+                    if name not in apps:
+                        apps[name] = AppCoordinator(client, self.root, name, self.signer,
+                                                    f"daemon {self.identifier}", self.policy, self._wake)
+                        apps[name].prepare()
+                    apps[name].reconcile_logged()
+                self._wake.wait(self.policy.poll_interval)
+        except Fenced:
+            log.error("daemon %s: fenced by a newer leader; stepping down", self.identifier)
+        finally:
+            self.leading.clear()
+            log.info("daemon %s: no longer leading", self.identifier)
+
+    def _daemon_apps(self, client) -> list[str]:
+        try:
+            names = client.retry(client.get_children, app_names(self.root))
+        except NoNodeError:
+            return []
+        return [n for n in sorted(names)
+                if read_json(client, AppPaths(self.root, n).base, {}).get("coordinator") == "daemon"]

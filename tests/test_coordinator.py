@@ -1,0 +1,253 @@
+"""Phase two against a real ZooKeeper, with the real FileSink, without Spark."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from coordinator.app import AppCoordinator, CommitPolicy, PassOptions, publish_app
+from coordinator.fence import Fenced
+from coordinator.layout import AppPaths
+from coordinator.precommits import PrecommitRegistry
+from coordinator.state import EpochRecord, EpochState
+from coordinator.zk import dump, read_json
+from sinks.files import FileSink, read_committed_rows
+from twophase.signing import SignatureError, Signer
+from twophase.sink import CommitFailed, TxnContext
+from twophase.verify import count_rows
+
+SIGNER = Signer(b"coordinator-test-secret-0123456789")
+QUERY = "q-1"
+
+
+class Pipeline:
+    """Plays the part of Spark tasks and the driver hook for one app."""
+
+    def __init__(self, zk, root, sink):
+        self.zk = zk
+        self.sink = sink
+        self.paths = AppPaths(root, "app")
+        self.qp = self.paths.query(QUERY)
+        self.registry = PrecommitRegistry(zk, self.qp, SIGNER)
+        publish_app(zk, self.paths, SIGNER, sink, "embedded")
+
+    def task(self, run, epoch, partition, ids, attempt=0):
+        """One task attempt: begin, write, pre-commit, register; the loser aborts itself."""
+        ctx = TxnContext("app", QUERY, run, epoch, partition, attempt)
+        if self.registry.winner(ctx) is not None:
+            return None
+        txn = self.sink.begin_transaction(ctx)
+        for i in ids:
+            self.sink.write(txn, {"id": i})
+        handle = self.sink.pre_commit(txn)
+        won = self.registry.register(ctx, handle)
+        if not won:
+            self.sink.abort(handle)
+            self.registry.forget(ctx)
+        return won
+
+    def barrier(self, epoch, run):
+        self.zk.ensure_path(self.qp.barrier)
+        self.zk.set(self.qp.barrier, dump({"epoch": epoch, "run": run}))
+
+    def coordinator(self, owner="c1", **policy):
+        app = AppCoordinator(self.zk, self.paths.root, "app", SIGNER, owner, CommitPolicy(**policy))
+        app.acquire()
+        return app
+
+    def watermark(self):
+        return read_json(self.zk, self.qp.watermark, {"epoch": -1})["epoch"]
+
+    def record(self, epoch):
+        return EpochRecord.decode(self.zk.get(self.qp.epoch(epoch))[0])
+
+
+@pytest.fixture
+def pipe(zk, zk_root, tmp_path):
+    return Pipeline(zk, zk_root, FileSink(str(tmp_path / "out")))
+
+
+def ids_out(pipe):
+    return [r["id"] for r in read_committed_rows(pipe.sink.path)]
+
+
+def test_nothing_visible_until_the_barrier(pipe):
+    pipe.task("r1", 0, 0, range(0, 10))
+    pipe.task("r1", 0, 1, range(10, 20))
+    app = pipe.coordinator()
+    app.reconcile()
+    assert ids_out(pipe) == [] and pipe.watermark() == -1
+    pipe.barrier(0, "r1")
+    app.reconcile()
+    assert count_rows(range(20), ids_out(pipe)).exact
+    assert pipe.watermark() == 0 and pipe.record(0).state is EpochState.COMMITTED
+
+
+def test_a_later_epoch_proves_the_earlier_one_complete(pipe):
+    pipe.task("r1", 0, 0, range(10))
+    pipe.task("r1", 1, 0, range(10, 20))
+    pipe.coordinator().reconcile()
+    assert count_rows(range(10), ids_out(pipe)).exact and pipe.watermark() == 0
+
+
+def test_a_retry_after_a_registered_attempt_skips_its_rows(pipe):
+    assert pipe.task("r1", 0, 0, range(10), attempt=0) is True
+    assert pipe.task("r1", 0, 0, range(10), attempt=1) is None  # finds the winner: no second copy
+    pipe.barrier(0, "r1")
+    pipe.coordinator().reconcile()
+    assert count_rows(range(10), ids_out(pipe)).exact
+
+
+def test_concurrent_attempts_of_one_partition_commit_once(pipe):
+    """DESIGN 4.3: speculation or a zombie; exactly one attempt wins."""
+    start = threading.Barrier(4)
+    results = []
+
+    def attempt(n):
+        start.wait()
+        ctx = TxnContext("app", QUERY, "r1", 0, 0, n)
+        txn = pipe.sink.begin_transaction(ctx)
+        for i in range(10):
+            pipe.sink.write(txn, {"id": i})
+        handle = pipe.sink.pre_commit(txn)
+        won = pipe.registry.register(ctx, handle)
+        if not won:
+            pipe.sink.abort(handle)
+            pipe.registry.forget(ctx)
+        results.append(won)
+
+    threads = [threading.Thread(target=attempt, args=(n,)) for n in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(results) == [False, False, False, True]
+    pipe.barrier(0, "r1")
+    pipe.coordinator().reconcile()
+    assert count_rows(range(10), ids_out(pipe)).exact
+
+
+def test_the_run_that_completed_the_epoch_wins_over_an_earlier_run(pipe):
+    """DESIGN 4.9: the re-run partitions differently; only its pre-commits count."""
+    pipe.task("r1", 0, 0, range(0, 5))  # r1 died mid-epoch with one of four partitions done
+    for p, ids in enumerate([range(0, 10), range(10, 20)]):
+        pipe.task("r2", 0, p, ids)      # r2 re-ran epoch 0 with two partitions
+    pipe.barrier(0, "r2")
+    pipe.coordinator().reconcile()
+    assert count_rows(range(20), ids_out(pipe)).exact
+    assert pipe.registry.load(0) == []
+
+
+def test_pre_commits_of_a_replaced_run_are_aborted_before_the_epoch_completes(pipe):
+    pipe.task("r1", 0, 0, range(5))
+    app = pipe.coordinator()
+    pipe.task("r2", 0, 1, range(5, 10))
+    app.reconcile()
+    assert [a.run for a in pipe.registry.load(0)] == ["r2"]
+    assert pipe.watermark() == -1
+
+
+def test_a_deposed_coordinator_cannot_commit(pipe):
+    """DESIGN 4.7: fencing: the old owner fails atomically and touches nothing."""
+    pipe.task("r1", 0, 0, range(10))
+    pipe.barrier(0, "r1")
+    old = pipe.coordinator("old")
+    pipe.coordinator("new")
+    with pytest.raises(Fenced):
+        old.reconcile()
+    assert ids_out(pipe) == [] and pipe.record(0).state is EpochState.OPEN
+
+
+def test_a_successor_finishes_a_decided_epoch(pipe):
+    """DESIGN 4.6 (in-process part): the decision survives the owner; commits are idempotent."""
+    for p in range(3):
+        pipe.task("r1", 0, p, range(p * 10, p * 10 + 10))
+    pipe.barrier(0, "r1")
+    app = pipe.coordinator("first")
+    first = pipe.registry.load(0)[0]
+    record = pipe.record(0).to(EpochState.COMMITTING, run="r1",
+                               winners=tuple(a.name for a in pipe.registry.load(0)))
+    pipe.zk.set(pipe.qp.epoch(0), record.encode())
+    pipe.sink.commit(first.handle)  # the first owner committed one partition, then died
+    del app
+    pipe.coordinator("second").reconcile()
+    assert count_rows(range(30), ids_out(pipe)).exact and pipe.watermark() == 0
+
+
+class FlakyCommitSink(FileSink):
+    def __init__(self, path, failures, permanent=False):
+        super().__init__(path)
+        self.failures = failures
+        self.permanent = permanent
+
+    def commit(self, handle):
+        if self.failures > 0:
+            self.failures -= 1
+            raise (CommitFailed if self.permanent else ConnectionError)("injected commit failure")
+        super().commit(handle)
+
+
+def test_a_failing_commit_is_retried_then_recorded_and_blocks_the_epoch(zk, zk_root, tmp_path):
+    pipe = Pipeline(zk, zk_root, FlakyCommitSink(str(tmp_path / "out"), failures=2))
+    pipe.task("r1", 0, 0, range(10))
+    pipe.barrier(0, "r1")
+    pipe.coordinator(attempts=3, max_backoff=0.01).reconcile()
+    assert count_rows(range(10), ids_out(pipe)).exact  # third try succeeded
+
+    pipe = Pipeline(zk, zk_root + "-b", FlakyCommitSink(str(tmp_path / "out-b"), failures=100))
+    pipe.task("r1", 0, 0, range(10))
+    pipe.barrier(0, "r1")
+    app = pipe.coordinator(attempts=2, max_backoff=0.01)
+    app.sink().failures = 100
+    app.reconcile()
+    assert ids_out(pipe) == [] and pipe.watermark() == -1
+    assert pipe.record(0).state is EpochState.COMMITTING
+    assert zk.get_children(pipe.qp.failures(0)) == [pipe.registry.load(0)[0].name]
+    zk.delete(zk_root + "-b", recursive=True)
+
+
+def test_a_handle_that_can_never_commit_marks_the_epoch_failed_until_retried(zk, zk_root, tmp_path):
+    pipe = Pipeline(zk, zk_root, FlakyCommitSink(str(tmp_path / "out"), failures=1, permanent=True))
+    pipe.task("r1", 0, 0, range(10))
+    pipe.task("r1", 1, 0, range(10, 20))
+    app = pipe.coordinator(max_backoff=0.01)
+    app.reconcile()
+    assert pipe.record(0).state is EpochState.FAILED and pipe.watermark() == -1
+    assert "FAILED" in app.reconcile()[0]  # stays failed, later epochs wait
+    app.reconcile(PassOptions(retry_failed=True))  # the operator fixed the cause
+    assert count_rows(range(10), ids_out(pipe)).exact and pipe.watermark() == 0
+
+
+def test_committed_epochs_are_garbage_collected_beyond_retention(pipe):
+    for epoch in range(6):
+        pipe.task("r1", epoch, 0, range(epoch * 10, epoch * 10 + 10))
+    pipe.barrier(5, "r1")
+    app = pipe.coordinator(retain_epochs=2)
+    app.reconcile()
+    app.reconcile()
+    assert pipe.watermark() == 5
+    assert [int(n) for n in sorted(pipe.zk.get_children(pipe.qp.epochs))] == [4, 5]
+    assert count_rows(range(60), ids_out(pipe)).exact
+
+
+def test_a_tampered_handle_is_refused_and_nothing_commits(pipe):
+    pipe.task("r1", 0, 0, range(10))
+    pipe.barrier(0, "r1")
+    name = pipe.zk.get_children(pipe.qp.attempts(0))[0]
+    path = f"{pipe.qp.attempts(0)}/{name}"
+    raw, _ = pipe.zk.get(path)
+    pipe.zk.set(path, raw[:-1] + bytes([raw[-1] ^ 1]))
+    with pytest.raises(SignatureError, match="bad signature"):
+        pipe.coordinator().reconcile()
+    assert ids_out(pipe) == [] and pipe.watermark() == -1
+
+
+def test_phase_two_survives_a_zookeeper_restart(pipe, zk_server):
+    """DESIGN 4.8: state is in ZooKeeper, so a restart loses nothing."""
+    pipe.task("r1", 0, 0, range(10))
+    zk_server.restart()
+    pipe.task("r1", 0, 1, range(10, 20))
+    pipe.barrier(0, "r1")
+    pipe.coordinator().reconcile()
+    assert count_rows(range(20), ids_out(pipe)).exact
