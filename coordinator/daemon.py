@@ -32,8 +32,9 @@ log = logging.getLogger("twophase.daemon")
 
 class CoordinatorDaemon:
     def __init__(self, hosts: str, root: str, signer: Signer, policy: CommitPolicy | None = None,
-                 identifier: str | None = None) -> None:
+                 identifier: str | None = None, session_timeout: float = 10.0) -> None:
         self.hosts = hosts
+        self.session_timeout = session_timeout
         self.root = root
         self.signer = signer
         self.policy = policy or CommitPolicy()
@@ -43,7 +44,7 @@ class CoordinatorDaemon:
         self._session_lost = threading.Event()
 
     def run(self, stop: threading.Event) -> None:
-        client = connect(self.hosts)
+        client = connect(self.hosts, session_timeout=self.session_timeout)
         client.add_listener(self._on_state)
         try:
             election = client.Election(election_path(self.root), self.identifier)

@@ -71,6 +71,12 @@ def committed_epoch(zk) -> int:
                 for q in children), default=-1)
 
 
+def spark_batch(checkpoint: str) -> str:
+    """The newest batch in Spark's checkpoint: offsets/N is written before batch N runs."""
+    names = os.listdir(f"{checkpoint}/offsets") if os.path.isdir(f"{checkpoint}/offsets") else []
+    return max((n for n in names if n.isdigit()), key=int, default="-")
+
+
 def watch(proc: subprocess.Popen, zk, args, label: str, t0: float, kill_at: int | None) -> bool:
     """Print progress every second until the driver exits, or kill it at watermark kill_at.
 
@@ -86,8 +92,9 @@ def watch(proc: subprocess.Popen, zk, args, label: str, t0: float, kill_at: int 
             return True
         if time.monotonic() - last_print >= 1.0:
             last_print = time.monotonic()
-            print(f"[{last_print - t0:6.1f}s] {label}: watermark epoch {epoch:3d} "
-                  f"({epoch + 1}/{args.batches} batches committed), "
+            print(f"[{last_print - t0:6.1f}s] {label}: spark batch "
+                  f"{spark_batch(args.workdir + '/checkpoint'):>2}, watermark epoch {epoch:3d} "
+                  f"({epoch + 1}/{args.batches} committed), "
                   f"{len(read_committed_rows(output)):6d} rows visible", flush=True)
         if time.monotonic() > deadline:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -109,7 +116,7 @@ def verify(args: argparse.Namespace) -> bool:
     hidden = {d: len(os.listdir(f"{output}/{d}")) for d in ("_staging", "_pending")
               if os.path.isdir(f"{output}/{d}")}
     print("\n=== independent reader ===")
-    print(f"uncommitted files visible: {len(strays)} {strays[:5] if strays else ''}")
+    print(f"uncommitted files visible: {len(strays)}", *strays[:5])
     print(f"invisible leftovers (ignored by readers): {hidden or 'none'}")
     print(report)
     return report.exact and not strays

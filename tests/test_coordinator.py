@@ -6,70 +6,18 @@ import threading
 
 import pytest
 
-from coordinator.app import AppCoordinator, CommitPolicy, PassOptions, publish_app
+from coordinator.app import PassOptions
 from coordinator.fence import Fenced
-from coordinator.layout import AppPaths
-from coordinator.precommits import PrecommitRegistry
-from coordinator.state import EpochRecord, EpochState
-from coordinator.zk import dump, read_json
-from sinks.files import FileSink, read_committed_rows
-from twophase.signing import SignatureError, Signer
+from coordinator.state import EpochState
+from sinks.files import FileSink
+from tests.harness import QUERY, Pipeline, ids_out
+from twophase.signing import SignatureError
 from twophase.sink import CommitFailed, TxnContext
 from twophase.verify import count_rows
-
-SIGNER = Signer(b"coordinator-test-secret-0123456789")
-QUERY = "q-1"
-
-
-class Pipeline:
-    """Plays the part of Spark tasks and the driver hook for one app."""
-
-    def __init__(self, zk, root, sink):
-        self.zk = zk
-        self.sink = sink
-        self.paths = AppPaths(root, "app")
-        self.qp = self.paths.query(QUERY)
-        self.registry = PrecommitRegistry(zk, self.qp, SIGNER)
-        publish_app(zk, self.paths, SIGNER, sink, "embedded")
-
-    def task(self, run, epoch, partition, ids, attempt=0):
-        """One task attempt: begin, write, pre-commit, register; the loser aborts itself."""
-        ctx = TxnContext("app", QUERY, run, epoch, partition, attempt)
-        if self.registry.winner(ctx) is not None:
-            return None
-        txn = self.sink.begin_transaction(ctx)
-        for i in ids:
-            self.sink.write(txn, {"id": i})
-        handle = self.sink.pre_commit(txn)
-        won = self.registry.register(ctx, handle)
-        if not won:
-            self.sink.abort(handle)
-            self.registry.forget(ctx)
-        return won
-
-    def barrier(self, epoch, run):
-        self.zk.ensure_path(self.qp.barrier)
-        self.zk.set(self.qp.barrier, dump({"epoch": epoch, "run": run}))
-
-    def coordinator(self, owner="c1", **policy):
-        app = AppCoordinator(self.zk, self.paths.root, "app", SIGNER, owner, CommitPolicy(**policy))
-        app.acquire()
-        return app
-
-    def watermark(self):
-        return read_json(self.zk, self.qp.watermark, {"epoch": -1})["epoch"]
-
-    def record(self, epoch):
-        return EpochRecord.decode(self.zk.get(self.qp.epoch(epoch))[0])
-
 
 @pytest.fixture
 def pipe(zk, zk_root, tmp_path):
     return Pipeline(zk, zk_root, FileSink(str(tmp_path / "out")))
-
-
-def ids_out(pipe):
-    return [r["id"] for r in read_committed_rows(pipe.sink.path)]
 
 
 def test_nothing_visible_until_the_barrier(pipe):

@@ -122,7 +122,8 @@ def cmd_coordinator(args, client, signer: Signer) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    CoordinatorDaemon(args.zk, args.root, signer, CommitPolicy(poll_interval=args.poll_interval)).run(stop)
+    CoordinatorDaemon(args.zk, args.root, signer, CommitPolicy(poll_interval=args.poll_interval),
+                      session_timeout=args.session_timeout).run(stop)
     return 0
 
 
@@ -155,6 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("coordinator", help="run an HA coordinator daemon (leader election among daemons)")
     common(p, app=False)
     p.add_argument("--poll-interval", type=float, default=2.0, help="seconds between checkpoint scans")
+    p.add_argument("--session-timeout", type=float, default=10.0,
+                   help="ZooKeeper session timeout: how fast a standby takes over a dead leader")
     p.set_defaults(func=cmd_coordinator)
     return parser
 

@@ -1,0 +1,113 @@
+"""HA coordinator daemons as real processes: leader election, takeover, fencing (DESIGN 4.6, 4.7)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from sinks.files import read_committed_rows
+from tests.harness import Pipeline, ids_out
+from tests.slow_sinks import SlowCommitFileSink
+from twophase.verify import count_rows
+
+pytestmark = pytest.mark.chaos
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PARTITIONS = 8
+
+
+def wait_until(predicate, timeout=60.0, interval=0.05, what="condition"):
+    """Poll a cheap predicate with a deadline (the state lives in other processes)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(interval)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+class Daemon:
+    def __init__(self, zk_server, root, tmp_path, name):
+        self.log = tmp_path / f"{name}.log"
+        env = dict(os.environ, PYTHONPATH=REPO)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "twophase.cli", "coordinator", "--zk", zk_server.hosts, "--root", root,
+             "--poll-interval", "0.2", "--session-timeout", "2"],
+            stdout=open(self.log, "w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+    @property
+    def identifier_suffix(self):
+        return f":{self.proc.pid}"
+
+    def signal(self, sig):
+        os.killpg(self.proc.pid, sig)
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+
+@pytest.fixture
+def daemons(zk_server, zk_root, tmp_path):
+    started = []
+
+    def start(name):
+        started.append(Daemon(zk_server, zk_root, tmp_path, name))
+        return started[-1]
+
+    yield start
+    for d in started:
+        d.stop()
+
+
+def leader_of(zk, root, daemons):
+    contenders = zk.Election(f"{root}/daemon/election").contenders()
+    if not contenders:
+        return None
+    return next((d for d in daemons if contenders[0].endswith(d.identifier_suffix)), None)
+
+
+def run_epoch(pipe, epoch):
+    base = epoch * PARTITIONS * 10
+    for p in range(PARTITIONS):
+        pipe.task("r1", epoch, p, range(base + p * 10, base + p * 10 + 10))
+    pipe.barrier(epoch, "r1")
+    return range(base, base + PARTITIONS * 10)
+
+
+def test_standby_finishes_an_epoch_when_the_leader_is_killed_mid_commit(zk, zk_root, tmp_path, daemons):
+    pipe = Pipeline(zk, zk_root, SlowCommitFileSink(str(tmp_path / "out"), commit_seconds=0.3), mode="daemon")
+    a, b = daemons("a"), daemons("b")
+    wait_until(lambda: leader_of(zk, zk_root, [a, b]) is not None, what="a leader")
+    leader = leader_of(zk, zk_root, [a, b])
+    standby = b if leader is a else a
+    expected = run_epoch(pipe, 0)
+    wait_until(lambda: 2 <= len(read_committed_rows(pipe.sink.path)) // 10 < PARTITIONS, what="some commits")
+    leader.signal(signal.SIGKILL)
+    leader.proc.wait(10)
+    wait_until(lambda: pipe.watermark() == 0, what="the standby to commit epoch 0")
+    assert leader_of(zk, zk_root, [a, b]) is standby
+    assert count_rows(expected, ids_out(pipe)).exact
+
+
+def test_a_paused_leader_is_fenced_when_it_wakes(zk, zk_root, tmp_path, daemons):
+    pipe = Pipeline(zk, zk_root, SlowCommitFileSink(str(tmp_path / "out"), commit_seconds=0.3), mode="daemon")
+    a = daemons("a")
+    wait_until(lambda: leader_of(zk, zk_root, [a]) is a, what="a to lead")
+    expected = list(run_epoch(pipe, 0))
+    wait_until(lambda: len(read_committed_rows(pipe.sink.path)) >= 10, what="a's first commit")
+    a.signal(signal.SIGSTOP)  # a zombie: alive, holding an in-flight epoch, not heartbeating
+    b = daemons("b")
+    wait_until(lambda: leader_of(zk, zk_root, [a, b]) is b, what="b to take over")
+    wait_until(lambda: pipe.watermark() == 0, what="b to commit epoch 0")
+    expected += run_epoch(pipe, 1)
+    wait_until(lambda: pipe.watermark() == 1, what="b to commit epoch 1")
+    a.signal(signal.SIGCONT)
+    wait_until(lambda: "no longer leading" in a.log.read_text(), what="a to step down")
+    assert count_rows(expected, ids_out(pipe)).exact
+    assert leader_of(zk, zk_root, [a, b]) is b
