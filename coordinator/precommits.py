@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kazoo.client import KazooClient
-from kazoo.exceptions import NodeExistsError, NoNodeError
+from kazoo.exceptions import NodeExistsError, NoNodeError, RolledBackError
 
 from coordinator.layout import QueryPaths
 from twophase.signing import Signer
@@ -77,15 +77,18 @@ class PrecommitRegistry:
         txn = self._client.transaction()
         txn.create(attempt_path, self._signer.dumps({"handle": handle, "won": True}))
         txn.create(f"{self._paths.winners(ctx.epoch)}/{winner_name(ctx)}", name.encode())
-        results = txn.commit()
-        if not any(isinstance(r, Exception) for r in results):
+        errors = [r for r in txn.commit() if isinstance(r, Exception) and not isinstance(r, RolledBackError)]
+        if not errors:
             return True
-        if isinstance(results[0], NoNodeError):
+        if any(isinstance(e, NoNodeError) for e in errors):  # first registration of this epoch
             self._client.ensure_path(self._paths.attempts(ctx.epoch))
             self._client.ensure_path(self._paths.winners(ctx.epoch))
             return self._register(ctx, handle)
-        if self.winner(ctx) == name:
-            return True
+        winner = self.winner(ctx)
+        if winner == name:
+            return True  # our own earlier try went through before the connection dropped
+        if winner is None:
+            raise RuntimeError(f"registering {name} failed unexpectedly: {errors!r}")
         try:
             self._client.create(attempt_path, self._signer.dumps({"handle": handle, "won": False}))
         except NodeExistsError:

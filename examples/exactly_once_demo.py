@@ -63,6 +63,13 @@ def start_driver(cmd: list[str], log_path: str) -> subprocess.Popen:
                                 stderr=subprocess.STDOUT, start_new_session=True)
 
 
+def stop_driver(proc: subprocess.Popen) -> None:
+    """SIGKILL a driver that is still running (it has its own session: Ctrl-C misses it)."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
 def committed_epoch(zk) -> int:
     """The coordinator's watermark: every epoch <= it is committed (-1: none yet)."""
     queries = AppPaths(ROOT, APP).queries
@@ -87,8 +94,7 @@ def watch(proc: subprocess.Popen, zk, args, label: str, t0: float, kill_at: int 
         if kill_at is not None and epoch >= kill_at:
             print(f"\n*** {epoch + 1}/{args.batches} batches committed: "
                   "killing the driver with SIGKILL mid-stream ***\n", flush=True)
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            stop_driver(proc)
             return True
         if time.monotonic() - last_print >= 1.0:
             last_print = time.monotonic()
@@ -97,8 +103,7 @@ def watch(proc: subprocess.Popen, zk, args, label: str, t0: float, kill_at: int 
                   f"({epoch + 1}/{args.batches} committed), "
                   f"{len(read_committed_rows(output)):6d} rows visible", flush=True)
         if time.monotonic() > deadline:
-            os.killpg(proc.pid, signal.SIGKILL)
-            raise SystemExit(f"{label} did not finish within {args.timeout}s")
+            raise SystemExit(f"{label} did not finish within {args.timeout}s; see {args.workdir}")
         time.sleep(0.1)
     return False
 
@@ -126,13 +131,21 @@ def run_demo(args: argparse.Namespace, zk_hosts: str, zk, t0: float) -> bool:
     cmd, work = job_command(args, zk_hosts, args.workdir), args.workdir
     print("job:", " ".join(cmd[1:]), "\n")
     first = start_driver(cmd, f"{work}/driver-run1.log")
-    if not watch(first, zk, args, "run 1", t0, kill_at=max(args.batches // 3 - 1, 0)):
-        print(f"warning: run 1 exited ({first.returncode}) before the kill point; "
-              "try more --batches or --rows")
+    try:
+        if not watch(first, zk, args, "run 1", t0, kill_at=max(args.batches // 3 - 1, 0)):
+            print(f"warning: run 1 exited ({first.returncode}) before the kill point; "
+                  "try more --batches or --rows")
+    finally:
+        stop_driver(first)
     print("restarting the same command on the same checkpoint\n")
     second = start_driver(cmd, f"{work}/driver-run2.log")
-    watch(second, zk, args, "run 2", t0, kill_at=None)
+    try:
+        watch(second, zk, args, "run 2", t0, kill_at=None)
+    finally:
+        stop_driver(second)
     print(f"run 2 exited with {second.returncode} after {time.monotonic() - t0:.1f}s")
+    if second.returncode != 0:
+        print(f"the restarted job failed; see {work}/driver-run2.log")
     return second.returncode == 0 and verify(args)
 
 

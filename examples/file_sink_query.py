@@ -6,7 +6,7 @@ Run it against a ZooKeeper of your own::
         --output /tmp/out --checkpoint /tmp/ck
 
 It processes every file in --input (one file per micro-batch) and exits once
-all of them are committed. --fail-first-attempts makes the first attempt of
+all of them are committed. --fail-rate makes the first attempt of
 some partitions fail, as a flaky executor would; Spark retries them.
 """
 

@@ -199,3 +199,14 @@ def test_phase_two_survives_a_zookeeper_restart(pipe, zk_server):
     pipe.barrier(0, "r1")
     pipe.coordinator().reconcile()
     assert count_rows(range(20), ids_out(pipe)).exact
+
+
+def test_registration_wins_while_another_task_is_halfway_through_creating_the_epoch(pipe):
+    """Regression: the first tasks of an epoch race to create its znodes. A task that finds
+    attempts/ created but winners/ not yet (the other task is between its two ensure_path
+    calls) must still win its partition, not take itself for a loser."""
+    pipe.zk.ensure_path(pipe.qp.attempts(0))
+    assert pipe.task("r1", 0, 1, range(10)) is True
+    pipe.barrier(0, "r1")
+    pipe.coordinator().reconcile()
+    assert count_rows(range(10), ids_out(pipe)).exact
