@@ -21,7 +21,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from kazoo.client import KazooClient
+from kazoo.client import KazooClient, KazooState
 from kazoo.exceptions import KazooException, NodeExistsError, NoNodeError
 from kazoo.recipe.watchers import DataWatch
 from pyspark.sql import SparkSession
@@ -100,6 +100,8 @@ class DriverHook(StreamingQueryListener):
         self._events: queue.Queue = queue.Queue()
         self._queries: dict[str, _QueryInfo] = {}
         self._stop = threading.Event()
+        self._session_lost = threading.Event()
+        self.client.add_listener(self._on_state)
         threading.Thread(target=self._publish_loop, name=f"twophase-hook-{writer.app}", daemon=True).start()
         self.coordinator: AppCoordinator | None = None
         if mode == "embedded":
@@ -134,6 +136,10 @@ class DriverHook(StreamingQueryListener):
 
     # -- publishing ---------------------------------------------------------
 
+    def _on_state(self, state: str) -> None:
+        if state == KazooState.LOST:
+            self._session_lost.set()  # the runs' ephemeral liveness nodes went with the session
+
     def _publish_loop(self) -> None:
         while not self._stop.is_set():
             try:
@@ -165,13 +171,17 @@ class DriverHook(StreamingQueryListener):
             return None
 
     def _publish(self) -> None:
+        if self._session_lost.is_set():
+            self._session_lost.clear()
+            for info in self._queries.values():
+                info.published_run = False
         for qid, info in list(self._queries.items()):
             qp = self.paths.query(qid)
-            if not self.client.exists(qp.base):
-                if info.terminated and time.time() - info.terminated > _FORGET_AFTER:
-                    del self._queries[qid]  # never wrote through this app: not our query
-                continue
             if not info.published_run:
+                if not self.client.exists(qp.base):  # no pre-commit through this app yet
+                    if info.terminated and time.time() - info.terminated > _FORGET_AFTER:
+                        del self._queries[qid]  # never wrote through this app: not our query
+                    continue
                 if info.checkpoint:
                     self.client.set(qp.base, dump({"checkpoint": info.checkpoint}))
                 self.client.ensure_path(qp.run(info.run_id))
