@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import json
 import os
+import sqlite3
 import threading
 
 import pytest
 from kazoo.client import KazooClient
 from kazoo.recipe.watchers import DataWatch
 
+from examples.custom_sink import SqliteSink
 from examples.file_sink_query import FaultyFileSink, start_query, write_input
 from sinks.files import read_committed_rows
-from twophase.spark import TwoPhaseSink
+from twophase.spark import ContinuousProcessingNotSupported, TwoPhaseSink
 from twophase.spark.driver import DriverHook
 from twophase.verify import count_rows
 
@@ -85,3 +88,45 @@ def test_zookeeper_restart_and_session_expiry_mid_stream(spark, zk_server, zk_ro
     query.awaitTermination()
     assert writer.await_committed(query, timeout=120) == 5
     assert count_rows(range(240), [r["id"] for r in read_committed_rows(str(tmp_path / "out"))]).exact
+
+
+def test_a_user_written_sink_gets_exactly_once_too(spark, zk_server, zk_root, tmp_path):
+    """examples/custom_sink.py (SQLite, staging-table 2PC) through Spark with failing first attempts."""
+    sink = SqliteSink(str(tmp_path / "out.db"))
+    expected = run_pipeline(spark, zk_server, zk_root, tmp_path, sink)
+    with sqlite3.connect(tmp_path / "out.db") as db:
+        ids = [json.loads(data)["id"] for (data,) in db.execute("SELECT data FROM rows")]
+        staged = db.execute("SELECT COUNT(*) FROM staging").fetchone()[0]
+    assert count_rows(expected, ids).exact and staged == 0
+
+
+def test_continuous_processing_is_refused_with_a_clear_error(spark, zk_server, zk_root, tmp_path):
+    writer = TwoPhaseSink(FaultyFileSink(str(tmp_path / "out")), app="test", zk=zk_server.hosts,
+                          root=zk_root, spark=spark)
+    query = (spark.readStream.format("rate").load().writeStream.foreach(writer)
+             .option("checkpointLocation", str(tmp_path / "ck")).trigger(continuous="1 second").start())
+    # Continuous mode never retries a task, so Spark reports that rather than our error (which
+    # is in the executor log); test_open_refuses_continuous_processing checks the message itself.
+    with pytest.raises(Exception, match="STREAM_FAILED"):
+        query.awaitTermination(120)
+    assert read_committed_rows(str(tmp_path / "out")) == []
+
+
+class FakeTaskContext:
+    def __init__(self, **properties):
+        self.properties = properties
+
+    def getLocalProperty(self, key):
+        return self.properties.get(key)
+
+    def attemptNumber(self):
+        return 0
+
+
+def test_open_refuses_continuous_processing(monkeypatch, zk_server, zk_root, tmp_path, spark):
+    writer = TwoPhaseSink(FaultyFileSink(str(tmp_path / "out")), app="test", zk=zk_server.hosts,
+                          root=zk_root, spark=spark)
+    fake = FakeTaskContext(**{"__is_continuous_processing": "true"})
+    monkeypatch.setattr("twophase.spark.writer.TaskContext.get", lambda: fake)
+    with pytest.raises(ContinuousProcessingNotSupported, match="use a micro-batch trigger"):
+        writer.open(0, 0)
