@@ -27,14 +27,15 @@ class Pipeline:
         publish_app(zk, self.paths, SIGNER, sink, mode)
 
     def task(self, run, epoch, partition, ids, attempt=0):
-        """One task attempt: begin, write, pre-commit, register; the loser aborts itself."""
+        """One task attempt as TwoPhaseSink runs it; None if it skipped its rows (a winner exists)."""
         ctx = TxnContext("app", QUERY, run, epoch, partition, attempt)
         if self.registry.winner(ctx) is not None:
             return None
-        txn = self.sink.begin_transaction(ctx)
-        for i in ids:
-            self.sink.write(txn, {"id": i})
-        handle = self.sink.pre_commit(txn)
+        return self.precommit(ctx, ids)
+
+    def precommit(self, ctx, ids):
+        """Begin, write, pre-commit, register; the loser aborts itself. True if it won."""
+        handle = self.sink.pre_commit(stage(self.sink, ctx, ({"id": i} for i in ids)))
         won = self.registry.register(ctx, handle)
         if not won:
             self.sink.abort(handle)
@@ -55,6 +56,14 @@ class Pipeline:
 
     def record(self, epoch):
         return EpochRecord.decode(self.zk.get(self.qp.epoch(epoch))[0])
+
+
+def stage(sink, ctx, rows):
+    """Begin a transaction and write rows into it."""
+    txn = sink.begin_transaction(ctx)
+    for row in rows:
+        sink.write(txn, row)
+    return txn
 
 
 def ids_out(pipe: Pipeline) -> list:

@@ -54,16 +54,7 @@ def test_concurrent_attempts_of_one_partition_commit_once(pipe):
 
     def attempt(n):
         start.wait()
-        ctx = TxnContext("app", QUERY, "r1", 0, 0, n)
-        txn = pipe.sink.begin_transaction(ctx)
-        for i in range(10):
-            pipe.sink.write(txn, {"id": i})
-        handle = pipe.sink.pre_commit(txn)
-        won = pipe.registry.register(ctx, handle)
-        if not won:
-            pipe.sink.abort(handle)
-            pipe.registry.forget(ctx)
-        results.append(won)
+        results.append(pipe.precommit(TxnContext("app", QUERY, "r1", 0, 0, n), range(10)))
 
     threads = [threading.Thread(target=attempt, args=(n,)) for n in range(4)]
     for t in threads:

@@ -10,6 +10,7 @@ import pytest
 from pyspark.sql import Row
 
 from examples.custom_sink import SqliteSink
+from tests.harness import stage
 from twophase.sink import TxnContext
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -24,13 +25,6 @@ def sink(tmp_path):
     return SqliteSink(str(tmp_path / "out.db"))
 
 
-def write(sink, c, rows):
-    txn = sink.begin_transaction(c)
-    for row in rows:
-        sink.write(txn, row)
-    return txn
-
-
 def visible(sink):
     with sqlite3.connect(sink.path) as db:
         return [json.loads(d) for (d,) in db.execute("SELECT data FROM rows ORDER BY rowid")]
@@ -42,7 +36,7 @@ def staged(sink):
 
 
 def test_invisible_until_commit(sink):
-    txn = write(sink, ctx(), [Row(a=1), {"a": 2}])
+    txn = stage(sink, ctx(), [Row(a=1), {"a": 2}])
     handle = sink.pre_commit(txn)
     assert visible(sink) == [] and staged(sink) == 2
     # Staged rows are committed in SQLite: a fresh process-like instance sees them.
@@ -52,21 +46,21 @@ def test_invisible_until_commit(sink):
 
 
 def test_commit_twice_is_once(sink):
-    handle = sink.pre_commit(write(sink, ctx(), [{"a": 1}]))
+    handle = sink.pre_commit(stage(sink, ctx(), [{"a": 1}]))
     sink.commit(handle)
     sink.commit(handle)
     assert visible(sink) == [{"a": 1}]
 
 
 def test_abort_before_pre_commit(sink):
-    txn = write(sink, ctx(), [{"a": 1}])
+    txn = stage(sink, ctx(), [{"a": 1}])
     sink.abort(txn)
     sink.abort(txn)
     assert txn.rows == [] and visible(sink) == []
 
 
 def test_abort_after_pre_commit(sink):
-    handle = sink.pre_commit(write(sink, ctx(), [{"a": 1}]))
+    handle = sink.pre_commit(stage(sink, ctx(), [{"a": 1}]))
     sink.abort(handle)
     sink.abort(handle)
     assert staged(sink) == 0
@@ -75,14 +69,14 @@ def test_abort_after_pre_commit(sink):
 
 
 def test_abort_after_commit_keeps_data(sink):
-    handle = sink.pre_commit(write(sink, ctx(), [{"a": 1}]))
+    handle = sink.pre_commit(stage(sink, ctx(), [{"a": 1}]))
     sink.commit(handle)
     sink.abort(handle)
     assert visible(sink) == [{"a": 1}]
 
 
 def test_empty_transaction(sink):
-    handle = sink.pre_commit(write(sink, ctx(), []))
+    handle = sink.pre_commit(stage(sink, ctx(), []))
     sink.commit(handle)
     sink.commit(handle)
     sink.abort(handle)
@@ -90,7 +84,7 @@ def test_empty_transaction(sink):
 
 
 def test_handle_commits_in_another_process(sink, tmp_path):
-    handle = sink.pre_commit(write(sink, ctx(), [{"a": 1}]))
+    handle = sink.pre_commit(stage(sink, ctx(), [{"a": 1}]))
     payload = cloudpickle.dumps((sink, handle))
     assert "_local" not in cloudpickle.loads(payload)[0].__getstate__()
     subprocess.run(
@@ -102,7 +96,7 @@ def test_handle_commits_in_another_process(sink, tmp_path):
 
 
 def test_usable_from_other_threads(sink):
-    handle = sink.pre_commit(write(sink, ctx(), [{"a": 1}]))
+    handle = sink.pre_commit(stage(sink, ctx(), [{"a": 1}]))
     t = threading.Thread(target=sink.commit, args=(handle,))
     t.start()
     t.join()

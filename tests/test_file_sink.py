@@ -9,6 +9,7 @@ import pytest
 from pyspark.sql import Row
 
 from sinks.files import FileHandle, FileSink, read_committed_rows
+from tests.harness import stage
 from twophase.sink import CommitFailed, TxnContext
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -23,19 +24,12 @@ def sink(tmp_path, request):
     return FileSink(str(tmp_path / "out"), fsync=request.param)
 
 
-def write(sink, c, rows):
-    txn = sink.begin_transaction(c)
-    for row in rows:
-        sink.write(txn, row)
-    return txn
-
-
 def files_under(path):
     return sorted(os.path.relpath(os.path.join(d, f), path) for d, _, fs in os.walk(path) for f in fs)
 
 
 def test_invisible_until_commit(sink):
-    txn = write(sink, ctx(), [{"a": 1}, {"a": 2}])
+    txn = stage(sink, ctx(), [{"a": 1}, {"a": 2}])
     assert read_committed_rows(sink.path) == []
     handle = sink.pre_commit(txn)
     assert read_committed_rows(sink.path) == []
@@ -47,7 +41,7 @@ def test_invisible_until_commit(sink):
 
 def test_spark_rows_and_json_types(sink):
     row = Row(id=1, day=datetime.date(2024, 1, 2), amount=Decimal("1.50"), inner=Row(x="y"))
-    handle = sink.pre_commit(write(sink, ctx(), [row]))
+    handle = sink.pre_commit(stage(sink, ctx(), [row]))
     sink.commit(handle)
     assert read_committed_rows(sink.path) == [
         {"id": 1, "day": "2024-01-02", "amount": "1.50", "inner": {"x": "y"}}
@@ -58,21 +52,21 @@ def test_spark_rows_and_json_types(sink):
 
 def test_custom_serializer_and_unserializable_row(tmp_path):
     sink = FileSink(str(tmp_path), serializer=lambda t: {"v": t[0]})
-    sink.commit(sink.pre_commit(write(sink, ctx(), [(7,)])))
+    sink.commit(sink.pre_commit(stage(sink, ctx(), [(7,)])))
     assert read_committed_rows(str(tmp_path)) == [{"v": 7}]
     with pytest.raises(TypeError):
-        write(FileSink(str(tmp_path)), ctx(1), [(7,)])
+        stage(FileSink(str(tmp_path)), ctx(1), [(7,)])
 
 
 def test_commit_twice_is_once(sink):
-    handle = sink.pre_commit(write(sink, ctx(), [{"a": 1}]))
+    handle = sink.pre_commit(stage(sink, ctx(), [{"a": 1}]))
     sink.commit(handle)
     sink.commit(handle)
     assert read_committed_rows(sink.path) == [{"a": 1}]
 
 
 def test_abort_before_pre_commit(sink):
-    txn = write(sink, ctx(), [{"a": 1}])
+    txn = stage(sink, ctx(), [{"a": 1}])
     sink.abort(txn)
     sink.abort(txn)
     assert txn.file.closed
@@ -80,7 +74,7 @@ def test_abort_before_pre_commit(sink):
 
 
 def test_abort_after_pre_commit(sink):
-    handle = sink.pre_commit(write(sink, ctx(), [{"a": 1}]))
+    handle = sink.pre_commit(stage(sink, ctx(), [{"a": 1}]))
     sink.abort(handle)
     sink.abort(handle)
     assert files_under(sink.path) == []
@@ -89,14 +83,14 @@ def test_abort_after_pre_commit(sink):
 
 
 def test_abort_after_commit_keeps_data(sink):
-    handle = sink.pre_commit(write(sink, ctx(), [{"a": 1}]))
+    handle = sink.pre_commit(stage(sink, ctx(), [{"a": 1}]))
     sink.commit(handle)
     sink.abort(handle)
     assert read_committed_rows(sink.path) == [{"a": 1}]
 
 
 def test_empty_transaction(sink):
-    handle = sink.pre_commit(write(sink, ctx(), []))
+    handle = sink.pre_commit(stage(sink, ctx(), []))
     assert handle.rows == 0
     sink.commit(handle)
     sink.abort(handle)
@@ -105,14 +99,14 @@ def test_empty_transaction(sink):
 
 
 def test_commit_with_both_files_gone_raises(sink):
-    handle = sink.pre_commit(write(sink, ctx(), [{"a": 1}]))
+    handle = sink.pre_commit(stage(sink, ctx(), [{"a": 1}]))
     os.unlink(handle.pending)
     with pytest.raises(CommitFailed):
         sink.commit(handle)
 
 
 def test_handle_commits_in_another_process(sink, tmp_path):
-    handle = sink.pre_commit(write(sink, ctx(), [{"a": 1}]))
+    handle = sink.pre_commit(stage(sink, ctx(), [{"a": 1}]))
     payload = cloudpickle.dumps((sink, handle))
     assert cloudpickle.loads(payload)[1] == handle
     # A different cwd checks the handle carries absolute paths.
