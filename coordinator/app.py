@@ -84,7 +84,9 @@ class AppCoordinator:
         self.owner = owner
         self.policy = policy or CommitPolicy()
         self.wake = wake or threading.Event()
-        self._sink: tuple[int, TwoPhaseCommitSink] | None = None
+        self._sink: TwoPhaseCommitSink | None = None
+        self._sink_version: int | None = None
+        self._sink_checked = False  # per pass: the stored sink is read at most once
         self._watched: set[str] = set()
 
     def acquire(self) -> None:
@@ -133,6 +135,7 @@ class AppCoordinator:
     def reconcile(self, options: "PassOptions | None" = None) -> list[str]:
         """One pass over every query of the app; returns what it did (or would do), for the CLI."""
         options = options or PassOptions()
+        self._sink_checked = False
         try:
             query_ids = self.client.retry(self.client.get_children, self.paths.queries)
         except NoNodeError:
@@ -307,7 +310,10 @@ class AppCoordinator:
 
     def sink(self) -> TwoPhaseCommitSink:
         """The app's sink as its driver stored it, reloaded when a new driver stores a new one."""
-        raw, stat = self.client.retry(self.client.get, self.paths.sink)
-        if self._sink is None or self._sink[0] != stat.mzxid:
-            self._sink = (stat.mzxid, self.signer.loads(raw, what=f"sink of app {self.app}"))
-        return self._sink[1]
+        if not self._sink_checked:
+            raw, stat = self.client.retry(self.client.get, self.paths.sink)
+            if stat.mzxid != self._sink_version:
+                self._sink = self.signer.loads(raw, what=f"sink of app {self.app}")
+                self._sink_version = stat.mzxid
+            self._sink_checked = True
+        return self._sink
