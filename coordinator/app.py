@@ -132,7 +132,7 @@ class AppCoordinator:
 
     # -- reconcile --------------------------------------------------------
 
-    def reconcile(self, options: "PassOptions | None" = None) -> list[str]:
+    def reconcile(self, options: PassOptions | None = None) -> list[str]:
         """One pass over every query of the app; returns what it did (or would do), for the CLI."""
         options = options or PassOptions()
         self._sink_checked = False
@@ -144,7 +144,7 @@ class AppCoordinator:
             self._reconcile_query(qid, self.paths.query(qid), options)
         return options.actions
 
-    def _reconcile_query(self, qid: str, qp: QueryPaths, options: "PassOptions") -> None:
+    def _reconcile_query(self, qid: str, qp: QueryPaths, options: PassOptions) -> None:
         try:
             names = self.client.retry(self.client.get_children, qp.epochs)
         except NoNodeError:
@@ -188,7 +188,7 @@ class AppCoordinator:
             log.warning("app %s: cannot read checkpoint %s: %s", self.app, checkpoint, e)
             return set()
 
-    def _abort_incomplete(self, qp: QueryPaths, epoch: int, attempts: list[Attempt], options: "PassOptions") -> None:
+    def _abort_incomplete(self, qp: QueryPaths, epoch: int, attempts: list[Attempt], options: PassOptions) -> None:
         """Pre-commits of an epoch that Spark will re-run are never reused.
 
         Those of runs older than the latest one are aborted at once; with
@@ -201,7 +201,7 @@ class AppCoordinator:
                     return
 
     def _decide(self, qp: QueryPaths, epoch: int, decided: EpochRecord, version: int,
-                options: "PassOptions") -> EpochRecord | None:
+                options: PassOptions) -> EpochRecord | None:
         """Record the decision before acting on it; None if the record changed under us."""
         if options.dry_run:
             return decided
@@ -214,7 +214,7 @@ class AppCoordinator:
         return decided
 
     def _phase_two(self, qid: str, qp: QueryPaths, epoch: int, record: EpochRecord, version: int,
-                   attempts: list[Attempt], options: "PassOptions") -> bool:
+                   attempts: list[Attempt], options: PassOptions) -> bool:
         recovering = options.recovering or record.state is not EpochState.OPEN
         if record.state is EpochState.OPEN:
             run = attempts[-1].run if attempts else None
@@ -241,7 +241,7 @@ class AppCoordinator:
         return True
 
     def _finish(self, qp: QueryPaths, epoch: int, attempt: Attempt, commit: bool,
-                recovering: bool, options: "PassOptions") -> bool:
+                recovering: bool, options: PassOptions) -> bool:
         """Commit or abort one pre-commit with retries, then drop its record. False if it failed."""
         if options.dry_run:
             if not commit:
@@ -295,7 +295,7 @@ class AppCoordinator:
         txn.set_data(path, dump(failure))
         self.fence.commit(txn)
 
-    def _collect_garbage(self, qp: QueryPaths, committed: list[int], options: "PassOptions") -> None:
+    def _collect_garbage(self, qp: QueryPaths, committed: list[int], options: PassOptions) -> None:
         """Drop committed epoch records beyond the retention bound, aborting any late leftovers."""
         registry = PrecommitRegistry(self.client, qp, self.signer)
         for epoch in committed[: max(0, len(committed) - self.policy.retain_epochs)]:
