@@ -21,6 +21,7 @@ pick_python() {
 pkgs=()
 command -v java >/dev/null 2>&1 || pkgs+=(default-jre-headless)
 [[ -f /usr/share/java/zookeeper.jar ]] || pkgs+=(zookeeper)
+command -v kcat >/dev/null 2>&1 || pkgs+=(kcat)  # a librdkafka client the broker tests use
 [[ -x .venv/bin/python ]] || pick_python >/dev/null || pkgs+=(python3 python3-venv)
 if ((${#pkgs[@]})); then
     sudo=()
