@@ -174,9 +174,9 @@ class AppCoordinator:
                 if record is None:
                     return
             if not complete:
-                self._abort_incomplete(qp, epoch, attempts, options)
+                self._abort_incomplete(qp, epoch, attempts, options, registry)
                 return
-            if not self._phase_two(qid, qp, epoch, record, stat.version, attempts, options):
+            if not self._phase_two(qid, qp, epoch, record, stat.version, attempts, options, registry):
                 return
 
     def _checkpoint_epochs(self, checkpoint: str | None) -> set[int]:
@@ -188,13 +188,14 @@ class AppCoordinator:
             log.warning("app %s: cannot read checkpoint %s: %s", self.app, checkpoint, e)
             return set()
 
-    def _abort_incomplete(self, qp: QueryPaths, epoch: int, attempts: list[Attempt], options: PassOptions) -> None:
+    def _abort_incomplete(self, qp: QueryPaths, epoch: int, attempts: list[Attempt], options: PassOptions,
+                          registry: PrecommitRegistry) -> None:
         """Pre-commits of an epoch that Spark will re-run are never reused.
 
         Those of runs older than the latest one are aborted at once; with
         abort_incomplete (recovery while no query runs) all of them are.
         """
-        latest_run = attempts[-1].run if attempts else None
+        latest_run = registry.latest_run(attempts)
         for attempt in attempts:
             if attempt.run != latest_run or options.abort_incomplete:
                 if not self._finish(qp, epoch, attempt, commit=False, recovering=True, options=options):
@@ -214,10 +215,10 @@ class AppCoordinator:
         return decided
 
     def _phase_two(self, qid: str, qp: QueryPaths, epoch: int, record: EpochRecord, version: int,
-                   attempts: list[Attempt], options: PassOptions) -> bool:
+                   attempts: list[Attempt], options: PassOptions, registry: PrecommitRegistry) -> bool:
         recovering = options.recovering or record.state is not EpochState.OPEN
         if record.state is EpochState.OPEN:
-            run = attempts[-1].run if attempts else None
+            run = registry.latest_run(attempts)
             winners = tuple(sorted(a.name for a in attempts if a.run == run and a.won))
             record = self._decide(qp, epoch, record.to(EpochState.COMMITTING, run=run, winners=winners),
                                   version, options)

@@ -29,6 +29,9 @@ from twophase.signing import Signer
 from twophase.sink import TxnContext
 
 
+_known_runs: set[tuple[str, str]] = set()  # per process: Spark reuses Python workers across tasks
+
+
 def attempt_name(ctx: TxnContext) -> str:
     return f"{ctx.run_id}.{ctx.partition}.{ctx.attempt}"
 
@@ -56,6 +59,27 @@ class PrecommitRegistry:
         self._client = client
         self._paths = paths
         self._signer = signer
+
+    def ensure_run(self, run_id: str) -> None:
+        """Record the run before its first pre-commit: run nodes' creation order is run start order."""
+        if (self._paths.base, run_id) not in _known_runs:
+            self._client.retry(self._client.ensure_path, self._paths.run(run_id))
+            _known_runs.add((self._paths.base, run_id))
+
+    def latest_run(self, attempts: list[Attempt]) -> str | None:
+        """The most recently started run among those with attempts.
+
+        By run start order, not by registration order: a zombie writer of a dead
+        run that registers late must not pass for the run that completed the epoch.
+        Runs without a run node (none in practice) rank by their first registration.
+        """
+        runs = {a.run: a.zxid for a in reversed(attempts)}  # reversed: the first zxid wins
+        pending = {run: self._client.exists_async(self._paths.run(run)) for run in runs}
+        rank = {}
+        for run, result in pending.items():
+            stat = result.get()
+            rank[run] = stat.czxid if stat else runs[run]
+        return max(rank, key=rank.get) if rank else None
 
     def winner(self, ctx: TxnContext) -> str | None:
         """The attempt that already won this (run, epoch, partition), if any."""

@@ -78,6 +78,19 @@ def test_the_run_that_completed_the_epoch_wins_over_an_earlier_run(pipe):
     assert pipe.registry.load(0) == []
 
 
+def test_a_zombie_writer_of_a_dead_run_registering_late_does_not_win(pipe):
+    """A task of a killed driver finishes its registration after the new run re-ran the epoch."""
+    pipe.registry.ensure_run("r1")
+    pipe.task("r1", 0, 0, range(0, 5))
+    pipe.registry.ensure_run("r2")
+    for p, ids in enumerate([range(0, 10), range(10, 20)]):
+        pipe.task("r2", 0, p, ids)
+    pipe.task("r1", 0, 1, range(5, 10))  # the zombie, last to register
+    pipe.barrier(0, "r2")
+    pipe.coordinator().reconcile()
+    assert count_rows(range(20), ids_out(pipe)).exact
+
+
 def test_pre_commits_of_a_replaced_run_are_aborted_before_the_epoch_completes(pipe):
     pipe.task("r1", 0, 0, range(5))
     app = pipe.coordinator()

@@ -106,6 +106,7 @@ class TwoPhaseSink:
         )
         self._registry = PrecommitRegistry(
             shared_client(self.zk), self.paths.query(self._ctx.query_id), Signer(self._secret))
+        self._registry.ensure_run(self._ctx.run_id)
         if self._registry.winner(self._ctx) is not None:
             self._txn = None  # an earlier attempt of this run already pre-committed this partition
             return False
