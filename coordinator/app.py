@@ -7,8 +7,8 @@ of these proves it, and each alone can be lost, so all are consulted:
 - a registration for a later epoch (batch N+1 starts only after commits/N);
 - ``commits/N`` in the query's checkpoint directory.
 
-The run that completed N is the last run that registered anything for N: once
-commits/N exists no later run re-runs N. Its winners are committed; every other
+The run that completed N is the most recently started run that registered for
+N: once commits/N exists no later run re-runs N. Its winners are committed; every other
 pre-commit of N (losers, earlier runs) is aborted. The decision is written to
 ZooKeeper before any commit, so a successor resumes it rather than re-deciding.
 
