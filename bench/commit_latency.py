@@ -366,7 +366,8 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(bench_size(server, packets, Path(tmp), size, args.epochs, warmup, args.rows,
                                    policy, gc_pass=not args.no_gc_pass))
             print(f"{size:>4} partitions: {warmup} warm-up + {args.epochs} measured epochs "
-                  f"in {time.perf_counter() - t:.1f} s", file=sys.stderr)
+                  f"in {time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)
+        sys.stderr.flush()
         print_table(rows, rtt, packets.probe_cost)
     if args.json:
         for r in rows:

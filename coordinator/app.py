@@ -217,6 +217,10 @@ class AppCoordinator:
     def _phase_two(self, qid: str, qp: QueryPaths, epoch: int, record: EpochRecord, version: int,
                    attempts: list[Attempt], options: PassOptions, registry: PrecommitRegistry) -> bool:
         recovering = options.recovering or record.state is not EpochState.OPEN
+        if not options.dry_run:
+            # A deposed owner must not touch the external system. Past this check, the fenced
+            # delete after each commit stops it after at most one (idempotent, decided) commit.
+            self.fence.check()
         if record.state is EpochState.OPEN:
             run = registry.latest_run(attempts)
             winners = tuple(sorted(a.name for a in attempts if a.run == run and a.won))
@@ -253,7 +257,6 @@ class AppCoordinator:
             operation = sink.recover_and_commit if recovering else sink.commit
         else:
             operation = sink.recover_and_abort if recovering else sink.abort
-        self.fence.check()  # a deposed owner must not touch the external system
         retrying = Retrying(
             stop=stop_after_attempt(self.policy.attempts),
             wait=wait_exponential(multiplier=0.05, max=self.policy.max_backoff),

@@ -37,6 +37,18 @@ def test_every_row_exactly_once(spark, zk_server, zk_root, tmp_path):
     assert report.exact, report
 
 
+def test_await_committed_long_after_the_query_stopped(spark, zk_server, zk_root, tmp_path):
+    """Regression: once the hook forgot a stopped query, await_committed returned None at once."""
+    write_input(str(tmp_path / "in"), 0, range(10))
+    writer = TwoPhaseSink(FaultyFileSink(str(tmp_path / "out")), app="test", zk=zk_server.hosts,
+                          root=zk_root, spark=spark)
+    query = start_query(spark, writer, str(tmp_path / "in"), str(tmp_path / "ck"))
+    query.awaitTermination()
+    writer.await_committed(query, timeout=60)
+    DriverHook.get(writer._hook_key)._queries.clear()  # what the hook does shortly after termination
+    assert writer.await_committed(query, timeout=60) == 0
+
+
 def test_failed_first_attempts_are_retried_once(spark, zk_server, zk_root, tmp_path):
     sink = FaultyFileSink(str(tmp_path / "out"), fail_rate=0.5)
     expected = run_pipeline(spark, zk_server, zk_root, tmp_path, sink)

@@ -87,6 +87,8 @@ class DriverHook(StreamingQueryListener):
         if self.coordinator is not None:
             self.coordinator.wake.set()
         self.spark.streams.removeListener(self)
+        for thread in self._threads:
+            thread.join(10)  # finish the current ZooKeeper step before the client goes
         self.client.stop()
         self.client.close()
 
@@ -102,12 +104,15 @@ class DriverHook(StreamingQueryListener):
         self._stop = threading.Event()
         self._session_lost = threading.Event()
         self.client.add_listener(self._on_state)
-        threading.Thread(target=self._publish_loop, name=f"twophase-hook-{writer.app}", daemon=True).start()
+        self._threads = [threading.Thread(target=self._publish_loop, name=f"twophase-hook-{writer.app}",
+                                          daemon=True)]
         self.coordinator: AppCoordinator | None = None
         if mode == "embedded":
             self.coordinator = AppCoordinator(self.client, writer.root, writer.app, self.signer, self.owner, policy)
-            threading.Thread(target=self._coordinate, name=f"twophase-coordinator-{writer.app}",
-                             daemon=True).start()
+            self._threads.append(threading.Thread(target=self._coordinate, daemon=True,
+                                                  name=f"twophase-coordinator-{writer.app}"))
+        for thread in self._threads:
+            thread.start()
         spark.streams.addListener(self)
 
     def store_sink(self, writer, mode: str) -> None:
@@ -208,7 +213,8 @@ class DriverHook(StreamingQueryListener):
         """Wait until the watermark reaches the last epoch Spark completed for `query`."""
         qid = str(query.id)
         info = self._queries.get(qid)
-        checkpoint = (info and info.checkpoint) or self._checkpoint_of(qid)
+        checkpoint = ((info and info.checkpoint) or self._checkpoint_of(qid)
+                      or read_json(self.client, self.paths.query(qid).base, {}).get("checkpoint"))
         target = last_completed_epoch(checkpoint) if checkpoint else None
         if target is None:
             return None
