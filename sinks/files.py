@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Callable
 
+from twophase.durable import fsync_dir
 from twophase.sink import CommitFailed, TwoPhaseCommitSink, TxnContext
 
 
@@ -54,15 +55,6 @@ def _default_serializer(row: Any) -> dict:
     if isinstance(row, dict):
         return row
     raise TypeError(f"cannot serialize {type(row).__name__}; pass serializer=")
-
-
-def _fsync_dir(path: str) -> None:
-    # A rename is durable only once the directory entry itself is on disk.
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class FileSink(TwoPhaseCommitSink):
@@ -111,7 +103,7 @@ class FileSink(TwoPhaseCommitSink):
         os.makedirs(pending_dir, exist_ok=True)
         os.rename(txn.file.name, handle.pending)
         if self.fsync:
-            _fsync_dir(pending_dir)
+            fsync_dir(pending_dir)
         return handle
 
     def commit(self, handle: FileHandle) -> None:
@@ -127,7 +119,7 @@ class FileSink(TwoPhaseCommitSink):
                 f"the {handle.rows} pre-committed rows are lost"
             ) from None
         if self.fsync:
-            _fsync_dir(self.path)
+            fsync_dir(self.path)
 
     def abort(self, handle_or_txn: FileHandle | FileTxn) -> None:
         if isinstance(handle_or_txn, FileTxn):

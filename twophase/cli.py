@@ -3,6 +3,7 @@
     twophase status --zk HOSTS --app NAME [--root /twophase]
     twophase recover --zk HOSTS --app NAME [--checkpoint DIR] [--dry-run] [--retry-failed]
     twophase coordinator --zk HOSTS [--root /twophase]
+    twophase broker --data-dir DIR [--port 9092]
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from coordinator.layout import DEFAULT_ROOT, AppPaths, QueryPaths
 from coordinator.precommits import PrecommitRegistry
 from coordinator.state import EpochRecord
 from coordinator.zk import connect, read_json
+from twophase.broker.cli import add_broker_parser
 from twophase.signing import SignatureError, Signer, load_secret
 
 
@@ -159,13 +161,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--session-timeout", type=float, default=10.0,
                    help="ZooKeeper session timeout: how fast a standby takes over a dead leader")
     p.set_defaults(func=cmd_coordinator)
+
+    add_broker_parser(sub).set_defaults(needs_zookeeper=False)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose or args.command == "coordinator" else logging.WARNING,
+    daemon = args.command in ("coordinator", "broker")
+    logging.basicConfig(level=logging.INFO if args.verbose or daemon else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not getattr(args, "needs_zookeeper", True):
+        return args.func(args)
     try:
         secret = open(args.secret_file).read().strip() if args.secret_file else None
         signer = Signer(load_secret(secret))

@@ -1,0 +1,187 @@
+"""Broker fixtures: a Broker on a free port in a temporary data directory, and a raw wire client.
+
+    def test_x(broker):                  # started, stopped after the test
+        Producer({"bootstrap.servers": broker.bootstrap})
+
+    def test_y(broker_factory, tmp_path):
+        b = broker_factory(default_partitions=3, data_dir=tmp_path / "d")
+
+    def test_z(wire):                    # raw Kafka protocol over a socket
+        response = wire().request(metadata_request(12, ["topic"]))
+
+Test modules import WireClient and the request builders at the end of this file directly.
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+import struct
+import uuid
+from collections.abc import Iterator
+
+import pytest
+from kio.index import load_request_schema, load_response_schema
+from kio.serial import entity_reader
+
+from twophase.broker import Broker
+from twophase.broker.codec import build, encode_request, nested
+
+
+@pytest.fixture
+def broker_factory(tmp_path) -> Iterator:
+    started: list[Broker] = []
+
+    def make(data_dir=None, **options) -> Broker:
+        directory = data_dir or tmp_path / f"broker-data-{len(started)}"
+        b = Broker(str(directory), **options).start()
+        started.append(b)
+        return b
+
+    yield make
+    for b in reversed(started):
+        b.stop()
+
+
+@pytest.fixture
+def broker(broker_factory) -> Broker:
+    return broker_factory()
+
+
+@pytest.fixture
+def topic() -> str:
+    """A fresh topic name per test."""
+    return f"t-{uuid.uuid4().hex[:10]}"
+
+
+class WireClient:
+    """A blocking Kafka-protocol client over one socket: requests are kio objects."""
+
+    def __init__(self, port: int, timeout: float = 10.0) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+        self.correlation_id = 0
+
+    def send_raw(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def send(self, request, client_id: str | None = "wire-test") -> int:
+        self.correlation_id += 1
+        self.sock.sendall(encode_request(self.correlation_id, request, client_id))
+        return self.correlation_id
+
+    def _read_exactly(self, n: int) -> bytes:
+        chunks = []
+        while n:
+            chunk = self.sock.recv(n)
+            if not chunk:
+                raise ConnectionError("closed by the broker")
+            chunks.append(chunk)
+            n -= len(chunk)
+        return b"".join(chunks)
+
+    def recv_frame(self) -> bytes:
+        (size,) = struct.unpack(">i", self._read_exactly(4))
+        return self._read_exactly(size)
+
+    def recv(self, request_type, correlation_id: int):
+        """Decode the next response frame as the response to a ``request_type`` request."""
+        response_type = load_response_schema(request_type.__api_key__, request_type.__version__)
+        frame = self.recv_frame()
+        header, size = entity_reader(response_type.__header_schema__)(frame, 0)
+        assert header.correlation_id == correlation_id
+        body, used = entity_reader(response_type)(frame, size)
+        assert size + used == len(frame), "trailing bytes after the response"
+        return body
+
+    def request(self, request, client_id: str | None = "wire-test"):
+        return self.recv(type(request), self.send(request, client_id))
+
+    def is_closed(self) -> bool:
+        """True once the broker has closed the connection (waits up to the socket timeout)."""
+        try:
+            while True:
+                data = self.sock.recv(65536)
+                if not data:
+                    return True
+        except (ConnectionResetError, BrokenPipeError):
+            return True
+        except TimeoutError:
+            return False
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.fixture
+def wire(broker) -> Iterator:
+    clients: list[WireClient] = []
+
+    def connect(port: int | None = None) -> WireClient:
+        client = WireClient(port or broker.port)
+        clients.append(client)
+        return client
+
+    yield connect
+    for c in clients:
+        c.close()
+
+
+# -- request builders (any version: fields a version lacks are dropped) ------------------------
+
+MS = datetime.timedelta(milliseconds=1)
+
+
+def req(api_key: int, version: int, **fields):
+    return build(load_request_schema(api_key, version), **fields)
+
+
+def sub(api_key: int, version: int, class_name: str, /, **fields):
+    return build(nested(load_request_schema(api_key, version), class_name), **fields)
+
+
+def metadata_request(version: int, topics=None, allow_auto=True):
+    if topics is not None:
+        topics = tuple(sub(3, version, "MetadataRequestTopic", name=t, topic_id=None) for t in topics)
+    elif version == 0:
+        topics = ()
+    return req(3, version, topics=topics, allow_auto_topic_creation=allow_auto,
+               include_cluster_authorized_operations=False, include_topic_authorized_operations=False)
+
+
+def produce_request(topic: str, records: bytes, partition: int = 0, acks: int = -1, version: int = 9):
+    part = sub(0, version, "PartitionProduceData", index=partition, records=records)
+    return req(0, version, transactional_id=None, acks=acks, timeout=30_000 * MS,
+               topic_data=(sub(0, version, "TopicProduceData", name=topic, partition_data=(part,)),))
+
+
+def fetch_request(topic: str, offset: int, partition: int = 0, max_wait_ms: int = 0, min_bytes: int = 1,
+                  max_bytes: int = 1 << 20, partition_max_bytes: int = 1 << 20, version: int = 12,
+                  session_id: int = 0, session_epoch: int = -1):
+    part = sub(1, version, "FetchPartition", partition=partition, current_leader_epoch=-1, fetch_offset=offset,
+               last_fetched_epoch=-1, log_start_offset=-1, partition_max_bytes=partition_max_bytes)
+    return req(1, version, replica_id=-1, max_wait=max_wait_ms * MS, min_bytes=min_bytes, max_bytes=max_bytes,
+               isolation_level=0, session_id=session_id, session_epoch=session_epoch,
+               topics=(sub(1, version, "FetchTopic", topic=topic, partitions=(part,)),),
+               forgotten_topics_data=(), rack_id="")
+
+
+def list_offsets_request(topic: str, timestamp: int, partition: int = 0, version: int = 7):
+    part = sub(2, version, "ListOffsetsPartition", partition_index=partition, current_leader_epoch=-1,
+               timestamp=timestamp)
+    return req(2, version, replica_id=-1, isolation_level=0,
+               topics=(sub(2, version, "ListOffsetsTopic", name=topic, partitions=(part,)),))
+
+
+def create_topics_request(*topics, version: int = 7, validate_only: bool = False):
+    Topic = nested(load_request_schema(19, version), "CreatableTopic")
+    Config = nested(load_request_schema(19, version), "CreatableTopicConfig")
+    entries = tuple(build(Topic, name=name, num_partitions=n, replication_factor=rf, assignments=(),
+                          configs=tuple(build(Config, name=k, value=v) for k, v in (configs or {}).items()))
+                    for name, n, rf, configs in topics)
+    return req(19, version, topics=entries, timeout=10_000 * MS, validate_only=validate_only)
+
+
+def only_partition(response):
+    [topic] = response.responses
+    [partition] = topic.partitions if hasattr(topic, "partitions") else topic.partition_responses
+    return partition

@@ -1,0 +1,359 @@
+"""PartitionLog and Segment: offsets, rolling, index, retention, flushing, recovery, timestamps."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+
+from twophase.broker.storage import (
+    CorruptRecordError,
+    InvalidRecordError,
+    KafkaStorageError,
+    LogConfig,
+    MessageTooLargeError,
+    OffsetOutOfRangeError,
+    PartitionLog,
+    control_batch,
+    iter_batches,
+)
+from twophase.broker.storage.segment import index_path
+
+from .batches import batch, batch_offsets, decode, kafka_batch
+
+SMALL = LogConfig(segment_bytes=2048, index_interval_bytes=256)
+
+
+def values(n: int, size: int = 20, prefix: str = "v") -> list[bytes]:
+    return [f"{prefix}{i}".encode().ljust(size, b".") for i in range(n)]
+
+
+def fill(log: PartitionLog, batches: int, per_batch: int = 3, now_ms: int = 0) -> list[bytes]:
+    written = []
+    for b in range(batches):
+        vals = values(per_batch, prefix=f"b{b}-")
+        log.append(batch(vals, timestamp=1000 + 10 * b), now_ms)
+        written.extend(vals)
+    return written
+
+
+def read_all(log: PartitionLog, start: int | None = None) -> list[tuple[int, int, bytes | None, bytes | None]]:
+    out = []
+    offset = log.log_start_offset if start is None else start
+    while offset < log.high_watermark:
+        data = log.read(offset, 1000)
+        assert data
+        records = [r for r in decode(data) if r[0] >= offset]
+        out.extend(records)
+        offset = batch_offsets(data)[-1][1] + 1
+    return out
+
+
+def test_append_read_round_trip(tmp_path):
+    log = PartitionLog(str(tmp_path / "t-0"))
+    assert (log.log_start_offset, log.high_watermark) == (0, 0)
+    r1 = log.append(batch([b"a", b"b"], keys=[b"k1", None]), now_ms=0)
+    r2 = log.append(batch([b"c"]), now_ms=0)
+    assert (r1.base_offset, r1.last_offset, r1.duplicate, r1.log_append_time) == (0, 1, False, -1)
+    assert (r2.base_offset, r2.last_offset) == (2, 2)
+    assert log.high_watermark == 3
+    data = log.read(0, 1 << 20)
+    assert [(o, k, v) for o, _, k, v in decode(data)] == [(0, b"k1", b"a"), (1, None, b"b"), (2, None, b"c")]
+    assert all(h.leader_epoch == -1 for _, h in iter_batches(data))
+    assert log.read(3, 100) == b""
+    log.close()
+
+
+def test_multi_batch_append_assigns_consecutive_offsets(tmp_path):
+    log = PartitionLog(str(tmp_path / "t-0"))
+    log.append(batch([b"x"]), 0)
+    result = log.append(batch([b"a", b"b"]) + batch([b"c"]) + kafka_batch([b"d" * 300] * 2, compression=1), 0)
+    assert (result.base_offset, result.last_offset) == (1, 5)
+    assert batch_offsets(log.read(1, 1 << 20)) == [(1, 2), (3, 3), (4, 5)]
+    assert [v for _, _, _, v in decode(log.read(0, 1 << 20))] == [b"x", b"a", b"b", b"c", b"d" * 300, b"d" * 300]
+
+
+def test_read_starts_at_containing_batch_and_returns_at_least_one(tmp_path):
+    log = PartitionLog(str(tmp_path / "t-0"))
+    log.append(batch(values(5)), 0)
+    log.append(batch(values(5)), 0)
+    data = log.read(3, 1)  # max_bytes smaller than one batch
+    assert batch_offsets(data) == [(0, 4)]
+    assert batch_offsets(log.read(5, 1 << 20)) == [(5, 9)]
+    first = len(log.read(0, 1))
+    assert batch_offsets(log.read(0, first + 10)) == [(0, 4)]  # second batch does not fit whole
+    assert batch_offsets(log.read(0, 1 << 20, upper_offset=5)) == [(0, 4)]
+    assert log.read(5, 1 << 20, upper_offset=5) == b""
+
+
+def test_read_out_of_range(tmp_path):
+    log = PartitionLog(str(tmp_path / "t-0"))
+    log.append(batch([b"a"]), 0)
+    with pytest.raises(OffsetOutOfRangeError) as info:
+        log.read(2, 100)
+    assert info.value.code == 1
+    with pytest.raises(OffsetOutOfRangeError):
+        log.read(-1, 100)
+
+
+def test_segment_roll_and_read_across_segments(tmp_path):
+    log = PartitionLog(str(tmp_path / "t-0"), SMALL)
+    written = fill(log, 40)
+    assert len(log.segments) > 3
+    bases = [s.base_offset for s in log.segments]
+    assert bases == sorted(bases) and bases[0] == 0
+    assert all(s.size <= SMALL.segment_bytes for s in log.segments)
+    names = sorted(os.listdir(tmp_path / "t-0"))
+    assert f"{bases[1]:020d}.log" in names and f"{bases[1]:020d}.index" in names
+    assert [v for _, _, _, v in read_all(log)] == written
+    # One big read spans segments without skipping offsets.
+    data = log.read(0, 1 << 20)
+    assert [r[0] for r in decode(data)] == list(range(len(written)))
+    # A budget that ends inside a segment never continues into the next one.
+    for max_bytes in (100, 700, 1500, 2500):
+        offsets = [r[0] for r in decode(log.read(0, max_bytes))]
+        assert offsets == list(range(len(offsets)))
+
+
+def test_index_lookup_from_every_offset(tmp_path):
+    log = PartitionLog(str(tmp_path / "t-0"), LogConfig(index_interval_bytes=200))
+    fill(log, 30)
+    segment = log.segments[0]
+    entries = segment.index_entries()
+    assert len(entries) > 5
+    for rel, pos, _ in entries:
+        assert segment.find_position(rel) == pos
+    for offset in range(log.high_watermark):
+        (base, last), *_ = batch_offsets(log.read(offset, 1))
+        assert base <= offset <= last
+
+
+def test_index_rebuilt_when_missing_or_corrupt(tmp_path, caplog):
+    path = str(tmp_path / "t-0")
+    log = PartitionLog(path, SMALL)
+    written = fill(log, 40)
+    first = log.segments[0]
+    expected_entries = first.index_entries()
+    log.close()
+    idx = index_path(path, 0)
+    os.unlink(idx)
+    with open(index_path(path, log.segments[1].base_offset), "r+b") as f:
+        f.write(b"\xff" * 16)  # an entry pointing nowhere
+    reopened = PartitionLog(path, SMALL)
+    assert reopened.segments[0].index_entries() == expected_entries
+    assert [v for _, _, _, v in read_all(reopened)] == written
+    assert "rebuilding" in caplog.text
+
+
+def test_crc_mismatch_rejects_whole_append(tmp_path):
+    log = PartitionLog(str(tmp_path / "t-0"))
+    log.append(batch([b"ok"]), 0)
+    bad = bytearray(batch([b"corrupt me"]))
+    bad[-3] ^= 0x01
+    with pytest.raises(CorruptRecordError) as info:
+        log.append(batch([b"good"]) + bytes(bad), 0)
+    assert info.value.code == 2
+    assert log.high_watermark == 1
+    assert [v for _, _, _, v in decode(log.read(0, 1 << 20))] == [b"ok"]
+
+
+@pytest.mark.parametrize(
+    "records, error",
+    [
+        (b"", InvalidRecordError),
+        (control_batch(1, 0, True, 0, 0), InvalidRecordError),  # clients may not write markers
+        (batch([b"a"], producer_id=5, producer_epoch=0, base_sequence=-1), InvalidRecordError),
+        (batch([b"x" * 2000]), MessageTooLargeError),
+    ],
+)
+def test_invalid_appends(tmp_path, records, error):
+    log = PartitionLog(str(tmp_path / "t-0"), LogConfig(max_message_bytes=1024))
+    with pytest.raises(error):
+        log.append(records, 0)
+    assert log.high_watermark == 0
+
+
+def test_inconsistent_record_count_rejected(tmp_path):
+    import crc32c
+    import struct
+
+    data = bytearray(batch([b"a", b"b"]))
+    struct.pack_into(">i", data, 57, 5)  # recordCount no longer matches lastOffsetDelta
+    struct.pack_into(">I", data, 17, crc32c.crc32c(bytes(data[21:])))
+    log = PartitionLog(str(tmp_path / "t-0"))
+    with pytest.raises(InvalidRecordError) as info:
+        log.append(bytes(data), 0)
+    assert info.value.code == 87
+
+
+def test_coordinator_may_append_control_batches(tmp_path):
+    log = PartitionLog(str(tmp_path / "t-0"))
+    result = log.append(control_batch(1, 0, True, 0, 5), 0, from_client=False)
+    assert (result.base_offset, result.last_offset) == (0, 0)
+
+
+@pytest.mark.parametrize("cut", [1, 13, 40, 61, 70])
+def test_torn_tail_truncated_on_reopen(tmp_path, caplog, cut):
+    path = str(tmp_path / "t-0")
+    log = PartitionLog(path)
+    written = fill(log, 5)
+    size_before = log.segments[-1].size
+    last = batch([b"torn"])
+    log.append(last, 0)
+    # No close(): the process "dies" with half of the last batch on disk.
+    seg_file = log.segments[-1].path
+    os.truncate(seg_file, size_before + min(cut, len(last) - 1))
+    with caplog.at_level(logging.WARNING):
+        reopened = PartitionLog(path)
+    assert reopened.high_watermark == 15
+    assert os.path.getsize(seg_file) == size_before
+    assert [v for _, _, _, v in read_all(reopened)] == written
+    assert "offset 15" in caplog.text and f"dropping {min(cut, len(last) - 1)} bytes" in caplog.text
+    assert reopened.append(batch([b"after"]), 0).base_offset == 15
+
+
+def test_garbage_tail_truncated_on_reopen(tmp_path, caplog):
+    path = str(tmp_path / "t-0")
+    log = PartitionLog(path)
+    written = fill(log, 5)
+    log.close()
+    with open(log.segments[-1].path, "ab") as f:
+        f.write(os.urandom(500))
+    reopened = PartitionLog(path)
+    assert reopened.high_watermark == 15
+    assert [v for _, _, _, v in read_all(reopened)] == written
+    assert "dropping 500 bytes" in caplog.text
+
+
+def test_corrupt_batch_in_active_segment_truncates_from_there(tmp_path):
+    path = str(tmp_path / "t-0")
+    log = PartitionLog(path)
+    fill(log, 5)
+    positions = [pos for pos, _ in iter_batches(log.read(0, 1 << 20))]
+    log.close()
+    with open(log.segments[-1].path, "r+b") as f:
+        f.seek(positions[3] + 70)  # inside batch 3's records: CRC mismatch
+        f.write(b"\x00\xff")
+    reopened = PartitionLog(path)
+    assert reopened.high_watermark == 9
+    assert reopened.append(batch([b"a"]), 0).base_offset == 9
+
+
+def test_recovery_after_crash_keeps_all_segments(tmp_path):
+    path = str(tmp_path / "t-0")
+    log = PartitionLog(path, SMALL)
+    written = fill(log, 40)
+    # No close(): simulate kill -9 (data was fsynced per append, index of the active segment is lost).
+    reopened = PartitionLog(path, SMALL)
+    assert reopened.high_watermark == len(written)
+    assert [v for _, _, _, v in read_all(reopened)] == written
+
+
+def test_retention_by_size(tmp_path):
+    config = LogConfig(segment_bytes=2048, index_interval_bytes=256, retention_bytes=4096)
+    log = PartitionLog(str(tmp_path / "t-0"), config)
+    written = fill(log, 60)
+    assert log.log_start_offset > 0  # already enforced on roll
+    log.enforce_retention(now_ms=0)
+    assert log.size_bytes - log.segments[0].size < 4096 <= log.size_bytes
+    start = log.log_start_offset
+    assert start == log.segments[0].base_offset
+    assert [v for _, _, _, v in read_all(log)] == written[start:]
+    with pytest.raises(OffsetOutOfRangeError):
+        log.read(start - 1, 100)
+    assert not os.path.exists(os.path.join(log.directory, f"{0:020d}.log"))
+
+
+def test_retention_by_time(tmp_path):
+    config = LogConfig(segment_bytes=2048, index_interval_bytes=256, retention_ms=1000)
+    log = PartitionLog(str(tmp_path / "t-0"), config)
+    for i in range(30):  # record timestamps 0, 100, ... 2900 (old ones roll into early segments)
+        log.append(batch(values(3), timestamp=i * 100), 0)
+    segments_before = len(log.segments)
+    deleted = log.enforce_retention(now_ms=3000)
+    assert 0 < deleted < segments_before
+    assert all(3000 - s.max_timestamp <= 1000 for s in log.segments)
+    # Everything expired: the log empties but keeps its offsets.
+    hw = log.high_watermark
+    log.enforce_retention(now_ms=10_000)
+    assert (log.log_start_offset, log.high_watermark, log.size_bytes) == (hw, hw, 0)
+    assert log.append(batch([b"new"], timestamp=10_000), 0).base_offset == hw
+    log.close()
+    reopened = PartitionLog(log.directory, config)
+    assert (reopened.log_start_offset, reopened.high_watermark) == (hw, hw + 1)
+
+
+def test_flush_policy_interval(tmp_path, monkeypatch):
+    calls = []
+    import twophase.broker.storage.segment as segment_module
+
+    monkeypatch.setattr(segment_module, "_fdatasync", lambda fd: calls.append(fd))
+    log = PartitionLog(str(tmp_path / "t-0"), LogConfig(flush=1000), now_ms=0)
+    log.append(batch([b"a"]), 0)
+    assert calls == []
+    assert log.maybe_flush(0) and len(calls) == 1  # the first call sets the clock's baseline
+    log.append(batch([b"b"]), 0)
+    assert not log.maybe_flush(500)
+    assert log.maybe_flush(1000) and len(calls) == 2
+    assert not log.maybe_flush(1500)
+    always = PartitionLog(str(tmp_path / "t-1"), LogConfig(flush="always"))
+    always.append(batch([b"a"]), 0)
+    assert len(calls) == 3
+    assert not always.maybe_flush(10**12)
+
+
+def test_offset_for_timestamp(tmp_path):
+    log = PartitionLog(str(tmp_path / "t-0"), SMALL)
+    for i in range(40):
+        log.append(batch(values(3), timestamps=[i * 100, i * 100 + 10, i * 100 + 50]), 0)
+    assert len(log.segments) > 2
+    assert log.offset_for_timestamp(0) == 0
+    assert log.offset_for_timestamp(-5) == 0
+    assert log.offset_for_timestamp(1005) == 31  # batch 10: 1000, 1010, 1050
+    assert log.offset_for_timestamp(1011) == 32
+    assert log.offset_for_timestamp(1050) == 32
+    assert log.offset_for_timestamp(1051) == 33
+    found = log.timestamp_lookup(2222)
+    assert (found.offset, found.timestamp) == (68, 2250)  # batch 22: 2200, 2210, 2250
+    assert log.offset_for_timestamp(3951) is None
+    # Out-of-order timestamps: the first record at or above the target wins.
+    other = PartitionLog(str(tmp_path / "t-1"))
+    other.append(batch([b"a", b"b"], timestamps=[500, 100]), 0)
+    other.append(batch([b"c"], timestamps=[300]), 0)
+    assert other.offset_for_timestamp(200) == 0
+    assert other.offset_for_timestamp(501) is None
+
+
+def test_offset_for_timestamp_compressed_batch_answers_its_base(tmp_path):
+    log = PartitionLog(str(tmp_path / "t-0"))
+    log.append(batch([b"a"], timestamp=10), 0)
+    log.append(kafka_batch([b"z" * 400] * 3, compression=1, timestamp=100), 0)  # timestamps 100..102
+    assert log.offset_for_timestamp(101) == 1
+
+
+def test_closed_log_refuses_work(tmp_path):
+    log = PartitionLog(str(tmp_path / "t-0"))
+    log.close()
+    log.close()
+    with pytest.raises(KafkaStorageError):
+        log.append(batch([b"a"]), 0)
+
+
+def test_write_failure_takes_log_offline_until_reopen(tmp_path, monkeypatch):
+    import twophase.broker.storage.segment as segment_module
+
+    log = PartitionLog(str(tmp_path / "t-0"))
+    log.append(batch([b"a"]), 0)
+
+    def failing(fd):
+        raise OSError(5, "EIO")
+
+    monkeypatch.setattr(segment_module, "_fdatasync", failing)
+    with pytest.raises(KafkaStorageError):
+        log.append(batch([b"b"]), 0)
+    with pytest.raises(KafkaStorageError):
+        log.read(0, 100)
+    monkeypatch.undo()
+    reopened = PartitionLog(log.directory)
+    assert reopened.high_watermark in (1, 2)

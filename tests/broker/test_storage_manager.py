@@ -1,0 +1,166 @@
+"""LogManager: topics, metadata persistence, name validation, locking, periodic work."""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+
+import pytest
+
+from twophase.broker.storage import (
+    DataDirLockedError,
+    InvalidConfigError,
+    InvalidPartitionsError,
+    InvalidTopicError,
+    LogConfig,
+    LogManager,
+    TopicAlreadyExistsError,
+    TopicInfo,
+    UnknownTopicOrPartitionError,
+)
+
+from .batches import batch, decode
+
+
+@pytest.fixture
+def data_dir(tmp_path):
+    return str(tmp_path / "data")
+
+
+def test_create_append_reopen(data_dir):
+    manager = LogManager(data_dir)
+    info = manager.create_topic("orders", 3, config={"retention.ms": "3600000", "segment_bytes": 4096})
+    assert isinstance(info.topic_id, uuid.UUID) and info.partitions == 3
+    manager.partition("orders", 2).append(batch([b"hello"]), 0)
+    assert sorted(os.listdir(data_dir)) == [".lock", "orders-0", "orders-1", "orders-2", "topics.json"]
+    manager.close()
+
+    reopened = LogManager(data_dir)
+    overrides = {"retention_ms": 3600000, "segment_bytes": 4096}
+    assert reopened.topics() == {"orders": TopicInfo(info.topic_id, 3, overrides)}
+    config = reopened.topic_config("orders")
+    assert (config.retention_ms, config.segment_bytes) == (3600000, 4096)
+    assert reopened.partition("orders", 2).config == config
+    assert [v for *_, v in decode(reopened.partition("orders", 2).read(0, 1000))] == [b"hello"]
+    reopened.close()
+
+
+def test_metadata_file_is_plain_json(data_dir):
+    manager = LogManager(data_dir)
+    info = manager.create_topic("a", 1)
+    with open(os.path.join(data_dir, "topics.json")) as f:
+        assert json.load(f)["topics"]["a"] == {"topic_id": str(info.topic_id), "partitions": 1, "config": {}}
+    assert not [n for n in os.listdir(data_dir) if n.endswith(".tmp")]
+    manager.close()
+
+
+@pytest.mark.parametrize("name", ["", ".", "..", "a" * 250, "has space", "slash/es", "ünï", "colon:"])
+def test_invalid_topic_names(data_dir, name):
+    manager = LogManager(data_dir)
+    with pytest.raises(InvalidTopicError) as info:
+        manager.create_topic(name, 1)
+    assert info.value.code == 17
+    assert manager.topics() == {}
+
+
+def test_valid_unusual_names(data_dir):
+    manager = LogManager(data_dir)
+    for name in ["a" * 249, "...", "__consumer_offsets", "with-dash-0", "A.b_c-9"]:
+        manager.create_topic(name, 2)
+    manager.partition("with-dash-0", 1).append(batch([b"x"]), 0)
+    manager.close()
+    reopened = LogManager(data_dir)
+    assert reopened.partition("with-dash-0", 1).high_watermark == 1  # dir "with-dash-0-1"
+    assert len(reopened.topics()) == 5
+
+
+def test_duplicate_and_colliding_topics(data_dir):
+    manager = LogManager(data_dir)
+    manager.create_topic("a.b", 1)
+    with pytest.raises(TopicAlreadyExistsError) as info:
+        manager.create_topic("a.b", 1)
+    assert info.value.code == 36
+    with pytest.raises(InvalidTopicError):
+        manager.create_topic("a_b", 1)
+
+
+def test_bad_partitions_and_config(data_dir):
+    manager = LogManager(data_dir)
+    with pytest.raises(InvalidPartitionsError):
+        manager.create_topic("t", 0)
+    with pytest.raises(InvalidConfigError) as info:
+        manager.create_topic("t", 1, config={"cleanup.policy": "compact"})
+    assert info.value.code == 40
+    with pytest.raises(InvalidConfigError):
+        manager.create_topic("t", 1, config={"retention.ms": "soon"})
+    with pytest.raises(InvalidConfigError):
+        manager.create_topic("t", 1, config={"segment.bytes": "10"})
+    assert manager.topics() == {}
+
+
+def test_unknown_topic_or_partition(data_dir):
+    manager = LogManager(data_dir)
+    manager.create_topic("t", 2)
+    for topic, p in [("t", 2), ("t", -1), ("nope", 0)]:
+        with pytest.raises(UnknownTopicOrPartitionError) as info:
+            manager.partition(topic, p)
+        assert info.value.code == 3
+    with pytest.raises(UnknownTopicOrPartitionError):
+        manager.delete_topic("nope")
+
+
+def test_delete_topic_and_recreate(data_dir):
+    manager = LogManager(data_dir)
+    old = manager.create_topic("t", 2)
+    manager.partition("t", 0).append(batch([b"old"]), 0)
+    manager.delete_topic("t")
+    assert manager.topics() == {} and not os.path.exists(os.path.join(data_dir, "t-0"))
+    new = manager.create_topic("t", 1)
+    assert new.topic_id != old.topic_id
+    assert manager.partition("t", 0).high_watermark == 0
+    manager.close()
+    assert set(LogManager(data_dir).topics()) == {"t"}
+
+
+def test_stale_directories_do_not_resurface(data_dir):
+    manager = LogManager(data_dir)
+    manager.create_topic("t", 1)
+    manager.partition("t", 0).append(batch([b"old"]), 0)
+    manager.close()
+    # A delete interrupted after the metadata update but before the directories went away.
+    with open(os.path.join(data_dir, "topics.json"), "w") as f:
+        json.dump({"version": 1, "topics": {}}, f)
+    reopened = LogManager(data_dir)
+    assert os.path.isdir(os.path.join(data_dir, "t-0"))  # left for a human, with a warning
+    reopened.create_topic("t", 1)
+    assert reopened.partition("t", 0).high_watermark == 0
+
+
+def test_data_dir_lock(data_dir):
+    manager = LogManager(data_dir)
+    with pytest.raises(DataDirLockedError):
+        LogManager(data_dir)
+    manager.close()
+    LogManager(data_dir).close()
+
+
+def test_flush_due_and_retention(data_dir):
+    manager = LogManager(data_dir, LogConfig(flush=100, segment_bytes=1024, retention_ms=1000))
+    manager.create_topic("t", 2)
+    for i in range(30):
+        manager.partition("t", i % 2).append(batch([b"x" * 50], timestamp=0), 0)
+    assert manager.flush_due(now_ms=10_000) == 2
+    assert manager.flush_due(now_ms=10_001) == 0
+    assert manager.enforce_retention(now_ms=10_000) > 0
+    assert manager.partition("t", 0).log_start_offset == manager.partition("t", 0).high_watermark == 15
+
+
+def test_default_config():
+    config = LogConfig()
+    assert (config.segment_bytes, config.index_interval_bytes, config.retention_bytes) == (64 << 20, 4096, -1)
+    assert (config.retention_ms, config.flush, config.flush_interval_ms) == (7 * 24 * 3600 * 1000, "always", None)
+    assert LogConfig(flush=250).flush_interval_ms == 250
+    assert config.with_overrides({"flush.ms": "50"}).flush == 50
+    with pytest.raises(InvalidConfigError):
+        LogConfig(flush="sometimes")

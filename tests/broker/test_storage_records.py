@@ -1,0 +1,123 @@
+"""RecordBatch v2 header parsing, validation, offset rewriting and control batches."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from kafka.record import MemoryRecords
+
+from twophase.broker.storage import (
+    CorruptRecordError,
+    control_batch,
+    iter_batches,
+    parse_control_record,
+    parse_header,
+    set_base_offset,
+    validate_batch,
+)
+from twophase.broker.storage.records import iter_record_timestamps
+from twophase.broker.storage.varint import decode_varint, encode_varint
+
+from .batches import batch, decode, kafka_batch
+
+
+def test_header_fields():
+    data = batch([b"a", b"b", b"c"], timestamp=5000, producer_id=42, producer_epoch=3, base_sequence=10,
+                 transactional=True)
+    h = validate_batch(data)
+    assert (h.base_offset, h.magic, h.record_count, h.last_offset_delta) == (0, 2, 3, 2)
+    assert (h.base_timestamp, h.max_timestamp) == (5000, 5002)
+    assert (h.producer_id, h.producer_epoch, h.base_sequence, h.last_sequence) == (42, 3, 10, 12)
+    assert h.is_transactional and not h.is_control
+    assert h.size == len(data) and h.last_offset == 2
+
+
+def test_header_matches_kafka_python_builder():
+    data = kafka_batch([b"x"] * 4, producer_id=9, producer_epoch=1, base_sequence=0)
+    h = validate_batch(data)
+    assert (h.record_count, h.producer_id, h.base_sequence, h.size) == (4, 9, 0, len(data))
+
+
+def test_iter_batches_several():
+    data = batch([b"a"]) + batch([b"b", b"c"]) + kafka_batch([b"d" * 500], compression=1)
+    found = list(iter_batches(data))
+    assert [h.record_count for _, h in found] == [1, 2, 1]
+    assert found[1][0] == len(batch([b"a"]))
+    assert found[2][1].compression == 1
+
+
+@pytest.mark.parametrize(
+    "mutate, reason",
+    [
+        (lambda d: d[:8], "truncated"),
+        (lambda d: d[:30], "exceeds"),
+        (lambda d: d[:-1], "exceeds"),
+        (lambda d: d[:16] + b"\x01" + d[17:], "magic"),
+        (lambda d: d[:-1] + bytes([d[-1] ^ 0xFF]), "CRC"),
+        (lambda d: d[:8] + struct.pack(">i", 10) + d[12:], "shorter"),
+        (lambda d: d[:8] + struct.pack(">i", -5) + d[12:], "shorter"),
+        (lambda d: d[:8] + struct.pack(">i", 2**31 - 1) + d[12:], "exceeds"),
+    ],
+)
+def test_validation_errors(mutate, reason):
+    bad = mutate(batch([b"hello", b"world"]))
+    with pytest.raises(CorruptRecordError) as info:
+        list(iter_batches(bad))
+    assert reason in str(info.value)
+    assert info.value.code == 2
+
+
+def test_error_reports_position_of_second_batch():
+    first = batch([b"a"])
+    with pytest.raises(CorruptRecordError) as info:
+        list(iter_batches(first + b"\x00" * 20))
+    assert info.value.position == len(first)
+
+
+def test_set_base_offset_keeps_crc_valid():
+    data = bytearray(batch([b"a", b"b"]))
+    set_base_offset(data, 0, 1234, leader_epoch=7)
+    h = validate_batch(data)
+    assert (h.base_offset, h.leader_epoch, h.last_offset) == (1234, 7, 1235)
+    assert [r[0] for r in decode(bytes(data))] == [1234, 1235]
+
+
+@pytest.mark.parametrize("commit", [True, False])
+def test_control_batch(commit):
+    data = control_batch(producer_id=77, producer_epoch=4, commit=commit, coordinator_epoch=12, timestamp_ms=999)
+    h = validate_batch(data)
+    assert h.is_control and h.is_transactional and h.record_count == 1
+    assert (h.producer_id, h.producer_epoch, h.base_sequence, h.max_timestamp) == (77, 4, -1, 999)
+    marker = parse_control_record(data)
+    assert (marker.commit, marker.coordinator_epoch) == (commit, 12)
+    # An independent decoder agrees.
+    kb = MemoryRecords(data).next_batch()
+    assert kb.validate_crc() and kb.is_control_batch
+    (record,) = list(kb)
+    assert record.type == (1 if commit else 0)
+
+
+def test_parse_control_record_rejects_data_batch():
+    with pytest.raises(CorruptRecordError):
+        parse_control_record(batch([b"a"]))
+
+
+def test_record_timestamps_uncompressed_and_compressed():
+    data = batch([b"a", b"b", b"c"], timestamps=[50, 20, 70])
+    assert list(iter_record_timestamps(data)) == [(0, 50), (1, 20), (2, 70)]
+    with pytest.raises(ValueError):
+        list(iter_record_timestamps(kafka_batch([b"a" * 500], compression=1)))
+
+
+def test_parse_header_needs_61_bytes():
+    with pytest.raises(CorruptRecordError):
+        parse_header(b"\x00" * 60)
+
+
+@given(st.integers(min_value=-(2**63), max_value=2**63 - 1))
+def test_varint_round_trip(value):
+    encoded = encode_varint(value)
+    assert decode_varint(encoded + b"junk", 0) == (value, len(encoded))

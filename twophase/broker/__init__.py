@@ -1,0 +1,25 @@
+"""The built-in log broker: a durable partitioned log that speaks the Kafka wire protocol.
+
+Any Kafka client (confluent-kafka/librdkafka, kcat, kafka-python, aiokafka) can produce to it
+and consume from it. Layout:
+
+- :mod:`.storage` - partition logs, segments, producer state, topics (the durable part);
+- :mod:`.server` - asyncio TCP server: framing, size limit, per-connection request loop;
+- :mod:`.protocol` - the registry of supported APIs and version ranges;
+- :mod:`.apis` - one module per API (Produce, Fetch, ListOffsets, Metadata, ...);
+- :mod:`.codec` - bounds-checked request decoding and response encoding on top of kio;
+- :mod:`.broker` - the embeddable :class:`Broker` (start/stop, port, data directory state);
+- :mod:`.cli` - the ``twophase broker`` command.
+
+Example::
+
+    from twophase.broker import Broker
+
+    with Broker("/tmp/broker-data", default_partitions=3) as broker:
+        print(broker.bootstrap)      # "127.0.0.1:<port>"
+"""
+
+from .broker import Broker, BrokerConfig
+from .protocol import APIS
+
+__all__ = ["APIS", "Broker", "BrokerConfig"]

@@ -1,0 +1,40 @@
+"""DeleteTopics (key 20): delete topics by name (v1-v5) or by name or topic id (v6)."""
+
+from __future__ import annotations
+
+from kio.schema.errors import ErrorCode
+
+from ..codec import build, nested
+from ..storage import KafkaError
+from ._common import NO_THROTTLE, error
+
+
+async def handle(broker, request):
+    body, rt = request.body, request.response_type()
+    Result = nested(rt, "DeletableTopicResult")
+    if request.version >= 6:
+        wanted = [(t.name, t.topic_id) for t in body.topics]
+    else:
+        wanted = [(name, None) for name in body.topic_names]
+    results = []
+    for name, topic_id in wanted:
+        known = broker.topics()
+        if name is None:
+            match = [n for n, info in known.items() if info.topic_id == topic_id]
+            if not match:
+                results.append(build(Result, name=None, topic_id=topic_id, error_code=ErrorCode.unknown_topic_id,
+                                     error_message=f"no topic with id {topic_id}"))
+                continue
+            name = match[0]
+        info = known.get(name)
+        if info is None:
+            results.append(build(Result, name=name, topic_id=topic_id, error_code=ErrorCode.unknown_topic_or_partition,
+                                 error_message=f"no topic {name!r}"))
+            continue
+        try:
+            broker.delete_topic(name)
+            code, message = ErrorCode.none, None
+        except KafkaError as exc:
+            code, message = error(exc.code), str(exc)
+        results.append(build(Result, name=name, topic_id=info.topic_id, error_code=code, error_message=message))
+    return build(rt, throttle_time=NO_THROTTLE, responses=tuple(results))

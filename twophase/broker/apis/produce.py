@@ -1,0 +1,66 @@
+"""Produce (key 0), v3-v9: append RecordBatch v2 bytes to partition logs.
+
+The records are handed to storage as they are: it validates each batch (CRC-32C, magic,
+idempotent-producer sequence), assigns offsets and never decodes individual records. A retried
+idempotent batch is acknowledged with its original offset. acks must be 0, 1 or -1; with acks=0
+no response is sent. Unknown topics are created when the broker auto-creates topics.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from datetime import datetime, timezone
+
+from kio.schema.errors import ErrorCode
+
+from ..codec import build, nested
+from ..storage import KafkaError
+from ._common import NO_THROTTLE, NONE, error
+
+log = logging.getLogger("twophase.broker")
+
+
+async def handle(broker, request):
+    body, rt = request.body, request.response_type()
+    TopicResponse, PartitionResponse = nested(rt, "TopicProduceResponse"), nested(rt, "PartitionProduceResponse")
+    acks = body.acks
+    now_ms = int(time.time() * 1000)
+
+    def partition_response(index, code, base_offset=-1, append_time=-1, log_start=-1, message=None):
+        return build(PartitionResponse, index=index, error_code=code, base_offset=base_offset,
+                     log_append_time=(datetime.fromtimestamp(append_time / 1000, timezone.utc)
+                                      if append_time >= 0 else None),
+                     log_start_offset=log_start, record_errors=(), error_message=message)
+
+    topics = []
+    for topic in body.topic_data:
+        partitions = []
+        for part in topic.partition_data:
+            if acks not in (0, 1, -1):
+                partitions.append(partition_response(part.index, ErrorCode.invalid_required_acks))
+                continue
+            if body.transactional_id is not None:
+                partitions.append(partition_response(part.index, ErrorCode.transactional_id_authorization_failed,
+                                                     message="transactions are not supported yet"))
+                continue
+            if not part.records:
+                partitions.append(partition_response(part.index, ErrorCode.invalid_record, message="no records"))
+                continue
+            try:
+                plog = broker.partition_log(topic.name, part.index, create=True)
+                result = plog.append(part.records, now_ms)
+            except KafkaError as exc:
+                if exc.code not in (3, 45, 47):  # routine for clients; the rest is worth a look
+                    log.info("produce to %s-%d from %s refused: %s", topic.name, part.index, request.peer, exc)
+                partitions.append(partition_response(part.index, error(exc.code), message=str(exc)[:200]))
+                continue
+            if not result.duplicate:
+                broker.data_arrived(topic.name, part.index)
+            partitions.append(partition_response(part.index, NONE, result.base_offset, result.log_append_time,
+                                                 plog.log_start_offset))
+        topics.append(build(TopicResponse, name=topic.name, partition_responses=tuple(partitions)))
+    if acks == 0:
+        return None
+    return build(rt, responses=tuple(topics), throttle_time=NO_THROTTLE)
+

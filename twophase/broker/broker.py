@@ -1,0 +1,343 @@
+"""The embeddable broker: storage, the Kafka protocol server and the state the APIs share.
+
+Synchronous use (tests, the demo) runs the asyncio loop in a background thread::
+
+    with Broker("/tmp/data", port=0, default_partitions=3) as broker:
+        bootstrap = f"127.0.0.1:{broker.port}"
+        ...
+
+Inside a running event loop use the async API instead::
+
+    broker = Broker("/tmp/data")
+    await broker.start_async()
+    ...
+    await broker.stop_async()
+
+What lives in the data directory besides the storage layer's files (``topics.json``, ``.lock``,
+one ``<topic>-<partition>/`` per partition): ``broker.json`` (cluster id, written once) and
+``producer-ids.json`` (the next unreserved producer id). Producer ids are reserved in blocks,
+so the file is rewritten once per ``PRODUCER_ID_BLOCK`` allocations and an id is never handed
+out twice, even after a crash.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import dataclasses
+import json
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import Iterable
+from typing import Literal
+
+from .server import DEFAULT_MAX_REQUEST_BYTES, Dispatcher, KafkaServer
+from .storage import KafkaError, LogConfig, LogManager, TopicInfo, UnknownTopicOrPartitionError
+from twophase.durable import atomic_write
+
+log = logging.getLogger("twophase.broker")
+
+BROKER_FILE = "broker.json"
+PRODUCER_IDS_FILE = "producer-ids.json"
+PRODUCER_ID_BLOCK = 1000
+
+
+@dataclasses.dataclass(frozen=True)
+class BrokerConfig:
+    """Broker settings. ``fsync``: "always" (every append) or the maximum ms between fsyncs."""
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    advertised_host: str | None = None  # what Metadata tells clients; default: host (127.0.0.1 for 0.0.0.0)
+    node_id: int = 0
+    default_partitions: int = 1
+    max_partitions_per_topic: int = 1000  # CreateTopics asking for more gets INVALID_PARTITIONS
+    auto_create_topics: bool = True
+    fsync: Literal["always"] | int = "always"
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    log_config: LogConfig | None = None  # base topic config; its flush setting is replaced by ``fsync``
+    retention_check_interval_ms: int = 300_000
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.default_partitions <= self.max_partitions_per_topic:
+            raise ValueError("default_partitions must be between 1 and max_partitions_per_topic")
+        if self.fsync != "always" and (isinstance(self.fsync, bool) or not isinstance(self.fsync, int)
+                                       or self.fsync < 0):
+            raise ValueError(f"fsync must be 'always' or an interval in ms, not {self.fsync!r}")
+
+    def topic_defaults(self) -> LogConfig:
+        return dataclasses.replace(self.log_config or LogConfig(), flush=self.fsync)
+
+
+class Broker:
+    """A single-node Kafka-protocol broker over a data directory."""
+
+    def __init__(self, data_dir: str, host: str | None = None, port: int | None = None, *,
+                 config: BrokerConfig | None = None, **options) -> None:
+        """``host`` (default 127.0.0.1), ``port`` (default 0: any free port) and ``options`` (any
+        BrokerConfig field) override the corresponding fields of ``config``."""
+        self.data_dir = os.path.abspath(data_dir)
+        if host is not None:
+            options["host"] = host
+        if port is not None:
+            options["port"] = port
+        self.config = dataclasses.replace(config or BrokerConfig(), **options)
+        self.cluster_id = ""
+        self.logs: LogManager | None = None
+        self._server: KafkaServer | None = None
+        self._waiters: dict[tuple[str, int], set[asyncio.Future]] = {}
+        self._tasks: list[asyncio.Task] = []
+        self._next_producer_id = 0
+        self._reserved_producer_ids = 0
+        # Background-thread mode.
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    # -- lifecycle (async) -----------------------------------------------------------------------
+
+    @property
+    def port(self) -> int:
+        return self._server.port if self._server else self.config.port
+
+    @property
+    def node_id(self) -> int:
+        return self.config.node_id
+
+    @property
+    def advertised_host(self) -> str:
+        if self.config.advertised_host:
+            return self.config.advertised_host
+        return "127.0.0.1" if self.config.host in ("", "0.0.0.0", "::") else self.config.host
+
+    @property
+    def bootstrap(self) -> str:
+        return f"{self.advertised_host}:{self.port}"
+
+    async def start_async(self) -> None:
+        """Open the data directory and start listening (in the running event loop)."""
+        os.makedirs(self.data_dir, exist_ok=True)
+        self.logs = LogManager(self.data_dir, self.config.topic_defaults())
+        try:
+            self._load_broker_file()
+            self._load_producer_ids()
+            self._server = KafkaServer(Dispatcher(self), self.config.host, self.config.port,
+                                       self.config.max_request_bytes)
+            await self._server.start()
+        except BaseException:
+            self.logs.close()
+            self.logs = None
+            raise
+        self._tasks = [asyncio.create_task(self._periodic())]
+        topics = self.logs.topics()
+        log.info("broker %d listening on %s:%d (advertised %s), data %s, %d topics, fsync %s, cluster %s",
+                 self.node_id, self.config.host, self.port, self.bootstrap, self.data_dir, len(topics),
+                 self.config.fsync, self.cluster_id)
+
+    async def stop_async(self) -> None:
+        """Close every connection, flush and close storage. Idempotent."""
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            try:
+                await task
+            except (asyncio.CancelledError, Exception):
+                pass
+        self._tasks = []
+        if self._server is not None:
+            await self._server.close()
+        for waiters in self._waiters.values():
+            for fut in waiters:
+                if not fut.done():
+                    fut.cancel()
+        self._waiters.clear()
+        if self.logs is not None:
+            self.logs.close()
+            self.logs = None
+            log.info("broker %d on port %d stopped", self.node_id, self.port)
+
+    async def __aenter__(self) -> Broker:
+        await self.start_async()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.stop_async()
+
+    async def _periodic(self) -> None:
+        flush_ms = None if self.config.fsync == "always" else self.config.fsync
+        tick = 1.0 if flush_ms is None else max(0.01, min(flush_ms, 1000) / 1000)
+        next_retention = time.monotonic() + self.config.retention_check_interval_ms / 1000
+        while True:
+            await asyncio.sleep(tick)
+            now_ms = int(time.time() * 1000)
+            try:
+                if flush_ms is not None:
+                    self.logs.flush_due(now_ms)
+                if time.monotonic() >= next_retention:
+                    next_retention = time.monotonic() + self.config.retention_check_interval_ms / 1000
+                    self.logs.enforce_retention(now_ms)
+            except Exception:
+                log.exception("periodic flush/retention failed")
+
+    # -- lifecycle (sync, background thread) -----------------------------------------------------
+
+    def start(self) -> Broker:
+        """Start the broker in a background thread; returns once it is listening."""
+        if self._thread is not None:
+            raise RuntimeError("broker already started")
+        ready = threading.Event()
+        failure: list[BaseException] = []
+        loop = asyncio.new_event_loop()
+
+        def run() -> None:
+            asyncio.set_event_loop(loop)
+            try:
+                loop.run_until_complete(self.start_async())
+            except BaseException as exc:  # reported to start()'s caller
+                failure.append(exc)
+                ready.set()
+                loop.close()
+                return
+            ready.set()
+            try:
+                loop.run_forever()
+            finally:
+                loop.run_until_complete(loop.shutdown_asyncgens())
+                loop.close()
+
+        self._loop = loop
+        self._thread = threading.Thread(target=run, name=f"twophase-broker-{id(self):x}", daemon=True)
+        self._thread.start()
+        ready.wait()
+        if failure:
+            self._thread.join()
+            self._thread = self._loop = None
+            raise failure[0]
+        return self
+
+    def stop(self) -> None:
+        """Stop a broker started with start(). Idempotent."""
+        if self._thread is None or self._loop is None:
+            return
+        loop = self._loop
+        try:
+            asyncio.run_coroutine_threadsafe(self.stop_async(), loop).result(timeout=30)
+        finally:
+            loop.call_soon_threadsafe(loop.stop)
+            self._thread.join(timeout=30)
+            self._thread = self._loop = None
+
+    def __enter__(self) -> Broker:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def call(self, fn, *args):
+        """Run ``fn(*args)`` on the broker's event loop thread and return its result (thread mode)."""
+        if self._loop is None:
+            return fn(*args)
+
+        async def run():
+            return fn(*args)
+
+        return asyncio.run_coroutine_threadsafe(run(), self._loop).result(timeout=30)
+
+    # -- persistent broker state -----------------------------------------------------------------
+
+    def _load_broker_file(self) -> None:
+        path = os.path.join(self.data_dir, BROKER_FILE)
+        try:
+            with open(path) as f:
+                self.cluster_id = json.load(f)["cluster_id"]
+            return
+        except FileNotFoundError:
+            pass
+        self.cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).rstrip(b"=").decode()
+        atomic_write(path, json.dumps({"version": 1, "cluster_id": self.cluster_id}).encode())
+        log.info("new data directory %s: cluster id %s", self.data_dir, self.cluster_id)
+
+    def _load_producer_ids(self) -> None:
+        try:
+            with open(os.path.join(self.data_dir, PRODUCER_IDS_FILE)) as f:
+                self._next_producer_id = int(json.load(f)["next_unreserved"])
+        except FileNotFoundError:
+            self._next_producer_id = 0
+        self._reserved_producer_ids = self._next_producer_id
+
+    def allocate_producer_id(self) -> int:
+        """A producer id never handed out before by this data directory."""
+        if self._next_producer_id >= self._reserved_producer_ids:
+            reserved = self._next_producer_id + PRODUCER_ID_BLOCK
+            atomic_write(os.path.join(self.data_dir, PRODUCER_IDS_FILE),
+                         json.dumps({"version": 1, "next_unreserved": reserved}).encode())
+            self._reserved_producer_ids = reserved
+        producer_id = self._next_producer_id
+        self._next_producer_id += 1
+        return producer_id
+
+    # -- topics and partitions (for the API handlers; event-loop thread only) ---------------------
+
+    def topics(self) -> dict[str, TopicInfo]:
+        return self.logs.topics()
+
+    def create_topic(self, name: str, partitions: int, configs: dict | None = None, *,
+                     validate_only: bool = False) -> TopicInfo | None:
+        if validate_only:
+            from .storage import validate_topic_name
+            from .storage.config import normalize_overrides
+
+            validate_topic_name(name)
+            normalize_overrides(configs or {})
+            return None
+        return self.logs.create_topic(name, partitions, configs or None)
+
+    def auto_create_topic(self, name: str) -> TopicInfo:
+        """Create ``name`` with the default partition count; raises KafkaError (bad name...)."""
+        info = self.logs.create_topic(name, self.config.default_partitions)
+        log.info("auto-created topic %s with %d partitions", name, info.partitions)
+        return info
+
+    def delete_topic(self, name: str) -> None:
+        info = self.logs.topics().get(name)
+        self.logs.delete_topic(name)
+        if info is not None:
+            for p in range(info.partitions):
+                self.data_arrived(name, p)  # parked fetches re-read and see the topic gone
+
+    def partition_log(self, topic: str, partition: int, create: bool = False):
+        """The PartitionLog, auto-creating the topic if asked and configured; raises KafkaError."""
+        try:
+            return self.logs.partition(topic, partition)
+        except UnknownTopicOrPartitionError:
+            if not (create and self.config.auto_create_topics) or topic in self.logs.topics():
+                raise
+        self.auto_create_topic(topic)
+        return self.logs.partition(topic, partition)
+
+    # -- long-poll wake-ups ----------------------------------------------------------------------
+
+    def data_waiter(self, keys: Iterable[tuple[str, int]]) -> asyncio.Future:
+        """A future completed by the next data_arrived() on any of ``keys``."""
+        fut = asyncio.get_running_loop().create_future()
+        for key in keys:
+            self._waiters.setdefault(key, set()).add(fut)
+        return fut
+
+    def drop_waiter(self, keys: Iterable[tuple[str, int]], fut: asyncio.Future) -> None:
+        for key in keys:
+            waiters = self._waiters.get(key)
+            if waiters is not None:
+                waiters.discard(fut)
+                if not waiters:
+                    del self._waiters[key]
+
+    def data_arrived(self, topic: str, partition: int) -> None:
+        waiters = self._waiters.pop((topic, partition), None)
+        if waiters:
+            for fut in waiters:
+                if not fut.done():
+                    fut.set_result(None)
+

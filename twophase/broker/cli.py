@@ -1,0 +1,115 @@
+"""The ``twophase broker`` command: run the built-in broker until SIGTERM or SIGINT.
+
+    twophase broker --data-dir DIR [--host 127.0.0.1] [--port 9092] [--default-partitions N]
+                    [--fsync always|<ms>] [--no-auto-create-topics] [--advertised-host HOST]
+
+Wiring (twophase/cli.py)::
+
+    from twophase.broker.cli import add_broker_parser
+    add_broker_parser(sub)           # sets func=run_broker; run_broker(args) needs no ZooKeeper
+
+Also runnable alone: ``python -m twophase.broker.cli --data-dir DIR``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+
+from .broker import Broker, BrokerConfig
+from .server import DEFAULT_MAX_REQUEST_BYTES
+from .storage import DataDirLockedError
+
+log = logging.getLogger("twophase.broker")
+
+
+def _fsync(value: str) -> str | int:
+    if value == "always":
+        return value
+    try:
+        ms = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--fsync takes 'always' or a number of milliseconds, not {value!r}")
+    if ms < 0:
+        raise argparse.ArgumentTypeError("--fsync interval must be >= 0 ms")
+    return ms
+
+
+def _positive(value: str) -> int:
+    n = int(value)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {n}")
+    return n
+
+
+def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p.add_argument("--data-dir", required=True, help="directory of the logs and broker state")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
+    p.add_argument("--port", type=int, default=9092, help="port to listen on, 0 for any (default %(default)s)")
+    p.add_argument("--advertised-host", help="host name given to clients in Metadata (default: --host)")
+    p.add_argument("--default-partitions", type=_positive, default=1,
+                   help="partitions of auto-created topics and of CreateTopics with -1 (default %(default)s)")
+    p.add_argument("--no-auto-create-topics", dest="auto_create_topics", action="store_false",
+                   help="do not create unknown topics on Metadata or Produce")
+    p.add_argument("--fsync", type=_fsync, default="always",
+                   help="'always' (fsync every append) or the maximum milliseconds between fsyncs "
+                        "(default %(default)s)")
+    p.add_argument("--max-request-bytes", type=_positive, default=DEFAULT_MAX_REQUEST_BYTES,
+                   help="largest request accepted; larger ones close the connection (default %(default)s)")
+    p.set_defaults(func=run_broker)
+    return p
+
+
+def add_broker_parser(subparsers) -> argparse.ArgumentParser:
+    """Add the ``broker`` subcommand to an argparse subparsers object; returns its parser."""
+    p = subparsers.add_parser("broker", help="run the built-in Kafka-protocol log broker",
+                              description="Run the built-in log broker (Kafka wire protocol) until "
+                                          "SIGTERM or SIGINT.")
+    return configure_parser(p)
+
+
+def _config(args) -> BrokerConfig:
+    return BrokerConfig(host=args.host, port=args.port, advertised_host=args.advertised_host,
+                        default_partitions=args.default_partitions, auto_create_topics=args.auto_create_topics,
+                        fsync=args.fsync, max_request_bytes=args.max_request_bytes)
+
+
+async def _serve(args) -> None:
+    broker = Broker(args.data_dir, config=_config(args))
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, lambda s=sig: (log.info("%s: shutting down", signal.Signals(s).name),
+                                                    stop.set()))
+    await broker.start_async()
+    print(f"twophase broker listening on {broker.bootstrap}", flush=True)
+    try:
+        await stop.wait()
+    finally:
+        await broker.stop_async()
+
+
+def run_broker(args, *_ignored) -> int:
+    """Run until SIGTERM/SIGINT; 0 after a clean shutdown, 2 if the broker cannot start."""
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("twophase.broker").setLevel(logging.INFO)
+    try:
+        asyncio.run(_serve(args))
+    except (OSError, DataDirLockedError, ValueError) as exc:  # port or data directory in use, bad settings
+        print(f"twophase broker: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = configure_parser(argparse.ArgumentParser(prog="twophase broker", description=__doc__.split("\n")[0]))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

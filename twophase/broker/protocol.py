@@ -1,0 +1,98 @@
+"""The API registry: which Kafka APIs this broker serves, in which versions, by which module.
+
+Each handler module in :mod:`twophase.broker.apis` has ``async def handle(broker, request)``
+returning a kio response object (or None when no response is due, as for Produce with
+acks=0). The table below is the only place that names version ranges; ApiVersions advertises
+exactly it, and the server refuses anything outside it.
+
+Example::
+
+    api = API_BY_KEY.get(api_key)            # None: unknown key, the connection is closed
+    if api and api.supports(version):
+        request_type = api.request_type(version)
+
+Why these ranges (DESIGN.md section 6): Produce starts at 3 (RecordBatch v2, idempotence);
+Fetch stops at 12 because 13+ addresses topics by id; Metadata stops at 12 (13 adds nothing a
+client here needs); ApiVersions stops at 3, so kafka-python's v4 gets the v0-shaped
+UNSUPPORTED_VERSION answer it falls back on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from types import ModuleType
+from typing import Any
+
+from kio.index import load_request_schema, load_response_schema
+
+from .apis import (
+    api_versions,
+    create_topics,
+    delete_topics,
+    fetch,
+    find_coordinator,
+    init_producer_id,
+    list_offsets,
+    metadata,
+    produce,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Api:
+    key: int
+    name: str
+    handler: ModuleType
+    min_version: int
+    max_version: int
+
+    def supports(self, version: int) -> bool:
+        return self.min_version <= version <= self.max_version
+
+    def request_type(self, version: int) -> type:
+        return _request_type(self.key, version)
+
+    def response_type(self, version: int) -> type:
+        return _response_type(self.key, version)
+
+
+@functools.cache
+def _request_type(key: int, version: int) -> type:
+    return load_request_schema(key, version)
+
+
+@functools.cache
+def _response_type(key: int, version: int) -> type:
+    return load_response_schema(key, version)
+
+
+APIS: tuple[Api, ...] = (
+    Api(0, "Produce", produce, 3, 9),
+    Api(1, "Fetch", fetch, 4, 12),
+    Api(2, "ListOffsets", list_offsets, 1, 7),
+    Api(3, "Metadata", metadata, 0, 12),
+    Api(10, "FindCoordinator", find_coordinator, 0, 4),
+    Api(18, "ApiVersions", api_versions, 0, 3),
+    Api(19, "CreateTopics", create_topics, 2, 7),
+    Api(20, "DeleteTopics", delete_topics, 1, 6),
+    Api(22, "InitProducerId", init_producer_id, 0, 4),
+)
+
+API_BY_KEY: dict[int, Api] = {api.key: api for api in APIS}
+
+
+@dataclasses.dataclass(slots=True)
+class Request:
+    """One decoded request as handlers see it."""
+
+    api: Api
+    version: int
+    correlation_id: int
+    client_id: str | None
+    body: Any
+    peer: str = ""
+    gone: Any = None  # asyncio.Future done once the client has gone away (None outside the server)
+
+    def response_type(self) -> type:
+        return self.api.response_type(self.version)

@@ -1,0 +1,337 @@
+"""A partition log: a directory of segments with offset assignment, rolling, retention, flushing and recovery.
+
+Example::
+
+    log = PartitionLog("/data/orders-0", LogConfig(segment_bytes=1 << 20))
+    result = log.append(produce_records, now_ms)    # validates every batch; all or nothing
+    data = log.read(result.base_offset, max_bytes=1 << 20)
+    log.high_watermark, log.log_start_offset
+    log.maybe_flush(now_ms)                         # with an fsync interval instead of "always"
+    log.enforce_retention(now_ms)
+    log.close()
+
+Calls are synchronous, quick (no waiting besides fsync) and not thread-safe: the broker calls them from
+its single asyncio event-loop thread. Every ``now_ms`` is wall-clock milliseconds since the epoch
+(``time.time() * 1000``): retention compares it with record timestamps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from bisect import bisect_right
+from collections.abc import Iterator
+
+from .config import LogConfig
+from .errors import (
+    CorruptRecordError,
+    InvalidRecordError,
+    KafkaStorageError,
+    MessageTooLargeError,
+    OffsetOutOfRangeError,
+)
+from twophase.durable import fsync_dir, unlink_quietly
+from .producers import ProducerStateManager
+from .records import (
+    INT32_MAX,
+    NO_PARTITION_LEADER_EPOCH,
+    BatchHeader,
+    ControlRecord,
+    iter_batches,
+    parse_control_record,
+    set_base_offset,
+)
+from .results import AppendResult, TimestampOffset
+from .segment import Segment
+
+log = logging.getLogger(__name__)
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+class PartitionLog:
+    """The durable log of one topic-partition, stored in ``directory``."""
+
+    def __init__(
+        self,
+        directory: str,
+        config: LogConfig | None = None,
+        *,
+        now_ms: int | None = None,
+        leader_epoch: int = NO_PARTITION_LEADER_EPOCH,
+    ) -> None:
+        self.directory = directory
+        self.config = config or LogConfig()
+        # Stamped into every stored batch; -1 matches a Metadata leader epoch of -1, which makes
+        # clients skip OffsetForLeaderEpoch validation.
+        self.leader_epoch = leader_epoch
+        self._failed: BaseException | None = None
+        self._closed = False
+        now = _now_ms() if now_ms is None else now_ms
+        os.makedirs(directory, exist_ok=True)
+        self._segments = self._open_segments()
+        self.producers = ProducerStateManager(directory)
+        self._recover_producers(now)
+        self._last_flush_ms: int | None = None
+
+    # -- opening and recovery ----------------------------------------------------------------------
+
+    def _open_segments(self) -> list[Segment]:
+        names = os.listdir(self.directory)
+        bases = sorted(int(n[:-4]) for n in names if n.endswith(".log") and n[:-4].isdigit())
+        for name in names:
+            stem = name.split(".")[0]
+            if name.endswith(".tmp") or (name.endswith(".index") and stem.isdigit() and int(stem) not in bases):
+                unlink_quietly(os.path.join(self.directory, name))
+        if not bases:
+            segment = Segment.create(self.directory, 0, self.config.index_interval_bytes)
+            fsync_dir(self.directory)
+            return [segment]
+        interval = self.config.index_interval_bytes
+        # Only the active segment can hold a torn write: older ones were fsynced when they rolled.
+        return [Segment.open(self.directory, b, interval, recover=b == bases[-1]) for b in bases]
+
+    def _recover_producers(self, now_ms: int) -> None:
+        snapshot = self.producers.load_snapshot(max_offset=self.high_watermark)
+        start = self.log_start_offset if snapshot is None else max(snapshot, self.log_start_offset)
+        replayed = 0
+        for segment, header in self._iter_headers(start):
+            marker = self._marker(segment, header) if header.is_control else None
+            self.producers.replay(header, marker, now_ms)
+            replayed += 1
+        if replayed:
+            log.info("%s: replayed %d batches into producer state from offset %d", self.directory, replayed, start)
+
+    def _iter_headers(self, from_offset: int) -> Iterator[tuple[Segment, BatchHeader]]:
+        for segment in self._segments:
+            if segment.next_offset > from_offset:
+                for header in segment.iter_headers(max(from_offset, segment.base_offset)):
+                    yield segment, header
+
+    @staticmethod
+    def _marker(segment: Segment, header: BatchHeader) -> ControlRecord | None:
+        try:
+            return parse_control_record(segment.read(header.base_offset, header.size))
+        except (CorruptRecordError, OSError) as exc:  # a bad marker must not stop recovery of everything else
+            log.warning("%s: unreadable control record at offset %d: %s", segment.path, header.base_offset, exc)
+            return None
+
+    # -- properties --------------------------------------------------------------------------------
+
+    @property
+    def log_start_offset(self) -> int:
+        return self._segments[0].base_offset
+
+    @property
+    def high_watermark(self) -> int:
+        """The next offset to be assigned (single replica: the log end offset is the high watermark)."""
+        return self._segments[-1].next_offset
+
+    @property
+    def log_end_offset(self) -> int:
+        return self._segments[-1].next_offset
+
+    @property
+    def size_bytes(self) -> int:
+        return sum(s.size for s in self._segments)
+
+    @property
+    def segments(self) -> list[Segment]:
+        return list(self._segments)
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise KafkaStorageError(f"log {self.directory} is closed")
+        if self._failed is not None:
+            raise KafkaStorageError(f"log {self.directory} failed earlier: {self._failed}")
+
+    # -- appending ---------------------------------------------------------------------------------
+
+    def append(
+        self, records: bytes | bytearray | memoryview, now_ms: int, *, from_client: bool = True
+    ) -> AppendResult:
+        """Validate and append every batch in ``records`` (all or none) and assign their offsets.
+
+        ``from_client=False`` is for the transaction coordinator's control batches (markers). A retried
+        idempotent batch returns its original offsets with ``duplicate=True`` and is not stored again.
+        """
+        self._check_usable()
+        buf = bytearray(records)
+        batches = list(iter_batches(buf))
+        if not batches:
+            raise InvalidRecordError("no record batches")
+        next_offset = self.high_watermark
+        assigned: list[tuple[int, BatchHeader]] = []
+        markers: list[ControlRecord | None] = []
+        for pos, header in batches:
+            if header.size > self.config.max_message_bytes:
+                raise MessageTooLargeError(
+                    f"batch of {header.size} bytes exceeds max_message_bytes {self.config.max_message_bytes}")
+            _check_batch(header, from_client)
+            is_marker = header.is_control
+            markers.append(parse_control_record(memoryview(buf)[pos : pos + header.size]) if is_marker else None)
+            header = dataclasses.replace(header, base_offset=next_offset, leader_epoch=self.leader_epoch)
+            assigned.append((pos, header))
+            next_offset = header.last_offset + 1
+        prepared = self.producers.prepare([h for _, h in assigned], markers, now_ms, from_client=from_client)
+        if prepared.duplicate is not None:
+            return prepared.duplicate
+        for pos, header in assigned:
+            set_base_offset(buf, pos, header.base_offset, self.leader_epoch)
+
+        try:
+            active = self._segments[-1]
+            if not active.is_empty and (
+                active.size + len(buf) > self.config.segment_bytes or next_offset - 1 - active.base_offset > INT32_MAX
+            ):
+                self._roll()
+                self.enforce_retention(now_ms)
+            self._segments[-1].append(buf, assigned)
+            if self.config.flush == "always":
+                self._segments[-1].flush()
+        except OSError as exc:
+            # Like Kafka taking a log dir offline: refuse further work until reopened (recovery repairs it).
+            self._failed = exc
+            log.error("%s: write failed, log is offline until reopened: %s", self.directory, exc)
+            raise KafkaStorageError(f"write failed: {exc}") from exc
+        self.producers.commit(prepared)
+        return AppendResult(assigned[0][1].base_offset, next_offset - 1)
+
+    def _roll(self) -> None:
+        old = self._segments[-1]
+        old.seal()
+        self.producers.write_snapshot(old.next_offset)
+        segment = Segment.create(self.directory, old.next_offset, self.config.index_interval_bytes)
+        fsync_dir(self.directory)
+        self._segments.append(segment)
+        log.info("%s: rolled new segment at offset %d", self.directory, segment.base_offset)
+
+    def roll(self) -> None:
+        """Start a new segment now (no-op when the active segment is empty)."""
+        self._check_usable()
+        if not self._segments[-1].is_empty:
+            self._roll()
+
+    # -- flushing and retention --------------------------------------------------------------------
+
+    def flush(self) -> None:
+        self._check_usable()
+        self._segments[-1].flush()
+
+    def maybe_flush(self, now_ms: int) -> bool:
+        """Fsync if the flush interval has elapsed since the last one; returns whether it did."""
+        interval = self.config.flush_interval_ms
+        if interval is None or self._closed or self._failed:
+            return False
+        if self._last_flush_ms is not None and now_ms - self._last_flush_ms < interval:
+            return False
+        self._segments[-1].flush()
+        self._last_flush_ms = now_ms
+        return True
+
+    def enforce_retention(self, now_ms: int) -> int:
+        """Delete whole old segments beyond retention_ms / retention_bytes; returns how many were deleted."""
+        self._check_usable()
+        deleted = 0
+        retention_ms = self.config.retention_ms
+        if retention_ms >= 0:
+            while now_ms - self._segments[0].largest_timestamp() > retention_ms:
+                if len(self._segments) == 1:
+                    if self._segments[0].is_empty:
+                        break
+                    self._roll()  # the active segment expired too: keep an empty one at the log end
+                self._delete_oldest("retention.ms")
+                deleted += 1
+        retention_bytes = self.config.retention_bytes
+        if retention_bytes >= 0:
+            total = self.size_bytes
+            while len(self._segments) > 1 and total - self._segments[0].size >= retention_bytes:
+                total -= self._segments[0].size
+                self._delete_oldest("retention.bytes")
+                deleted += 1
+        self.producers.expire(now_ms, self.config.producer_id_expiration_ms)
+        return deleted
+
+    def _delete_oldest(self, reason: str) -> None:
+        segment = self._segments.pop(0)
+        segment.delete()
+        log.info("%s: deleted segment %d (%s); log start offset now %d",
+                 self.directory, segment.base_offset, reason, self.log_start_offset)
+
+    # -- reading -----------------------------------------------------------------------------------
+
+    def read(self, offset: int, max_bytes: int, upper_offset: int | None = None) -> bytes:
+        """Whole batches from the one holding ``offset``: up to ``max_bytes``, but at least one batch.
+
+        ``upper_offset`` (e.g. the LSO for read_committed) excludes batches starting at or above it.
+        Raises OffsetOutOfRangeError outside [log_start_offset, high_watermark]; returns b"" at the end.
+        """
+        self._check_usable()
+        if not self.log_start_offset <= offset <= self.high_watermark:
+            raise OffsetOutOfRangeError(
+                f"offset {offset} outside [{self.log_start_offset}, {self.high_watermark}]")
+        bases = [s.base_offset for s in self._segments]
+        chunks: list[bytes] = []
+        remaining = max_bytes
+        for segment in self._segments[max(0, bisect_right(bases, offset) - 1) :]:
+            data, complete = segment.read_chunk(offset, remaining, upper_offset, min_one=not chunks)
+            if data:
+                chunks.append(data)
+                remaining -= len(data)
+            # Stop where this segment stopped early, so the result never skips offsets.
+            if not complete or remaining <= 0:
+                break
+        return b"".join(chunks)
+
+    def timestamp_lookup(self, timestamp_ms: int) -> TimestampOffset | None:
+        """The first record with timestamp >= ``timestamp_ms`` (offset and its timestamp), or None."""
+        self._check_usable()
+        for segment in self._segments:
+            if segment.max_timestamp >= timestamp_ms:
+                found = segment.find_timestamp(timestamp_ms)
+                if found is not None:
+                    return TimestampOffset(*found)
+        return None
+
+    def offset_for_timestamp(self, timestamp_ms: int) -> int | None:
+        """First offset with timestamp >= ``timestamp_ms`` (ListOffsets by timestamp), or None."""
+        found = self.timestamp_lookup(timestamp_ms)
+        return None if found is None else found.offset
+
+    # -- closing -----------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Fsync, write the index and a producer snapshot, and release the files. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._failed is None:
+            self._segments[-1].seal()
+            self.producers.write_snapshot(self.high_watermark)
+        for segment in self._segments:
+            segment.close()
+
+    def delete_files(self) -> None:
+        """Close and remove every file of this log (used when the topic is deleted)."""
+        self._closed = True
+        for segment in self._segments:
+            segment.delete()
+        for name in os.listdir(self.directory):
+            unlink_quietly(os.path.join(self.directory, name))
+
+
+def _check_batch(header: BatchHeader, from_client: bool) -> None:
+    """Kafka's produce-path checks of one batch's header (INVALID_RECORD)."""
+    if header.record_count < 1 or header.last_offset_delta != header.record_count - 1:
+        raise InvalidRecordError(
+            f"record count {header.record_count} inconsistent with last offset delta {header.last_offset_delta}")
+    if from_client and header.is_control:
+        raise InvalidRecordError("clients may not write control batches")
+    if header.is_transactional and not header.has_producer_id:
+        raise InvalidRecordError("transactional batch without a producer id")
+    if header.has_producer_id and not header.is_control and header.base_sequence < 0:
+        raise InvalidRecordError(f"producer {header.producer_id} batch without a sequence number")

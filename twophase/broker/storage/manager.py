@@ -1,0 +1,239 @@
+"""The broker's topics: one PartitionLog per ``<data_dir>/<topic>-<partition>/`` plus ``topics.json``.
+
+``topics.json`` (topic id, partition count and config overrides per topic) is the source of truth and is
+replaced atomically. A lock file keeps a second broker off the same data directory.
+
+Example::
+
+    manager = LogManager("/var/lib/twophase", LogConfig(flush=1000))
+    manager.create_topic("orders", partitions=3, config={"retention.ms": "3600000"})
+    manager.partition("orders", 0).append(records, now_ms)
+    manager.topics()["orders"].topic_id
+    manager.flush_due(now_ms); manager.enforce_retention(now_ms)   # from a periodic task
+    manager.close()
+
+All methods are synchronous and quick; the broker calls them from its single asyncio event-loop thread,
+so there is no locking.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import re
+import shutil
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from .config import LogConfig, normalize_overrides
+from .errors import (
+    DataDirLockedError,
+    InvalidPartitionsError,
+    InvalidTopicError,
+    KafkaStorageError,
+    TopicAlreadyExistsError,
+    UnknownTopicOrPartitionError,
+)
+from twophase.durable import atomic_write, fsync_dir
+from .log import PartitionLog
+
+log = logging.getLogger(__name__)
+
+METADATA_FILE = "topics.json"
+LOCK_FILE = ".lock"
+MAX_TOPIC_NAME = 249
+_LEGAL_TOPIC = re.compile(r"[a-zA-Z0-9._-]+")
+
+
+@dataclass(frozen=True)
+class TopicInfo:
+    topic_id: uuid.UUID
+    partitions: int
+    config: Mapping[str, Any] = field(default_factory=dict)  # overrides of the broker's LogConfig
+
+
+def validate_topic_name(name: str) -> None:
+    """Kafka's rules: 1-249 characters from [a-zA-Z0-9._-], and not '.' or '..'."""
+    if not name or name in (".", ".."):
+        raise InvalidTopicError(f"illegal topic name {name!r}")
+    if len(name) > MAX_TOPIC_NAME:
+        raise InvalidTopicError(f"topic name longer than {MAX_TOPIC_NAME} characters")
+    if not _LEGAL_TOPIC.fullmatch(name):
+        raise InvalidTopicError(f"topic name {name!r} has characters outside [a-zA-Z0-9._-]")
+
+
+def _new_topic_id() -> uuid.UUID:
+    while True:
+        topic_id = uuid.uuid4()
+        # Kafka never hands out an id whose base64 form starts with '-': command-line tools read it as a flag.
+        if topic_id.bytes[0] >> 2 != 62:
+            return topic_id
+
+
+def _partition_dir_parts(name: str) -> tuple[str, int] | None:
+    topic, sep, partition = name.rpartition("-")
+    return (topic, int(partition)) if sep and topic and partition.isdigit() else None
+
+
+class LogManager:
+    """All topic-partition logs under one data directory."""
+
+    def __init__(self, data_dir: str, config: LogConfig | None = None) -> None:
+        self.data_dir = data_dir
+        self.config = config or LogConfig()
+        os.makedirs(data_dir, exist_ok=True)
+        self._lock_fd = os.open(os.path.join(data_dir, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._lock_fd)
+            raise DataDirLockedError(f"{data_dir} is in use by another broker") from None
+        self._topics: dict[str, TopicInfo] = self._load_metadata()
+        self._logs: dict[tuple[str, int], PartitionLog] = {}
+        self._warn_orphans()
+        for name, info in self._topics.items():
+            for p in range(info.partitions):
+                self._open(name, p, info)
+
+    # -- metadata ----------------------------------------------------------------------------------
+
+    def _metadata_path(self) -> str:
+        return os.path.join(self.data_dir, METADATA_FILE)
+
+    def _load_metadata(self) -> dict[str, TopicInfo]:
+        try:
+            with open(self._metadata_path(), "rb") as f:
+                raw = json.load(f)
+        except FileNotFoundError:
+            return {}
+        return {
+            name: TopicInfo(uuid.UUID(t["topic_id"]), int(t["partitions"]), dict(t.get("config", {})))
+            for name, t in raw["topics"].items()
+        }
+
+    def _save_metadata(self, topics: dict[str, TopicInfo]) -> None:
+        body = {
+            "version": 1,
+            "topics": {
+                name: {"topic_id": str(t.topic_id), "partitions": t.partitions, "config": dict(t.config)}
+                for name, t in sorted(topics.items())
+            },
+        }
+        atomic_write(self._metadata_path(), json.dumps(body, indent=1).encode())
+
+    def _partition_dirs(self) -> list[tuple[str, str, int]]:
+        out = []
+        for entry in os.listdir(self.data_dir):
+            parts = _partition_dir_parts(entry)
+            if parts and os.path.isdir(os.path.join(self.data_dir, entry)):
+                out.append((entry, *parts))
+        return out
+
+    def _warn_orphans(self) -> None:
+        for entry, topic, p in self._partition_dirs():
+            info = self._topics.get(topic)
+            if info is None or p >= info.partitions:
+                log.warning("%s: directory %s belongs to no known topic; left untouched", self.data_dir, entry)
+
+    # -- topics ------------------------------------------------------------------------------------
+
+    def topics(self) -> dict[str, TopicInfo]:
+        return dict(self._topics)
+
+    def topic_config(self, name: str) -> LogConfig:
+        info = self._topics.get(name)
+        if info is None:
+            raise UnknownTopicOrPartitionError(f"unknown topic {name!r}")
+        return self.config.with_overrides(info.config)
+
+    def create_topic(self, name: str, partitions: int, config: Mapping[str, Any] | None = None) -> TopicInfo:
+        """Create a topic; ``config`` overrides use Kafka names (``retention.ms``) or LogConfig field names."""
+        validate_topic_name(name)
+        if name in self._topics:
+            raise TopicAlreadyExistsError(f"topic {name!r} already exists")
+        # Kafka rejects names that differ only by '.' vs '_': they collide in metric names.
+        collision_key = name.replace(".", "_")
+        for existing in self._topics:
+            if existing.replace(".", "_") == collision_key:
+                raise InvalidTopicError(f"topic {name!r} collides with existing topic {existing!r}")
+        if isinstance(partitions, bool) or not isinstance(partitions, int) or partitions < 1:
+            raise InvalidPartitionsError(f"partition count must be >= 1, got {partitions!r}")
+        overrides = normalize_overrides(config or {})
+        # Leftovers of an interrupted delete of a same-named topic must not resurface as its data.
+        for entry, topic, _ in self._partition_dirs():
+            if topic == name:
+                shutil.rmtree(os.path.join(self.data_dir, entry))
+        info = TopicInfo(_new_topic_id(), partitions, overrides)
+        self._save_metadata({**self._topics, name: info})
+        self._topics[name] = info
+        for p in range(partitions):
+            self._open(name, p, info)
+        fsync_dir(self.data_dir)
+        log.info("created topic %s (%d partitions, id %s)", name, partitions, info.topic_id)
+        return info
+
+    def delete_topic(self, name: str) -> None:
+        info = self._topics.get(name)
+        if info is None:
+            raise UnknownTopicOrPartitionError(f"unknown topic {name!r}")
+        remaining = {k: v for k, v in self._topics.items() if k != name}
+        self._save_metadata(remaining)
+        self._topics = remaining
+        for p in range(info.partitions):
+            partition_log = self._logs.pop((name, p), None)
+            if partition_log is not None:
+                partition_log.delete_files()
+            shutil.rmtree(self._dir(name, p), ignore_errors=True)
+        fsync_dir(self.data_dir)
+        log.info("deleted topic %s", name)
+
+    # -- partitions --------------------------------------------------------------------------------
+
+    def _dir(self, topic: str, partition: int) -> str:
+        return os.path.join(self.data_dir, f"{topic}-{partition}")
+
+    def _open(self, topic: str, partition: int, info: TopicInfo) -> PartitionLog:
+        partition_log = PartitionLog(self._dir(topic, partition), self.config.with_overrides(info.config))
+        self._logs[(topic, partition)] = partition_log
+        return partition_log
+
+    def partition(self, topic: str, partition: int) -> PartitionLog:
+        partition_log = self._logs.get((topic, partition))
+        if partition_log is None:
+            raise UnknownTopicOrPartitionError(f"unknown topic-partition {topic}-{partition}")
+        return partition_log
+
+    def partitions(self) -> dict[tuple[str, int], PartitionLog]:
+        return dict(self._logs)
+
+    # -- periodic work and shutdown ----------------------------------------------------------------
+
+    def flush_due(self, now_ms: int) -> int:
+        """Fsync every log whose flush interval has elapsed; returns how many were flushed."""
+        return sum(partition_log.maybe_flush(now_ms) for partition_log in self._logs.values())
+
+    def enforce_retention(self, now_ms: int) -> int:
+        """Apply retention to every log; returns the number of segments deleted."""
+        deleted = 0
+        for key, partition_log in self._logs.items():
+            try:
+                deleted += partition_log.enforce_retention(now_ms)
+            except KafkaStorageError as exc:  # an offline log must not stop retention elsewhere
+                log.warning("retention skipped for %s-%d: %s", *key, exc)
+        return deleted
+
+    def close(self) -> None:
+        """Close every log cleanly and release the data directory. Idempotent."""
+        for key, partition_log in self._logs.items():
+            try:
+                partition_log.close()
+            except OSError:
+                log.exception("closing %s-%d failed", *key)
+        self._logs.clear()
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+            self._lock_fd = -1

@@ -1,0 +1,329 @@
+"""One log segment: ``<base>.log`` (concatenated record batches) plus its sparse ``<base>.index``.
+
+Each index entry is 16 bytes: the batch's base offset relative to the segment (i32), the batch's file
+position (i32) and the largest timestamp of all batches before that position (i64). Offset lookups
+bisect the first column, timestamp lookups the third (a running maximum, hence sorted). An entry is
+added once ``index_interval_bytes`` have been appended since the last one. The active segment keeps
+its index in memory; ``seal()`` writes it when the segment rolls, and recovery rebuilds a missing or
+inconsistent index from the log itself.
+
+Example::
+
+    seg = Segment.create(directory, base_offset=0, index_interval_bytes=4096)
+    seg.append(data, headers)                 # headers: [(position in data, BatchHeader)] with offsets assigned
+    seg.read(offset=5, max_bytes=1 << 20)     # whole batches, starting with the one holding offset 5
+    seg.close()
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+from array import array
+from bisect import bisect_left, bisect_right
+from collections.abc import Iterator, Sequence
+
+from .errors import CorruptRecordError
+from .records import (
+    HEADER_SIZE,
+    LOG_OVERHEAD,
+    MAGIC,
+    BatchHeader,
+    iter_record_timestamps,
+    parse_header,
+    validate_batch,
+)
+
+log = logging.getLogger(__name__)
+
+NO_TIMESTAMP = -1
+_ENTRY = struct.Struct(">iiq")
+_PREFIX = struct.Struct(">qi")
+_LOOKUP_CHUNK = 64 * 1024
+_RECOVERY_CHUNK = 1024 * 1024
+
+_fdatasync = getattr(os, "fdatasync", os.fsync)
+
+
+def log_path(directory: str, base_offset: int) -> str:
+    return os.path.join(directory, f"{base_offset:020d}.log")
+
+
+def index_path(directory: str, base_offset: int) -> str:
+    return os.path.join(directory, f"{base_offset:020d}.index")
+
+
+class Segment:
+    """An append-only segment file; all calls are synchronous and not thread-safe."""
+
+    def __init__(self, directory: str, base_offset: int, index_interval_bytes: int) -> None:
+        self.directory = directory
+        self.base_offset = base_offset
+        self.index_interval_bytes = index_interval_bytes
+        self.path = log_path(directory, base_offset)
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
+        self.size = os.fstat(self._fd).st_size
+        self.next_offset = base_offset
+        self.max_timestamp = NO_TIMESTAMP
+        self._rel_offsets = array("i")
+        self._positions = array("i")
+        self._ts_before = array("q")
+        self._bytes_since_index = 0
+        self._dirty = False
+
+    # -- opening ---------------------------------------------------------------------------------
+
+    @classmethod
+    def create(cls, directory: str, base_offset: int, index_interval_bytes: int) -> Segment:
+        seg = cls(directory, base_offset, index_interval_bytes)
+        if seg.size:
+            raise FileExistsError(f"segment {seg.path} already holds data")
+        return seg
+
+    @classmethod
+    def open(cls, directory: str, base_offset: int, index_interval_bytes: int, *, recover: bool) -> Segment:
+        """Open an existing segment; ``recover`` CRC-checks every batch (for the possibly torn active segment).
+
+        Otherwise the index is trusted if consistent and only the bytes after its last entry are
+        walked. Either way a damaged tail is truncated and logged.
+        """
+        seg = cls(directory, base_offset, index_interval_bytes)
+        kept = 0 if recover else seg._load_index()
+        seg._rescan(kept, validate=recover)
+        return seg
+
+    def _load_index(self) -> int:
+        """Load the index file; returns how many entries are usable (0 means rebuild everything)."""
+        try:
+            with open(index_path(self.directory, self.base_offset), "rb") as f:
+                raw = f.read()
+        except FileNotFoundError:
+            return 0
+        if len(raw) % _ENTRY.size:
+            return 0
+        prev = (-1, 0, NO_TIMESTAMP)
+        entries = list(_ENTRY.iter_unpack(raw))
+        for rel, pos, ts in entries:
+            if rel <= prev[0] or pos <= prev[1] or ts < prev[2] or pos >= self.size:
+                log.warning("%s: inconsistent index, rebuilding", self.path)
+                return 0
+            prev = (rel, pos, ts)
+        if entries:
+            rel, pos, _ = entries[-1]
+            prefix = os.pread(self._fd, LOG_OVERHEAD, pos)
+            if len(prefix) < LOG_OVERHEAD or _PREFIX.unpack(prefix)[0] != self.base_offset + rel:
+                log.warning("%s: index does not match the log, rebuilding", self.path)
+                return 0
+        for rel, pos, ts in entries:
+            self._rel_offsets.append(rel)
+            self._positions.append(pos)
+            self._ts_before.append(ts)
+        return len(entries)
+
+    def _rescan(self, kept: int, *, validate: bool) -> None:
+        """Walk the log from index entry ``kept - 1`` (or the start), re-deriving state; truncate a bad tail."""
+        if kept:
+            # Resume at the last trusted entry; dropping it and forcing the interval re-adds it.
+            start = self._positions[kept - 1]
+            self.max_timestamp = self._ts_before[kept - 1]
+            self.next_offset = self.base_offset + self._rel_offsets[kept - 1]
+            self._bytes_since_index = self.index_interval_bytes
+            kept -= 1
+        else:
+            start = 0
+            self.max_timestamp = NO_TIMESTAMP
+            self.next_offset = self.base_offset
+            self._bytes_since_index = 0
+        del self._rel_offsets[kept:], self._positions[kept:], self._ts_before[kept:]
+        file_size = self.size
+        self.size = start
+        try:
+            for pos, header in self._walk(start, validate=validate, chunk=_RECOVERY_CHUNK):
+                # baseOffset lies outside the CRC; this log never leaves gaps, so a mismatch is damage.
+                if header.base_offset != self.next_offset or header.last_offset_delta < 0:
+                    raise CorruptRecordError(
+                        f"batch offset {header.base_offset} (+{header.last_offset_delta}) "
+                        f"does not follow {self.next_offset}", pos)
+                self._track(pos, header)
+                self.size = pos + header.size
+        except CorruptRecordError as exc:
+            log.warning(
+                "%s: truncating corrupt or torn tail at offset %d (file position %d): dropping %d bytes: %s",
+                self.path, self.next_offset, self.size, file_size - self.size, exc.reason)
+        if self.size < file_size:
+            os.ftruncate(self._fd, self.size)
+            _fdatasync(self._fd)
+
+    def _walk(self, pos: int, *, validate: bool, chunk: int) -> Iterator[tuple[int, BatchHeader]]:
+        """Yield (position, header) from ``pos`` to the end of the file, reading ``chunk`` bytes at a time."""
+        end = os.fstat(self._fd).st_size
+        buf = b""
+        buf_start = pos
+        while pos < end:
+            off = pos - buf_start
+            if off + HEADER_SIZE > len(buf):
+                buf, buf_start, off = os.pread(self._fd, chunk, pos), pos, 0
+            if len(buf) - off < LOG_OVERHEAD:
+                raise CorruptRecordError(f"truncated batch: {len(buf) - off} bytes left", pos)
+            length = _PREFIX.unpack_from(buf, off)[1]
+            size = LOG_OVERHEAD + length
+            try:
+                if validate:
+                    if off + size > len(buf) and 0 < size <= end - pos:
+                        buf, buf_start, off = os.pread(self._fd, max(chunk, size), pos), pos, 0
+                    header = validate_batch(buf, off)
+                else:
+                    header = parse_header(buf, off)
+                    if header.magic != MAGIC:
+                        raise CorruptRecordError(f"unsupported magic {header.magic}")
+                    if length < HEADER_SIZE - LOG_OVERHEAD or size > end - pos:
+                        raise CorruptRecordError(f"bad batch length {length}")
+            except CorruptRecordError as exc:
+                raise CorruptRecordError(exc.reason, pos) from None
+            yield pos, header
+            pos += size
+
+    # -- writing ---------------------------------------------------------------------------------
+
+    def _track(self, pos: int, header: BatchHeader) -> None:
+        if pos > 0 and self._bytes_since_index >= self.index_interval_bytes:
+            self._rel_offsets.append(header.base_offset - self.base_offset)
+            self._positions.append(pos)
+            self._ts_before.append(self.max_timestamp)
+            self._bytes_since_index = 0
+        self._bytes_since_index += header.size
+        self.max_timestamp = max(self.max_timestamp, header.max_timestamp)
+        self.next_offset = header.last_offset + 1
+
+    def append(self, data: bytes | bytearray, headers: Sequence[tuple[int, BatchHeader]]) -> None:
+        """Append validated batches whose offsets are already assigned; ``headers`` positions are within ``data``."""
+        start = self.size
+        try:
+            written = os.write(self._fd, data)
+            if written != len(data):
+                raise OSError(f"short write to {self.path}: {written} of {len(data)} bytes")
+        except BaseException:
+            # Leave no partial batch behind: the caller reports the failure and state stays consistent.
+            os.ftruncate(self._fd, start)
+            raise
+        for pos, header in headers:
+            self._track(start + pos, header)
+        self.size = start + len(data)
+        self._dirty = True
+
+    def flush(self) -> None:
+        if self._dirty:
+            _fdatasync(self._fd)
+            self._dirty = False
+
+    def seal(self) -> None:
+        """Make the segment durable before it stops being the active one: fsync the log, write the index."""
+        self.flush()
+        path = index_path(self.directory, self.base_offset)
+        raw = b"".join(_ENTRY.pack(*e) for e in zip(self._rel_offsets, self._positions, self._ts_before))
+        with open(path, "wb") as f:
+            f.write(raw)
+            f.flush()
+            os.fsync(f.fileno())
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            self.flush()
+            os.close(self._fd)
+            self._fd = -1
+
+    def delete(self) -> None:
+        self.close()
+        for path in (self.path, index_path(self.directory, self.base_offset)):
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+
+    # -- reading ---------------------------------------------------------------------------------
+
+    @property
+    def is_empty(self) -> bool:
+        return self.size == 0
+
+    def largest_timestamp(self) -> int:
+        """Largest batch timestamp, or the file's mtime when no batch carries one (as Kafka does)."""
+        if self.max_timestamp >= 0:
+            return self.max_timestamp
+        return int(os.fstat(self._fd).st_mtime * 1000)
+
+    def index_entries(self) -> list[tuple[int, int, int]]:
+        """(relative offset, position, timestamp before) triples, for tests and tools."""
+        return list(zip(self._rel_offsets, self._positions, self._ts_before))
+
+    def find_position(self, offset: int) -> int | None:
+        """File position of the first batch whose last offset is >= ``offset``, or None."""
+        if offset >= self.next_offset:
+            return None
+        i = bisect_right(self._rel_offsets, offset - self.base_offset) - 1
+        start = self._positions[i] if i >= 0 else 0
+        for pos, header in self._walk(start, validate=False, chunk=_LOOKUP_CHUNK):
+            if header.last_offset >= offset:
+                return pos
+        return None
+
+    def iter_headers(self, from_offset: int) -> Iterator[BatchHeader]:
+        """Headers of the batches from the one holding ``from_offset`` to the end."""
+        pos = self.find_position(from_offset)
+        if pos is None:
+            return
+        for _, header in self._walk(pos, validate=False, chunk=_RECOVERY_CHUNK):
+            yield header
+
+    def read(self, offset: int, max_bytes: int, upper_offset: int | None = None, *, min_one: bool = True) -> bytes:
+        """Whole batches from the one holding ``offset``, only those with base offset below ``upper_offset``,
+        at most ``max_bytes`` of them, except that with ``min_one`` a first batch larger than that is
+        returned whole (Kafka's fetch semantics)."""
+        return self.read_chunk(offset, max_bytes, upper_offset, min_one=min_one)[0]
+
+    def read_chunk(
+        self, offset: int, max_bytes: int, upper_offset: int | None = None, *, min_one: bool = True
+    ) -> tuple[bytes, bool]:
+        """Like read(), plus whether the read stopped only because the segment (or ``upper_offset``) ended."""
+        pos = self.find_position(offset)
+        if pos is None:
+            return b"", True
+        chunk = os.pread(self._fd, max(0, min(max_bytes, self.size - pos)), pos)
+        off = 0
+        while off + LOG_OVERHEAD <= len(chunk):
+            base, length = _PREFIX.unpack_from(chunk, off)
+            if upper_offset is not None and base >= upper_offset:
+                return chunk[:off], True
+            if off + LOG_OVERHEAD + length > len(chunk):
+                break
+            off += LOG_OVERHEAD + length
+        if off or not min_one:
+            return chunk[:off], pos + off >= self.size
+        prefix = os.pread(self._fd, LOG_OVERHEAD, pos)
+        base, length = _PREFIX.unpack(prefix)
+        if upper_offset is not None and base >= upper_offset:
+            return b"", True
+        return os.pread(self._fd, LOG_OVERHEAD + length, pos), pos + LOG_OVERHEAD + length >= self.size
+
+    def find_timestamp(self, timestamp: int) -> tuple[int, int] | None:
+        """(offset, timestamp) of the first record with a timestamp >= ``timestamp``, or None.
+
+        Records of compressed batches are not decoded: such a batch answers with its base offset and
+        max timestamp, which is at or before the exact record (consumers may see a few older records).
+        """
+        if self.max_timestamp < timestamp:
+            return None
+        i = bisect_left(self._ts_before, timestamp) - 1
+        start = self._positions[i] if i >= 0 else 0
+        for pos, header in self._walk(start, validate=False, chunk=_LOOKUP_CHUNK):
+            if header.max_timestamp < timestamp:
+                continue
+            batch = os.pread(self._fd, header.size, pos)
+            try:
+                for offset, ts in iter_record_timestamps(batch):
+                    if ts >= timestamp:
+                        return offset, ts
+            except ValueError:
+                return header.base_offset, header.max_timestamp
+        return None

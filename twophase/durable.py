@@ -1,0 +1,37 @@
+"""Durable file helpers: atomic replace and directory fsync.
+
+Example::
+
+    atomic_write("/data/topics.json", b"{}")   # readers see the old or the new file, never a torn one
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def fsync_dir(directory: str) -> None:
+    """Make a rename, creation or deletion in ``directory`` durable."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: str, data: bytes) -> None:
+    """Write ``data`` to ``path`` via a temporary file, fsync and rename."""
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
