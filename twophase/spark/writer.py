@@ -29,6 +29,7 @@ from coordinator.layout import DEFAULT_ROOT, AppPaths
 from coordinator.precommits import PrecommitRegistry
 from coordinator.zk import shared_client
 from twophase.signing import Signer, load_secret
+from twophase.spark.driver import DriverHook
 from twophase.sink import TwoPhaseCommitSink, TxnContext
 
 _APP_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
@@ -70,8 +71,6 @@ class TwoPhaseSink:
         self.zk = zk
         self.root = root
         self._secret = load_secret(secret)
-        from twophase.spark.driver import DriverHook
-
         self._hook_key = DriverHook.install(self, coordinator, policy or CommitPolicy(), spark)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -84,8 +83,6 @@ class TwoPhaseSink:
 
     def await_committed(self, query: StreamingQuery, timeout: float = 60.0) -> int | None:
         """Block until every epoch Spark completed for `query` is committed; return the watermark."""
-        from twophase.spark.driver import DriverHook
-
         return DriverHook.get(self._hook_key).await_committed(query, timeout)
 
     # -- ForeachWriter protocol (runs in Spark tasks) ---------------------
