@@ -1,0 +1,283 @@
+#!/usr/bin/env python
+"""Produce and consume throughput of the built-in broker against a plain file append of the same bytes.
+
+Run (from the repo root)::
+
+    source scripts/env.sh
+    python bench/broker_throughput.py                     # 100 B and 1 KB records, fsync always and 100 ms
+    python bench/broker_throughput.py --records-100 50000 --records-1k 20000   # quick look
+    python bench/broker_throughput.py --fsync always 20 --rounds 3             # other policies, median of 3
+
+For each fsync policy a fresh broker (``python -m twophase.cli broker --fsync ...``, a subprocess,
+so the broker and the client do not share a GIL; ``--in-process`` runs the embedded ``Broker`` in
+a thread of this process instead) on a fresh data directory; for each record size a fresh topic
+with one partition, and per round:
+
+- **produce**: a confluent-kafka producer (acks=all, no compression, default batching: linger.ms
+  5, batch.size 1 MB) produces N records with random values of the record size and no key; the
+  clock runs from the first ``produce()`` until ``flush()`` returns (every record acknowledged).
+- **plain append** (the baseline, same run): the exact RecordBatch bytes the producer sent,
+  read back from the partition's segment files, are appended to a plain file with one
+  ``os.write`` per batch, as the broker does, under the same policy: ``always`` fdatasyncs
+  after every batch (the broker's segment flush is an fdatasync), ``<ms>`` fdatasyncs when that
+  many ms passed since the last one. So the baseline is what the broker's storage does at
+  best, without the protocol, the event loop and the client.
+- **consume**: a fresh consumer assigned to the partition from the beginning reads all N
+  records; the clock runs from ``assign()`` until the last record arrives.
+- **plain read** (information only): the baseline file read back in the same chunks
+  (page cache, so this is memory speed).
+
+MB/s counts record payload bytes (N x record size, 1 MB = 10^6 bytes); the plain-append MB/s
+counts the batch bytes it wrote (payload plus RecordBatch overhead), so the ratio slightly
+favours the baseline. Target (issue 3): the broker reaches at least half of the plain-append
+baseline of the same policy; each produce and consume row is held against it (PASS/MISS).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from confluent_kafka import OFFSET_BEGINNING, Consumer, Producer, TopicPartition  # noqa: E402
+from confluent_kafka.admin import AdminClient, NewTopic  # noqa: E402
+
+from twophase.broker.storage import iter_batches  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+TARGET_RATIO = 0.5
+MB = 1e6
+
+
+def fdatasync(fd: int) -> None:
+    (getattr(os, "fdatasync", None) or os.fsync)(fd)
+
+
+class BrokerRunner:
+    """The broker on a fresh data directory: a ``twophase broker`` subprocess, or embedded in a thread."""
+
+    def __init__(self, data_dir: str, fsync: str, in_process: bool) -> None:
+        self.data_dir = data_dir
+        self.fsync = fsync
+        self.in_process = in_process
+        self.proc: subprocess.Popen | None = None
+        self.embedded = None
+        self.bootstrap = ""
+
+    def __enter__(self) -> BrokerRunner:
+        if self.in_process:
+            from twophase.broker import Broker
+
+            fsync = self.fsync if self.fsync == "always" else int(self.fsync)
+            self.embedded = Broker(self.data_dir, port=0, fsync=fsync).start()
+            self.bootstrap = self.embedded.bootstrap
+            return self
+        env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        self.log = open(os.path.join(os.path.dirname(self.data_dir), f"broker-{self.fsync}.log"), "wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "twophase.cli", "broker", "--data-dir", self.data_dir, "--port", "0",
+             "--fsync", self.fsync], stdout=subprocess.PIPE, stderr=self.log, stdin=subprocess.DEVNULL,
+            env=env, text=True, start_new_session=True)
+        line = self.proc.stdout.readline()  # "twophase broker listening on HOST:PORT", or EOF if it failed
+        if "listening on" not in line:
+            self.proc.wait(timeout=30)
+            raise RuntimeError(f"broker did not start (exit {self.proc.returncode}), see {self.log.name}")
+        self.bootstrap = line.rsplit(" ", 1)[1].strip()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.embedded is not None:
+            self.embedded.stop()
+        if self.proc is not None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=30)
+            self.proc.stdout.close()
+            self.log.close()
+
+
+def produce(bootstrap: str, topic: str, records: int, size: int) -> float:
+    """Seconds to produce ``records`` values of ``size`` bytes, all acknowledged (acks=all)."""
+    producer = Producer({"bootstrap.servers": bootstrap, "acks": "all", "linger.ms": 5,
+                         "queue.buffering.max.kbytes": 256 << 10, "queue.buffering.max.messages": 1_000_000})
+    # A pool of distinct random values, so nothing downstream sees one repeated buffer.
+    pool = [os.urandom(size) for _ in range(1024)]
+    failed = []
+
+    def on_delivery(err, msg) -> None:
+        if err is not None:
+            failed.append(err)
+
+    producer.produce(topic, value=pool[0], on_delivery=on_delivery)  # metadata and connection first
+    producer.flush(30)
+    t = time.perf_counter()
+    for i in range(records):
+        while True:
+            try:
+                producer.produce(topic, value=pool[i & 1023], on_delivery=on_delivery)
+                break
+            except BufferError:
+                producer.poll(0.005)
+        if i & 1023 == 0:
+            producer.poll(0)
+    remaining = producer.flush(300)
+    seconds = time.perf_counter() - t
+    if remaining or failed:
+        raise RuntimeError(f"produce: {remaining} unflushed, {len(failed)} failed ({failed[:3]})")
+    return seconds
+
+
+def consume(bootstrap: str, topic: str, records: int) -> float:
+    """Seconds to read ``records`` records from offset 1 (after the warm-up record) of partition 0."""
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"bench-{uuid.uuid4().hex[:8]}",
+                         "enable.auto.commit": False, "enable.partition.eof": False})
+    try:
+        consumer.get_watermark_offsets(TopicPartition(topic, 0), timeout=10)  # connection and metadata first
+        t = time.perf_counter()
+        consumer.assign([TopicPartition(topic, 0, 1)])
+        seen = 0
+        deadline = time.monotonic() + 300
+        while seen < records:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"consume: {seen} of {records} records after 300 s")
+            # Never ask for more than is left: consume() waits out its timeout for a short batch.
+            for msg in consumer.consume(min(10_000, records - seen), timeout=1.0):
+                if msg.error():
+                    raise RuntimeError(f"consume: {msg.error()}")
+                seen += 1
+        return time.perf_counter() - t
+    finally:
+        consumer.close()
+
+
+def batches_of(data_dir: str, topic: str) -> list[bytes]:
+    """The RecordBatches of partition 0 as stored, without the warm-up record's batch."""
+    chunks = []
+    for path in sorted(glob.glob(os.path.join(data_dir, f"{topic}-0", "*.log"))):
+        with open(path, "rb") as f:
+            buf = f.read()
+        chunks.extend(buf[pos:pos + header.size] for pos, header in iter_batches(buf, validate=False))
+    return chunks[1:]
+
+
+def plain_append(path: str, chunks: list[bytes], fsync: str) -> float:
+    """Seconds to append ``chunks`` to a new file, one write each, under the broker's fsync policy."""
+    interval = None if fsync == "always" else int(fsync) / 1000
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
+    try:
+        t = time.perf_counter()
+        last_sync = t
+        for chunk in chunks:
+            os.write(fd, chunk)
+            if interval is None:
+                fdatasync(fd)
+            elif time.perf_counter() - last_sync >= interval:
+                fdatasync(fd)
+                last_sync = time.perf_counter()
+        return time.perf_counter() - t
+    finally:
+        os.close(fd)
+
+
+def plain_read(path: str, chunks: list[bytes]) -> float:
+    with open(path, "rb", buffering=0) as f:
+        t = time.perf_counter()
+        for chunk in chunks:
+            f.read(len(chunk))
+        return time.perf_counter() - t
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--records-100", type=int, default=500_000, help="records of 100 B (default %(default)s)")
+    parser.add_argument("--records-1k", type=int, default=200_000, help="records of 1 KB (default %(default)s)")
+    parser.add_argument("--fsync", nargs="+", default=["always", "100"],
+                        help="broker --fsync policies to measure (default: always 100)")
+    parser.add_argument("--rounds", type=int, default=3, help="runs of each measurement; medians reported")
+    parser.add_argument("--in-process", action="store_true", help="embedded Broker in a thread of this process")
+    parser.add_argument("--target", type=float, default=TARGET_RATIO, help="min broker/plain-append ratio")
+    parser.add_argument("--keep", action="store_true", help="keep the temp dir")
+    args = parser.parse_args(argv)
+    sizes = [(100, args.records_100), (1024, args.records_1k)]
+
+    workdir = Path(tempfile.mkdtemp(prefix="twophase-broker-bench-"))
+    rows = []
+    load_before = os.getloadavg()[0]
+    try:
+        for fsync in args.fsync:
+            data_dir = str(workdir / f"data-{fsync}")
+            with BrokerRunner(data_dir, fsync, args.in_process) as broker:
+                admin = AdminClient({"bootstrap.servers": broker.bootstrap})
+                for size, records in sizes:
+                    t_prod, t_cons, plain_mbs, read_mbs, batch_sizes = [], [], [], [], []
+                    for r in range(args.rounds):
+                        topic = f"bench-{size}-{r}-{uuid.uuid4().hex[:6]}"
+                        admin.create_topics([NewTopic(topic, 1, 1)])[topic].result(timeout=30)
+                        t_prod.append(produce(broker.bootstrap, topic, records, size))
+                        chunks = batches_of(data_dir, topic)
+                        stored = sum(len(c) for c in chunks)
+                        plain = str(workdir / f"plain-{fsync}-{size}-{r}")
+                        t_plain = plain_append(plain, chunks, fsync)
+                        plain_mbs.append(stored / t_plain / MB)
+                        t_cons.append(consume(broker.bootstrap, topic, records))
+                        read_mbs.append(stored / plain_read(plain, chunks) / MB)
+                        os.unlink(plain)
+                        batch_sizes.append(stored / len(chunks))
+                        print(f"fsync {fsync:>6} {size:>5} B x {records}: produce {t_prod[-1]:.2f} s, "
+                              f"plain append {t_plain:.2f} s ({len(chunks)} batches, "
+                              f"{stored / len(chunks) / 1024:.0f} KiB each), consume {t_cons[-1]:.2f} s",
+                              file=sys.stderr, flush=True)
+                    rows.append(dict(fsync=fsync, size=size, records=records, payload=records * size,
+                                     batch=statistics.median(batch_sizes),
+                                     produce=statistics.median(t_prod), consume=statistics.median(t_cons),
+                                     plain_mbs=statistics.median(plain_mbs), read_mbs=statistics.median(read_mbs)))
+    finally:
+        if not args.keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+    load_after = os.getloadavg()[0]
+
+    print()
+    mode = "embedded Broker in this process" if args.in_process else "broker subprocess"
+    print(f"{mode}, 1 partition, acks=all, no compression, {args.rounds} round(s) (medians), "
+          f"records: {args.records_100} x 100 B, {args.records_1k} x 1 KB")
+    print()
+    head = (f"{'fsync':>6} {'record':>6} {'op':<8}{'MB/s':>9}{'records/s':>12}{'plain append':>14}"
+            f"{'ratio':>8}  {'target':<7}{'batch KiB':>10}{'plain read':>12}")
+    print(head)
+    print(f"{'':>6} {'':>6} {'':<8}{'':>9}{'':>12}{'MB/s':>14}{'':>8}  {'':<7}{'':>10}{'MB/s':>12}")
+    print("-" * len(head))
+    misses = 0
+    for row in rows:
+        plain_mbs = row["plain_mbs"]
+        for op in ("produce", "consume"):
+            mbs = row["payload"] / row[op] / MB
+            ratio = mbs / plain_mbs
+            verdict = "PASS" if ratio >= args.target else "MISS"
+            misses += verdict == "MISS"
+            fs = "always" if row["fsync"] == "always" else f"{row['fsync']}ms"
+            rec = "100 B" if row["size"] == 100 else "1 KB"
+            read = f"{row['read_mbs']:>12.0f}" if op == "consume" else f"{'':>12}"
+            print(f"{fs:>6} {rec:>6} {op:<8}{mbs:>9.1f}{row['records'] / row[op]:>12.0f}{plain_mbs:>14.1f}"
+                  f"{ratio:>8.2f}  {verdict:<7}{row['batch'] / 1024:>10.1f}{read}".rstrip())
+    print("-" * len(head))
+    print(f"target: broker >= {args.target:g} x plain append of the same batches under the same fsync policy; "
+          f"{len(rows) * 2 - misses} PASS, {misses} MISS")
+    print(f"host: {os.cpu_count()} CPUs, 1-min load average {load_before:.1f} before, {load_after:.1f} after")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
