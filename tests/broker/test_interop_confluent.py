@@ -1,7 +1,7 @@
 """confluent-kafka (librdkafka) against the built-in broker.
 
 Producer: idempotent, keys, headers, every compression codec (the broker never decodes records).
-Consumer: assign() with explicit offsets (no consumer groups yet, no commits). Admin: create and
+Consumer: assign() with explicit offsets (groups: test_groups_interop.py). Admin: create and
 delete topics. Every record must arrive once, in order, per partition.
 """
 

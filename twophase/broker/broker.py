@@ -14,10 +14,10 @@ Inside a running event loop use the async API instead::
     await broker.stop_async()
 
 What lives in the data directory besides the storage layer's files (``topics.json``, ``.lock``,
-one ``<topic>-<partition>/`` per partition): ``broker.json`` (cluster id, written once) and
-``producer-ids.json`` (the next unreserved producer id). Producer ids are reserved in blocks,
-so the file is rewritten once per ``PRODUCER_ID_BLOCK`` allocations and an id is never handed
-out twice, even after a crash.
+one ``<topic>-<partition>/`` per partition): ``broker.json`` (cluster id, written once),
+``producer-ids.json`` (the next unreserved producer id) and ``groups/`` (committed offsets,
+one file per group). Producer ids are reserved in blocks, so the file is rewritten once per
+``PRODUCER_ID_BLOCK`` allocations and an id is never handed out twice, even after a crash.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ import uuid
 from collections.abc import Iterable
 from typing import Literal
 
+from .groups import GroupCoordinator
 from .server import DEFAULT_MAX_REQUEST_BYTES, Dispatcher, KafkaServer
 from .storage import KafkaError, LogConfig, LogManager, TopicInfo, UnknownTopicOrPartitionError
 from twophase.durable import atomic_write
@@ -43,6 +44,7 @@ log = logging.getLogger("twophase.broker")
 BROKER_FILE = "broker.json"
 PRODUCER_IDS_FILE = "producer-ids.json"
 PRODUCER_ID_BLOCK = 1000
+GROUPS_DIR = "groups"  # committed offsets (twophase.broker.groups.offsets)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +89,7 @@ class Broker:
         self.config = dataclasses.replace(config or BrokerConfig(), **options)
         self.cluster_id = ""
         self.logs: LogManager | None = None
+        self.groups: GroupCoordinator | None = None
         self._server: KafkaServer | None = None
         self._waiters: dict[tuple[str, int], set[asyncio.Future]] = {}
         self._tasks: list[asyncio.Task] = []
@@ -123,6 +126,7 @@ class Broker:
         try:
             self._load_broker_file()
             self._load_producer_ids()
+            self.groups = GroupCoordinator(os.path.join(self.data_dir, GROUPS_DIR))
             self._server = KafkaServer(Dispatcher(self), self.config.host, self.config.port,
                                        self.config.max_request_bytes)
             await self._server.start()
@@ -146,8 +150,11 @@ class Broker:
             except (asyncio.CancelledError, Exception):
                 pass
         self._tasks = []
+        if self.groups is not None:
+            self.groups.close()  # answers parked JoinGroup/SyncGroup requests
         if self._server is not None:
             await self._server.close()
+        self.groups = None
         for waiters in self._waiters.values():
             for fut in waiters:
                 if not fut.done():
@@ -303,6 +310,7 @@ class Broker:
     def delete_topic(self, name: str) -> None:
         info = self.logs.topics().get(name)
         self.logs.delete_topic(name)
+        self.groups.offsets.delete_topic(name)
         if info is not None:
             for p in range(info.partitions):
                 self.data_arrived(name, p)  # parked fetches re-read and see the topic gone

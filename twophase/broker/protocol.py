@@ -14,7 +14,9 @@ Example::
 Why these ranges (DESIGN.md section 6): Produce starts at 3 (RecordBatch v2, idempotence);
 Fetch stops at 12 because 13+ addresses topics by id; Metadata stops at 12 (13 adds nothing a
 client here needs); ApiVersions stops at 3, so kafka-python's v4 gets the v0-shaped
-UNSUPPORTED_VERSION answer it falls back on.
+UNSUPPORTED_VERSION answer it falls back on. Consumer groups: OffsetCommit stops at 8 and
+OffsetFetch at 7 (9+ and 8+ are KIP-848 member epochs and multi-group requests); JoinGroup stops
+at 7 (8 adds only a reason, 9 static-member assignment skipping).
 """
 
 from __future__ import annotations
@@ -30,12 +32,20 @@ from .apis import (
     api_versions,
     create_topics,
     delete_topics,
+    describe_groups,
     fetch,
     find_coordinator,
+    heartbeat,
     init_producer_id,
+    join_group,
+    leave_group,
+    list_groups,
     list_offsets,
     metadata,
+    offset_commit,
+    offset_fetch,
     produce,
+    sync_group,
 )
 
 
@@ -72,7 +82,15 @@ APIS: tuple[Api, ...] = (
     Api(1, "Fetch", fetch, 4, 12),
     Api(2, "ListOffsets", list_offsets, 1, 7),
     Api(3, "Metadata", metadata, 0, 12),
+    Api(8, "OffsetCommit", offset_commit, 2, 8),
+    Api(9, "OffsetFetch", offset_fetch, 1, 7),
     Api(10, "FindCoordinator", find_coordinator, 0, 4),
+    Api(11, "JoinGroup", join_group, 0, 7),
+    Api(12, "Heartbeat", heartbeat, 0, 4),
+    Api(13, "LeaveGroup", leave_group, 0, 5),
+    Api(14, "SyncGroup", sync_group, 0, 5),
+    Api(15, "DescribeGroups", describe_groups, 0, 5),
+    Api(16, "ListGroups", list_groups, 0, 4),
     Api(18, "ApiVersions", api_versions, 0, 3),
     Api(19, "CreateTopics", create_topics, 2, 7),
     Api(20, "DeleteTopics", delete_topics, 1, 6),

@@ -1,0 +1,12 @@
+"""Heartbeat (key 12), v0-v4: keeps a member's session alive; REBALANCE_IN_PROGRESS tells it to rejoin."""
+
+from __future__ import annotations
+
+from ..codec import build
+from ._common import NO_THROTTLE, error
+
+
+async def handle(broker, request):
+    body = request.body
+    code = broker.groups.heartbeat(body.group_id, body.generation_id, body.member_id)
+    return build(request.response_type(), throttle_time=NO_THROTTLE, error_code=error(code))

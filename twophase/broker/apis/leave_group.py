@@ -1,0 +1,18 @@
+"""LeaveGroup (key 13), v0-v5: one member (v0-v2) or a batch of members (v3+) leave; the group rebalances."""
+
+from __future__ import annotations
+
+from ..codec import build, nested
+from ._common import NO_THROTTLE, NONE, error
+
+
+async def handle(broker, request):
+    body, rt = request.body, request.response_type()
+    if request.version < 3:
+        [code] = broker.groups.leave(body.group_id, [body.member_id])
+        return build(rt, throttle_time=NO_THROTTLE, error_code=error(code))
+    codes = broker.groups.leave(body.group_id, [m.member_id for m in body.members])
+    MemberResponse = nested(rt, "MemberResponse")
+    members = tuple(build(MemberResponse, member_id=m.member_id, group_instance_id=m.group_instance_id,
+                          error_code=error(code)) for m, code in zip(body.members, codes))
+    return build(rt, throttle_time=NO_THROTTLE, error_code=NONE, members=members)

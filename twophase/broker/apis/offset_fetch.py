@@ -1,0 +1,36 @@
+"""OffsetFetch (key 9), v1-v7: a group's committed offsets (-1 where nothing was committed).
+
+v2+ may ask for all topics (topics = null). require_stable (v7) is accepted and, without
+transactions, always satisfied.
+"""
+
+from __future__ import annotations
+
+from ..codec import build, nested
+from ._common import NO_THROTTLE, NONE
+
+
+async def handle(broker, request):
+    body, rt = request.body, request.response_type()
+    TopicResponse = nested(rt, "OffsetFetchResponseTopic")
+    PartitionResponse = nested(rt, "OffsetFetchResponsePartition")
+    groups = broker.groups
+    if body.topics is None:
+        wanted: dict[str, list[int]] = {}
+        for topic, partition in sorted(groups.all_committed(body.group_id)):
+            wanted.setdefault(topic, []).append(partition)
+    else:
+        wanted = {}
+        for t in body.topics:
+            wanted.setdefault(t.name, []).extend(t.partition_indexes)
+    topics = []
+    for name, partitions in wanted.items():
+        entries = []
+        for p in partitions:
+            c = groups.committed(body.group_id, name, p)
+            entries.append(build(PartitionResponse, partition_index=p,
+                                 committed_offset=c.offset if c else -1,
+                                 committed_leader_epoch=c.leader_epoch if c else -1,
+                                 metadata=(c.metadata if c and c.metadata is not None else ""), error_code=NONE))
+        topics.append(build(TopicResponse, name=name, partitions=tuple(entries)))
+    return build(rt, throttle_time=NO_THROTTLE, topics=tuple(topics), error_code=NONE)

@@ -1,0 +1,142 @@
+"""One consumer group's membership state (no I/O, no wire types).
+
+The state machine follows Kafka's classic group coordinator::
+
+    Empty ──join──▶ PreparingRebalance ──all joined / rebalance timeout──▶ CompletingRebalance
+      ▲                 │  ▲                                                   │
+      └─last member gone┘  └──────join/leave/expiry/sync timeout──────────────┤ leader's SyncGroup
+                           └──────────────────join/leave/expiry─── Stable ◀────┘
+
+Dead is reachable from every state (the broker shuts down) and leads nowhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import enum
+
+
+class GroupState(enum.Enum):
+    EMPTY = "Empty"
+    PREPARING_REBALANCE = "PreparingRebalance"
+    COMPLETING_REBALANCE = "CompletingRebalance"
+    STABLE = "Stable"
+    DEAD = "Dead"
+
+
+ALLOWED_TRANSITIONS: dict[GroupState, frozenset[GroupState]] = {
+    GroupState.EMPTY: frozenset({GroupState.PREPARING_REBALANCE, GroupState.DEAD}),
+    GroupState.PREPARING_REBALANCE: frozenset({GroupState.COMPLETING_REBALANCE, GroupState.EMPTY,
+                                               GroupState.DEAD}),
+    GroupState.COMPLETING_REBALANCE: frozenset({GroupState.STABLE, GroupState.PREPARING_REBALANCE,
+                                                GroupState.DEAD}),
+    GroupState.STABLE: frozenset({GroupState.PREPARING_REBALANCE, GroupState.DEAD}),
+    GroupState.DEAD: frozenset(),
+}
+
+
+class IllegalTransition(RuntimeError):
+    pass
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class JoinResult:
+    error: int
+    generation: int = -1
+    protocol_type: str | None = None
+    protocol_name: str | None = None
+    leader: str = ""
+    member_id: str = ""
+    members: tuple[tuple[str, str | None, bytes], ...] = ()  # (member id, instance id, metadata), leader only
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SyncResult:
+    error: int
+    protocol_type: str | None = None
+    protocol_name: str | None = None
+    assignment: bytes = b""
+
+
+@dataclasses.dataclass(eq=False)
+class Member:
+    member_id: str
+    group_instance_id: str | None
+    client_id: str
+    client_host: str
+    session_timeout_ms: int
+    rebalance_timeout_ms: int
+    protocol_type: str
+    protocols: tuple[tuple[str, bytes], ...]  # (name, metadata) in the member's preference order
+    assignment: bytes = b""
+    join_future: asyncio.Future | None = None  # set while a JoinGroup of this member is parked
+    sync_future: asyncio.Future | None = None  # set while a SyncGroup of this member is parked
+    expiry: asyncio.TimerHandle | None = None  # session timeout
+
+    @property
+    def awaiting_join(self) -> bool:
+        return self.join_future is not None and not self.join_future.done()
+
+    @property
+    def awaiting_sync(self) -> bool:
+        return self.sync_future is not None and not self.sync_future.done()
+
+    def protocol_names(self) -> list[str]:
+        return [name for name, _ in self.protocols]
+
+    def metadata_for(self, protocol: str) -> bytes:
+        return next(meta for name, meta in self.protocols if name == protocol)
+
+
+class Group:
+    """Members, generation, selected protocol and state of one group."""
+
+    def __init__(self, group_id: str) -> None:
+        self.group_id = group_id
+        self.state = GroupState.EMPTY
+        self.generation = 0
+        self.protocol_type: str | None = None
+        self.protocol_name: str | None = None
+        self.leader_id: str | None = None
+        self.members: dict[str, Member] = {}
+        self.pending: dict[str, asyncio.TimerHandle] = {}  # ids handed out with MEMBER_ID_REQUIRED
+        self.timer: asyncio.TimerHandle | None = None  # rebalance timeout or sync timeout
+
+    def transition(self, target: GroupState) -> None:
+        if target not in ALLOWED_TRANSITIONS[self.state]:
+            raise IllegalTransition(f"group {self.group_id!r}: {self.state.value} -> {target.value}")
+        self.state = target
+
+    def cancel_timer(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+    def supports(self, protocol_type: str, names: list[str]) -> bool:
+        """Whether a member with this protocol type and these protocols can be in the group."""
+        if not names:
+            return False
+        if not self.members:
+            return True
+        return protocol_type == self.protocol_type and bool(self.candidates() & set(names))
+
+    def candidates(self) -> set[str]:
+        """Protocols every member supports."""
+        sets = [set(m.protocol_names()) for m in self.members.values()]
+        return set.intersection(*sets) if sets else set()
+
+    def select_protocol(self) -> str:
+        """Each member votes for its most preferred protocol that all support; most votes wins."""
+        candidates = self.candidates()
+        votes: dict[str, int] = {}
+        for m in self.members.values():
+            choice = next(name for name in m.protocol_names() if name in candidates)
+            votes[choice] = votes.get(choice, 0) + 1
+        return max(votes, key=lambda name: votes[name])
+
+    def max_rebalance_timeout_ms(self) -> int:
+        return max((m.rebalance_timeout_ms for m in self.members.values()), default=0)
+
+    def all_joined(self) -> bool:
+        return not self.pending and all(m.awaiting_join for m in self.members.values())
