@@ -31,6 +31,7 @@ from coordinator.layout import AppPaths
 from coordinator.zk import connect, read_json
 from examples.file_sink_query import write_input
 from sinks.files import read_committed_rows
+from twophase.checkpoint import started_epochs
 from twophase.verify import count_rows
 from twophase.zkserver import ZooKeeperServer
 
@@ -80,8 +81,8 @@ def committed_epoch(zk) -> int:
 
 def spark_batch(checkpoint: str) -> str:
     """The newest batch in Spark's checkpoint: offsets/N is written before batch N runs."""
-    names = os.listdir(f"{checkpoint}/offsets") if os.path.isdir(f"{checkpoint}/offsets") else []
-    return max((n for n in names if n.isdigit()), key=int, default="-")
+    started = started_epochs(checkpoint)
+    return str(started[-1]) if started else "-"
 
 
 def watch(proc: subprocess.Popen, zk, args, label: str, t0: float, kill_at: int | None) -> bool:

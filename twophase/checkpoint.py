@@ -28,6 +28,11 @@ def _batch_ids(directory: str) -> list[int]:
     return sorted(int(n) for n in names if n.isdigit())
 
 
+def started_epochs(checkpoint: str) -> list[int]:
+    """Batch ids that have offsets/N (written before batch N runs), in ascending order."""
+    return _batch_ids(os.path.join(local_path(checkpoint), "offsets"))
+
+
 def completed_epochs(checkpoint: str) -> list[int]:
     """Batch ids that have commits/N, in ascending order."""
     return _batch_ids(os.path.join(local_path(checkpoint), "commits"))

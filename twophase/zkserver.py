@@ -56,7 +56,8 @@ def default_classpath() -> str:
     return os.pathsep.join(p for p in _DEBIAN_CLASSPATH if os.path.exists(p))
 
 
-def _free_port(host: str) -> int:
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that is free on host right now (for servers that must know theirs up front)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
@@ -109,7 +110,7 @@ class ZooKeeperServer:
         if self.running:
             return self
         if self.port == 0:
-            self.port = _free_port(self.host)
+            self.port = free_port(self.host)
         # An auto-picked port can be grabbed by someone else before the JVM
         # binds it; pick another one then (only before it ever served).
         for attempt in range(3):
@@ -121,7 +122,7 @@ class ZooKeeperServer:
                 self._terminate(signal.SIGKILL)
                 if not (self._auto_port and attempt < 2 and "Address already in use" in str(e)):
                     raise
-                self.port = _free_port(self.host)
+                self.port = free_port(self.host)
         _LIVE.add(self)
         return self
 

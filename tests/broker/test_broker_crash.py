@@ -22,7 +22,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -34,6 +33,7 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, Producer, To
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from twophase.verify import count_rows
+from twophase.zkserver import free_port
 
 pytestmark = pytest.mark.chaos
 
@@ -42,12 +42,6 @@ PARTITIONS = 3
 ACKS_PER_PHASE = 3000   # acknowledged records to wait for before each kill and after the last restart
 MAX_OUTSTANDING = 5000  # records the producer thread lets queue up (bounded, also while the broker is down)
 PHASE_TIMEOUT = 20.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class BrokerProcess:
