@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from kazoo.client import KazooClient
@@ -51,6 +52,7 @@ class CommitPolicy:
     max_backoff: float = 5.0
     retain_epochs: int = 10   # committed epoch records kept for `twophase status`
     poll_interval: float = 2.0
+    max_commit_threads: int = 16  # upper bound on the sink's own commit_concurrency
 
 
 @dataclass
@@ -196,10 +198,8 @@ class AppCoordinator:
         abort_incomplete (recovery while no query runs) all of them are.
         """
         latest_run = registry.latest_run(attempts)
-        for attempt in attempts:
-            if attempt.run != latest_run or options.abort_incomplete:
-                if not self._finish(qp, epoch, attempt, commit=False, recovering=True, options=options):
-                    return
+        stale = [(a, False) for a in attempts if a.run != latest_run or options.abort_incomplete]
+        self._finish_all(qp, epoch, stale, recovering=True, options=options)
 
     def _decide(self, qp: QueryPaths, epoch: int, decided: EpochRecord, version: int,
                 options: PassOptions) -> EpochRecord | None:
@@ -228,10 +228,8 @@ class AppCoordinator:
                                   version, options)
             if record is None:
                 return False
-        for attempt in attempts:
-            commit = attempt.name in record.winners
-            if not self._finish(qp, epoch, attempt, commit, recovering, options):
-                return False
+        if not self._finish_all(qp, epoch, [(a, a.name in record.winners) for a in attempts], recovering, options):
+            return False
         if options.dry_run:
             options.actions.append(f"epoch {epoch}: would commit {len(record.winners)} pre-commit(s) of run {record.run}")
             return True
@@ -244,6 +242,24 @@ class AppCoordinator:
                  self.app, qid, epoch, len(record.winners), record.run)
         options.actions.append(f"epoch {epoch}: committed {len(record.winners)} pre-commit(s) of run {record.run}")
         return True
+
+    def _finish_all(self, qp: QueryPaths, epoch: int, work: list[tuple[Attempt, bool]],
+                    recovering: bool, options: PassOptions) -> bool:
+        """Commit or abort each (attempt, commit?) pair; False if any failed.
+
+        Up to the sink's ``commit_concurrency`` run at once: an epoch of hundreds of partitions
+        would otherwise pay every external round trip in sequence. Sequentially, the first
+        failure stops the rest, as they would fail the same way.
+        """
+        if not work:
+            return True
+        threads = 1 if options.dry_run else min(self.sink().commit_concurrency, self.policy.max_commit_threads,
+                                                len(work))
+        if threads <= 1:
+            return all(self._finish(qp, epoch, attempt, commit, recovering, options) for attempt, commit in work)
+        with ThreadPoolExecutor(threads, thread_name_prefix=f"twophase-commit-{self.app}") as pool:
+            done = list(pool.map(lambda w: self._finish(qp, epoch, w[0], w[1], recovering, options), work))
+        return all(done)
 
     def _finish(self, qp: QueryPaths, epoch: int, attempt: Attempt, commit: bool,
                 recovering: bool, options: PassOptions) -> bool:
@@ -304,9 +320,9 @@ class AppCoordinator:
         registry = PrecommitRegistry(self.client, qp, self.signer)
         for epoch in committed[: max(0, len(committed) - self.policy.retain_epochs)]:
             # Anything registered here after the commit is a zombie attempt: never committed.
-            for attempt in registry.load(epoch):
-                if not self._finish(qp, epoch, attempt, commit=False, recovering=True, options=options):
-                    return
+            leftovers = [(attempt, False) for attempt in registry.load(epoch)]
+            if not self._finish_all(qp, epoch, leftovers, recovering=True, options=options):
+                return
             self.fence.check()
             self.client.retry(self.client.delete, qp.epoch(epoch), recursive=True)
 

@@ -60,6 +60,8 @@ def _default_serializer(row: Any) -> dict:
 class FileSink(TwoPhaseCommitSink):
     """Writes rows as JSON lines, one ``part-*.jsonl`` file per committed task."""
 
+    commit_concurrency = 8  # each commit renames its own file: independent and thread-safe
+
     def __init__(
         self,
         path: str,

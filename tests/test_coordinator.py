@@ -171,6 +171,54 @@ def test_a_handle_that_can_never_commit_marks_the_epoch_failed_until_retried(zk,
     assert count_rows(range(10), ids_out(pipe)).exact and pipe.watermark() == 0
 
 
+class ConcurrentCommitSink(FileSink):
+    """Every commit waits at a barrier of ``commit_concurrency`` parties: sequential commits would break it."""
+
+    commit_concurrency = 4
+
+    def __init__(self, path, failing_partition=None):
+        super().__init__(path)
+        self.failing_partition = failing_partition
+        self.__setstate__(self.__dict__)
+
+    def __getstate__(self):
+        return {k: v for k, v in self.__dict__.items() if k != "barrier"}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state, barrier=threading.Barrier(self.commit_concurrency, timeout=10))
+
+    def commit(self, handle):
+        self.barrier.wait()
+        if f"-{self.failing_partition:05d}-" in handle.final:
+            raise ConnectionError("injected commit failure")
+        super().commit(handle)
+
+
+def test_commits_of_one_epoch_run_concurrently_up_to_the_sinks_limit(zk, zk_root, tmp_path):
+    pipe = Pipeline(zk, zk_root, ConcurrentCommitSink(str(tmp_path / "out"), failing_partition=-1))
+    for partition in range(8):
+        pipe.task("r1", 0, partition, range(partition * 10, partition * 10 + 10))
+    pipe.barrier(0, "r1")
+    pipe.coordinator().reconcile()
+    assert count_rows(range(80), ids_out(pipe)).exact and pipe.watermark() == 0
+
+
+def test_one_failing_commit_among_concurrent_ones_holds_the_epoch_and_is_retried_alone(zk, zk_root, tmp_path):
+    pipe = Pipeline(zk, zk_root, ConcurrentCommitSink(str(tmp_path / "out"), failing_partition=5))
+    for partition in range(8):
+        pipe.task("r1", 0, partition, range(partition * 10, partition * 10 + 10))
+    pipe.barrier(0, "r1")
+    app = pipe.coordinator(attempts=1)
+    app.reconcile()
+    assert pipe.watermark() == -1 and pipe.record(0).state is EpochState.COMMITTING
+    assert sorted(ids_out(pipe)) == [i for i in range(80) if not 50 <= i < 60]
+    assert [a.name for a in pipe.registry.load(0)] == ["r1.5.0"]  # only the failed one is left to do
+    sink = app.sink()
+    sink.failing_partition, sink.barrier = -1, threading.Barrier(1)
+    app.reconcile()
+    assert count_rows(range(80), ids_out(pipe)).exact and pipe.watermark() == 0
+
+
 def test_committed_epochs_are_garbage_collected_beyond_retention(pipe):
     for epoch in range(6):
         pipe.task("r1", epoch, 0, range(epoch * 10, epoch * 10 + 10))

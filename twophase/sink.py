@@ -62,7 +62,14 @@ class TwoPhaseCommitSink(ABC):
 
     Instances are cloudpickled to Spark executors and to the coordinator, so
     keep connections out of ``__init__``; open them lazily.
+
+    ``commit_concurrency`` is how many commit/abort calls (for different handles
+    of one epoch) the coordinator may run at once in threads. The default 1 is
+    safe for any sink; raise it when those calls are thread-safe, so an epoch of
+    many partitions does not pay every round trip in sequence.
     """
+
+    commit_concurrency: int = 1
 
     @abstractmethod
     def begin_transaction(self, ctx: TxnContext) -> Any:
