@@ -199,7 +199,8 @@ class AppCoordinator:
         """
         latest_run = registry.latest_run(attempts)
         stale = [(a, False) for a in attempts if a.run != latest_run or options.abort_incomplete]
-        self._finish_all(qp, epoch, stale, recovering=True, options=options)
+        if self._finish_all(qp, epoch, stale, recovering=True, options=options) and options.abort_incomplete:
+            self._abort_unregistered(epoch, attempts, options, registry)
 
     def _decide(self, qp: QueryPaths, epoch: int, decided: EpochRecord, version: int,
                 options: PassOptions) -> EpochRecord | None:
@@ -229,6 +230,8 @@ class AppCoordinator:
             if record is None:
                 return False
         if not self._finish_all(qp, epoch, [(a, a.name in record.winners) for a in attempts], recovering, options):
+            return False
+        if not self._abort_unregistered(epoch, attempts, options, registry):
             return False
         if options.dry_run:
             options.actions.append(f"epoch {epoch}: would commit {len(record.winners)} pre-commit(s) of run {record.run}")
@@ -273,25 +276,57 @@ class AppCoordinator:
             operation = sink.recover_and_commit if recovering else sink.commit
         else:
             operation = sink.recover_and_abort if recovering else sink.abort
-        retrying = Retrying(
+        try:
+            self._retrying()(operation, attempt.handle)
+        except Exception as e:
+            self._record_failure(qp, epoch, attempt, commit, e)
+            return False
+        attempt_path = f"{qp.attempts(epoch)}/{attempt.name}"
+        txn = self.fence.transaction()
+        txn.delete(attempt_path)
+        txn.delete(f"{qp.intents(epoch)}/{attempt.name}")
+        try:
+            self.fence.commit(txn)
+        except NoNodeError:
+            # No intent (registered by a writer that predates intents) or deleted meanwhile.
+            txn = self.fence.transaction()
+            txn.delete(attempt_path)
+            try:
+                self.fence.commit(txn)
+            except NoNodeError:
+                pass
+        if not commit:
+            options.actions.append(f"epoch {epoch}: aborted {attempt.name}")
+        return True
+
+    def _retrying(self) -> Retrying:
+        return Retrying(
             stop=stop_after_attempt(self.policy.attempts),
             wait=wait_exponential(multiplier=0.05, max=self.policy.max_backoff),
             retry=retry_if_not_exception_type(CommitFailed),
             reraise=True,
         )
-        try:
-            retrying(operation, attempt.handle)
-        except Exception as e:
-            self._record_failure(qp, epoch, attempt, commit, e)
-            return False
-        txn = self.fence.transaction()
-        txn.delete(f"{qp.attempts(epoch)}/{attempt.name}")
-        try:
-            self.fence.commit(txn)
-        except NoNodeError:
-            pass
-        if not commit:
-            options.actions.append(f"epoch {epoch}: aborted {attempt.name}")
+
+    def _abort_unregistered(self, epoch: int, attempts: list[Attempt], options: PassOptions,
+                            registry: PrecommitRegistry) -> bool:
+        """Have the sink clean up after attempts that began a transaction and never registered it.
+
+        Only once the epoch is settled: until then such an attempt may still be running.
+        False if the sink failed (retried on the next pass).
+        """
+        for ctx in registry.unregistered(epoch, attempts):
+            if options.dry_run:
+                options.actions.append(f"epoch {epoch}: would abort unregistered attempt {ctx.name}")
+                continue
+            self.fence.check()
+            try:
+                self._retrying()(self.sink().abort_unregistered, ctx)
+            except Exception as e:
+                log.error("app %s epoch %d: cleaning up unregistered attempt %s failed: %r; retried next pass",
+                          self.app, epoch, ctx.name, e)
+                return False
+            registry.drop_intent(ctx)
+            options.actions.append(f"epoch {epoch}: aborted unregistered attempt {ctx.name}")
         return True
 
     def _record_failure(self, qp: QueryPaths, epoch: int, attempt: Attempt, commit: bool, error: Exception) -> None:
@@ -320,8 +355,10 @@ class AppCoordinator:
         registry = PrecommitRegistry(self.client, qp, self.signer)
         for epoch in committed[: max(0, len(committed) - self.policy.retain_epochs)]:
             # Anything registered here after the commit is a zombie attempt: never committed.
-            leftovers = [(attempt, False) for attempt in registry.load(epoch)]
-            if not self._finish_all(qp, epoch, leftovers, recovering=True, options=options):
+            registered = registry.load(epoch)
+            if not self._finish_all(qp, epoch, [(a, False) for a in registered], recovering=True, options=options):
+                return
+            if not self._abort_unregistered(epoch, registered, options, registry):
                 return
             self.fence.check()
             self.client.retry(self.client.delete, qp.epoch(epoch), recursive=True)

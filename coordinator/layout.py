@@ -10,6 +10,7 @@
     <root>/apps/<app>/queries/<query>/barrier    {"epoch": N, "run": R}  Spark reported N done
     <root>/apps/<app>/queries/<query>/watermark  {"epoch": N}  every epoch <= N is committed
     <root>/apps/<app>/queries/<query>/epochs/<N:019d>                     epoch record
+    <root>/apps/<app>/queries/<query>/epochs/<N>/intents/<run>.<p>.<a>    a task began a transaction
     <root>/apps/<app>/queries/<query>/epochs/<N>/attempts/<run>.<p>.<a>   signed pre-commit
     <root>/apps/<app>/queries/<query>/epochs/<N>/winners/<run>.<p>        winning attempt name
     <root>/apps/<app>/queries/<query>/epochs/<N>/failures/<attempt>       last phase-two error
@@ -45,12 +46,14 @@ class AppPaths:
         return f"{self.base}/queries"
 
     def query(self, query_id: str) -> "QueryPaths":
-        return QueryPaths(f"{self.queries}/{query_id}")
+        return QueryPaths(f"{self.queries}/{query_id}", self.app, query_id)
 
 
 @dataclass(frozen=True)
 class QueryPaths:
     base: str
+    app: str
+    query_id: str
 
     @property
     def runs(self) -> str:
@@ -73,6 +76,9 @@ class QueryPaths:
 
     def epoch(self, epoch: int) -> str:
         return f"{self.epochs}/{epoch:019d}"
+
+    def intents(self, epoch: int) -> str:
+        return f"{self.epoch(epoch)}/intents"
 
     def attempts(self, epoch: int) -> str:
         return f"{self.epoch(epoch)}/attempts"

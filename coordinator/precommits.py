@@ -4,12 +4,17 @@ Every pre-committed transaction is recorded (so nobody loses track of one), and
 within a run exactly one attempt per (epoch, partition) wins: its attempt node
 and the ``winners/<run>.<partition>`` node are created in one multi-op, so the
 second attempt to finish finds the winner and aborts its own transaction.
+Before it begins, an attempt records its intent: a task killed between
+pre_commit and registration leaves an intent without an attempt, which tells the
+coordinator to have the sink clean up after it (``abort_unregistered``).
 
 Usage (in a Spark task)::
 
     registry = PrecommitRegistry(client, app_paths.query(ctx.query_id), signer)
     if registry.winner(ctx) is not None:
         ...                                  # an earlier attempt already won: skip rows
+    registry.intend(ctx)
+    txn = sink.begin_transaction(ctx) ...
     won = registry.register(ctx, handle)
     if not won:
         sink.abort(handle)
@@ -89,6 +94,33 @@ class PrecommitRegistry:
             return None
         return raw.decode()
 
+    def intend(self, ctx: TxnContext) -> None:
+        """Record that this attempt is about to begin a transaction."""
+        path = f"{self._paths.intents(ctx.epoch)}/{attempt_name(ctx)}"
+        try:
+            self._client.retry(self._client.create, path, makepath=True)
+        except NodeExistsError:
+            pass  # a retried create that went through
+
+    def unregistered(self, epoch: int, attempts: list[Attempt]) -> list[TxnContext]:
+        """Attempts that began a transaction but hold no registered pre-commit."""
+        try:
+            names = self._client.retry(self._client.get_children, self._paths.intents(epoch))
+        except NoNodeError:
+            return []
+        registered = {a.name for a in attempts}
+        contexts = []
+        for name in sorted(set(names) - registered):
+            run, partition, attempt = name.rsplit(".", 2)
+            contexts.append(TxnContext(self._paths.app, self._paths.query_id, run, epoch, int(partition), int(attempt)))
+        return contexts
+
+    def drop_intent(self, ctx: TxnContext) -> None:
+        try:
+            self._client.retry(self._client.delete, f"{self._paths.intents(ctx.epoch)}/{attempt_name(ctx)}")
+        except NoNodeError:
+            pass
+
     def register(self, ctx: TxnContext, handle: Any) -> bool:
         """Record a pre-committed handle; True if this attempt won its partition."""
         return self._client.retry(self._register, ctx, handle)
@@ -120,7 +152,8 @@ class PrecommitRegistry:
         return False
 
     def forget(self, ctx: TxnContext) -> None:
-        """Drop a losing attempt's record once it has aborted its own transaction."""
+        """Drop a finished attempt's records: a loser that aborted itself, or a committed/aborted pre-commit."""
+        self.drop_intent(ctx)
         try:
             self._client.retry(self._client.delete, f"{self._paths.attempts(ctx.epoch)}/{attempt_name(ctx)}")
         except NoNodeError:

@@ -129,6 +129,11 @@ class FileSink(TwoPhaseCommitSink):
         elif handle_or_txn.rows:
             Path(handle_or_txn.pending).unlink(missing_ok=True)
 
+    def abort_unregistered(self, ctx: TxnContext) -> None:
+        # What a task killed before registering can have left: its staging or pending file.
+        for folder in ("_staging", "_pending"):
+            Path(self.path, folder, f"{ctx.name}.jsonl").unlink(missing_ok=True)
+
     @staticmethod
     def _discard(txn: FileTxn) -> None:
         txn.file.close()

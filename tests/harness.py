@@ -35,6 +35,7 @@ class Pipeline:
 
     def precommit(self, ctx, ids):
         """Begin, write, pre-commit, register; the loser aborts itself. True if it won."""
+        self.registry.intend(ctx)
         handle = self.sink.pre_commit(stage(self.sink, ctx, ({"id": i} for i in ids)))
         won = self.registry.register(ctx, handle)
         if not won:

@@ -10,6 +10,8 @@ from sinks.files import FileSink
 class SlowCommitFileSink(FileSink):
     """A FileSink whose commits take a while, so a coordinator can be killed mid-epoch."""
 
+    commit_concurrency = 1  # one at a time, so "mid-epoch" lasts long enough to land a kill in
+
     def __init__(self, path: str, commit_seconds: float) -> None:
         super().__init__(path)
         self.commit_seconds = commit_seconds

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 
 import pytest
@@ -10,7 +11,7 @@ from coordinator.app import PassOptions
 from coordinator.fence import Fenced
 from coordinator.state import EpochState
 from sinks.files import FileSink
-from tests.harness import QUERY, Pipeline, ids_out
+from tests.harness import QUERY, Pipeline, ids_out, stage
 from twophase.signing import SignatureError
 from twophase.sink import CommitFailed, TxnContext
 from twophase.verify import count_rows
@@ -217,6 +218,44 @@ def test_one_failing_commit_among_concurrent_ones_holds_the_epoch_and_is_retried
     sink.failing_partition, sink.barrier = -1, threading.Barrier(1)
     app.reconcile()
     assert count_rows(range(80), ids_out(pipe)).exact and pipe.watermark() == 0
+
+
+def pending_files(pipe):
+    pending = os.path.join(pipe.sink.path, "_pending")
+    return sorted(os.listdir(pending)) if os.path.isdir(pending) else []
+
+
+def test_an_attempt_killed_before_registering_is_cleaned_up_when_its_epoch_commits(pipe):
+    dead = TxnContext("app", QUERY, "r1", 0, 1, 0)
+    pipe.registry.intend(dead)
+    pipe.sink.pre_commit(stage(pipe.sink, dead, [{"id": 999}]))  # then the task is killed: no registration
+    pipe.task("r1", 0, 0, range(10))
+    pipe.task("r1", 0, 1, range(10, 20), attempt=1)  # Spark's retry
+    assert pending_files(pipe) == ["r1.0.0.0.jsonl", "r1.0.1.0.jsonl", "r1.0.1.1.jsonl"]
+    app = pipe.coordinator()
+    app.reconcile(PassOptions(dry_run=True))
+    assert len(pending_files(pipe)) == 3  # nothing settled yet: the dead attempt might still be running
+    pipe.barrier(0, "r1")
+    actions = app.reconcile()
+    assert "epoch 0: aborted unregistered attempt r1.0.1.0" in actions
+    assert count_rows(range(20), ids_out(pipe)).exact and pending_files(pipe) == []
+    assert pipe.zk.get_children(pipe.qp.intents(0)) == []
+
+
+def test_an_unregistered_attempt_that_began_after_the_commit_is_cleaned_up_by_gc(pipe):
+    pipe.task("r1", 0, 0, range(10))
+    pipe.barrier(0, "r1")
+    app = pipe.coordinator(retain_epochs=1)
+    app.reconcile()
+    zombie = TxnContext("app", QUERY, "r0", 0, 0, 0)
+    pipe.registry.intend(zombie)
+    pipe.sink.pre_commit(stage(pipe.sink, zombie, [{"id": 999}]))
+    for epoch in (1, 2):
+        pipe.task("r1", epoch, 0, range(epoch * 10, epoch * 10 + 10))
+        pipe.barrier(epoch, "r1")
+        app.reconcile()
+    assert count_rows(range(30), ids_out(pipe)).exact and pending_files(pipe) == []
+    assert not pipe.zk.exists(pipe.qp.epoch(0))
 
 
 def test_committed_epochs_are_garbage_collected_beyond_retention(pipe):

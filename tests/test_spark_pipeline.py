@@ -75,6 +75,26 @@ def test_a_task_dying_after_registration_is_not_written_twice(spark, zk_server, 
     assert partition_1 and all(n.endswith("-0.jsonl") for n in partition_1)  # attempt 0's data won
 
 
+class DiesBeforeRegistering(TwoPhaseSink):
+    """The first attempt of partition 1 is killed after its pre-commit, before registering it."""
+
+    def close(self, error):
+        if error is None and self._txn is not None and self._ctx.partition == 1 and self._ctx.attempt == 0:
+            self.sink.pre_commit(self._txn)
+            os._exit(1)
+        super().close(error)
+
+
+def test_a_task_killed_before_registering_leaves_nothing_behind(spark, zk_server, zk_root, tmp_path):
+    out = str(tmp_path / "out")
+    expected = run_pipeline(spark, zk_server, zk_root, tmp_path, FaultyFileSink(out),
+                            writer_cls=DiesBeforeRegistering)
+    assert count_rows(expected, [r["id"] for r in read_committed_rows(out)]).exact
+    assert os.listdir(os.path.join(out, "_pending")) == []  # the killed attempts' pre-commits were cleaned up
+    partition_1 = [n for n in os.listdir(out) if n.endswith(".jsonl") and "-00001-" in n]
+    assert partition_1 and all(n.endswith("-1.jsonl") for n in partition_1)  # the retries' data
+
+
 def expire_session(client, hosts):
     """Expire a kazoo session for real: another client with the same credentials closes it."""
     session_id, password = client.client_id

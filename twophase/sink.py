@@ -94,6 +94,16 @@ class TwoPhaseCommitSink(ABC):
     def abort(self, handle_or_txn: Any) -> None:
         """Discard a transaction, pre-committed or not. A second call is a no-op."""
 
+    def abort_unregistered(self, ctx: TxnContext) -> None:
+        """Clean up after an attempt that began a transaction but never registered a handle.
+
+        The coordinator calls this, once the attempt's epoch is settled, for a task
+        that died between begin_transaction and registration (for example killed
+        after pre_commit), from ``ctx`` alone. Idempotent; it must not undo a
+        committed transaction. The default does nothing, which suits sinks whose
+        unregistered leftovers are invisible and harmless.
+        """
+
     def recover_and_commit(self, handle: Any) -> None:
         """Commit a handle found after a crash; override if recovery needs more."""
         self.commit(handle)

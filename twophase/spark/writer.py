@@ -107,6 +107,7 @@ class TwoPhaseSink:
         if self._registry.winner(self._ctx) is not None:
             self._txn = None  # an earlier attempt of this run already pre-committed this partition
             return False
+        self._registry.intend(self._ctx)
         self._txn = self.sink.begin_transaction(self._ctx)
         return True
 
