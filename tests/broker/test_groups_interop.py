@@ -24,6 +24,12 @@ from confluent_kafka.admin import AdminClient, NewTopic
 PARTITIONS = 3
 
 
+@pytest.fixture
+def broker(broker_factory):
+    # No initial rebalance delay: these groups form one member at a time (test_groups_membership tests the delay).
+    return broker_factory(group_initial_rebalance_delay_ms=0)
+
+
 def create_topic(bootstrap: str, topic: str, partitions: int = PARTITIONS) -> None:
     admin = AdminClient({"bootstrap.servers": bootstrap})
     admin.create_topics([NewTopic(topic, partitions, 1)])[topic].result(timeout=30)
@@ -164,7 +170,7 @@ def test_confluent_member_killed_partitions_move_after_session_timeout(broker, t
 
 def test_committed_offsets_survive_a_broker_restart(broker_factory, tmp_path, topic):
     data_dir = tmp_path / "restart"
-    b = broker_factory(data_dir=data_dir)
+    b = broker_factory(data_dir=data_dir, group_initial_rebalance_delay_ms=0)
     create_topic(b.bootstrap, topic)
     produce(b.bootstrap, topic, [f"x{i}".encode() for i in range(30)])
     group = f"g-{uuid.uuid4().hex[:8]}"
@@ -178,7 +184,7 @@ def test_committed_offsets_survive_a_broker_restart(broker_factory, tmp_path, to
         c.close()
     b.stop()
 
-    b2 = broker_factory(data_dir=data_dir)
+    b2 = broker_factory(data_dir=data_dir, group_initial_rebalance_delay_ms=0)
     produce(b2.bootstrap, topic, [f"y{i}".encode() for i in range(9)])
     c2 = group_consumer(b2.bootstrap, group)
     try:

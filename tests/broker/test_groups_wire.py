@@ -5,10 +5,18 @@ from __future__ import annotations
 import datetime
 import time
 
+import pytest
+
 from .conftest import MS, WireClient, create_topics_request, req, sub
 
 NONE, ILLEGAL_GENERATION, UNKNOWN_MEMBER_ID, REBALANCE_IN_PROGRESS, MEMBER_ID_REQUIRED = 0, 22, 25, 27, 79
 UNKNOWN_TOPIC_OR_PARTITION, INVALID_GROUP_ID = 3, 24
+
+
+@pytest.fixture
+def broker(broker_factory):
+    # No initial rebalance delay: these groups form one member at a time (test_groups_membership tests the delay).
+    return broker_factory(group_initial_rebalance_delay_ms=0)
 
 
 def join_request(version: int, group: str, member_id: str = "", session_ms: int = 10_000):

@@ -217,12 +217,6 @@ def test_init_producer_id_allocates_fresh_ids_across_restarts(broker_factory, tm
     assert b2.cluster_id == b.cluster_id
 
 
-def test_init_producer_id_refuses_transactional_ids_for_now(wire):
-    response = wire().request(req(22, 4, transactional_id="txn-1", transaction_timeout=60_000 * MS,
-                                  producer_id=-1, producer_epoch=-1))
-    assert response.error_code == ErrorCode.invalid_request
-
-
 # -- Produce ----------------------------------------------------------------------------------------
 
 

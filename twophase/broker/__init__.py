@@ -3,7 +3,9 @@
 Any Kafka client (confluent-kafka/librdkafka, kcat, kafka-python, aiokafka) can produce to it
 and consume from it. Layout:
 
-- :mod:`.storage` - partition logs, segments, producer state, topics (the durable part);
+- :mod:`.storage` - partition logs, segments, producer state, aborted-transaction index, topics;
+- :mod:`.txn` - the transaction coordinator: transactional ids, state machine, durable transaction log;
+- :mod:`.groups` - the consumer-group coordinator and committed offsets;
 - :mod:`.server` - asyncio TCP server: framing, size limit, per-connection request loop;
 - :mod:`.protocol` - the registry of supported APIs and version ranges;
 - :mod:`.apis` - one module per API (Produce, Fetch, ListOffsets, Metadata, ...);

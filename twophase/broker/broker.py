@@ -16,7 +16,8 @@ Inside a running event loop use the async API instead::
 What lives in the data directory besides the storage layer's files (``topics.json``, ``.lock``,
 one ``<topic>-<partition>/`` per partition): ``broker.json`` (cluster id, written once),
 ``producer-ids.json`` (the next unreserved producer id) and ``groups/`` (committed offsets,
-one file per group). Producer ids are reserved in blocks, so the file is rewritten once per
+one file per group) and ``transactions/`` (the transaction log, twophase.broker.txn). Producer
+ids are reserved in blocks, so the file is rewritten once per
 ``PRODUCER_ID_BLOCK`` allocations and an id is never handed out twice, even after a crash.
 """
 
@@ -37,6 +38,7 @@ from typing import Literal
 from .groups import GroupCoordinator
 from .server import DEFAULT_MAX_REQUEST_BYTES, Dispatcher, KafkaServer
 from .storage import KafkaError, LogConfig, LogManager, TopicInfo, UnknownTopicOrPartitionError
+from .txn import TXN_DIR, Failpoint, TransactionCoordinator, TxnSettings
 from twophase.durable import atomic_write
 
 log = logging.getLogger("twophase.broker")
@@ -62,6 +64,16 @@ class BrokerConfig:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     log_config: LogConfig | None = None  # base topic config; its flush setting is replaced by ``fsync``
     retention_check_interval_ms: int = 300_000
+    # Transactions (Kafka's transaction.max.timeout.ms, transactional.id.expiration.ms, the abort
+    # check interval and transaction.two.phase.commit.enable; Kafka defaults that to false, we
+    # allow 2PC because the log sink needs it).
+    transaction_max_timeout_ms: int = 900_000
+    transactional_id_expiration_ms: int = 7 * 24 * 3600 * 1000
+    transaction_check_interval_ms: int = 10_000
+    transaction_two_phase_commit: bool = True
+    connections_max_idle_ms: int = 600_000  # a connection without requests for this long is closed
+    queued_max_request_bytes: int = 200 * 1024 * 1024  # request bytes buffered across all connections
+    group_initial_rebalance_delay_ms: int = 3_000  # a new group waits this long for more members
 
     def __post_init__(self) -> None:
         if not 1 <= self.default_partitions <= self.max_partitions_per_topic:
@@ -69,9 +81,14 @@ class BrokerConfig:
         if self.fsync != "always" and (isinstance(self.fsync, bool) or not isinstance(self.fsync, int)
                                        or self.fsync < 0):
             raise ValueError(f"fsync must be 'always' or an interval in ms, not {self.fsync!r}")
+        self.transaction_settings()  # validates them
 
     def topic_defaults(self) -> LogConfig:
         return dataclasses.replace(self.log_config or LogConfig(), flush=self.fsync)
+
+    def transaction_settings(self) -> TxnSettings:
+        return TxnSettings(self.transaction_max_timeout_ms, self.transactional_id_expiration_ms,
+                           self.transaction_check_interval_ms, self.transaction_two_phase_commit)
 
 
 class Broker:
@@ -90,6 +107,7 @@ class Broker:
         self.cluster_id = ""
         self.logs: LogManager | None = None
         self.groups: GroupCoordinator | None = None
+        self.transactions: TransactionCoordinator | None = None
         self._server: KafkaServer | None = None
         self._waiters: dict[tuple[str, int], set[asyncio.Future]] = {}
         self._tasks: list[asyncio.Task] = []
@@ -127,14 +145,22 @@ class Broker:
             self._load_broker_file()
             self._load_producer_ids()
             self.groups = GroupCoordinator(os.path.join(self.data_dir, GROUPS_DIR))
+            self.transactions = TransactionCoordinator(
+                os.path.join(self.data_dir, TXN_DIR), partition_log=self.logs.partition, offsets=self.groups.offsets,
+                allocate_producer_id=self.allocate_producer_id, data_arrived=self.data_arrived,
+                settings=self.config.transaction_settings(), failpoint=Failpoint.from_env())
+            self.transactions.recover(int(time.time() * 1000))  # before any client can connect
             self._server = KafkaServer(Dispatcher(self), self.config.host, self.config.port,
                                        self.config.max_request_bytes)
             await self._server.start()
         except BaseException:
+            if self.transactions is not None:
+                self.transactions.close()
+                self.transactions = None
             self.logs.close()
             self.logs = None
             raise
-        self._tasks = [asyncio.create_task(self._periodic())]
+        self._tasks = [asyncio.create_task(self._periodic()), asyncio.create_task(self.transactions.run_periodic())]
         topics = self.logs.topics()
         log.info("broker %d listening on %s:%d (advertised %s), data %s, %d topics, fsync %s, cluster %s",
                  self.node_id, self.config.host, self.port, self.bootstrap, self.data_dir, len(topics),
@@ -155,6 +181,9 @@ class Broker:
         if self._server is not None:
             await self._server.close()
         self.groups = None
+        if self.transactions is not None:
+            self.transactions.close()
+            self.transactions = None
         for waiters in self._waiters.values():
             for fut in waiters:
                 if not fut.done():

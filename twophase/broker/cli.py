@@ -2,6 +2,8 @@
 
     twophase broker --data-dir DIR [--host 127.0.0.1] [--port 9092] [--default-partitions N]
                     [--fsync always|<ms>] [--no-auto-create-topics] [--advertised-host HOST]
+                    [--no-two-phase-commit] [--transaction-max-timeout-ms MS]
+                    [--transactional-id-expiration-ms MS]
 
 Wiring (twophase/cli.py)::
 
@@ -59,6 +61,13 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "(default %(default)s)")
     p.add_argument("--max-request-bytes", type=_positive, default=DEFAULT_MAX_REQUEST_BYTES,
                    help="largest request accepted; larger ones close the connection (default %(default)s)")
+    p.add_argument("--no-two-phase-commit", dest="two_phase_commit", action="store_false",
+                   help="refuse KIP-939 prepared transactions (InitProducerId with enable2Pc): like Kafka's "
+                        "transaction.two.phase.commit.enable=false")
+    p.add_argument("--transaction-max-timeout-ms", type=_positive, default=900_000,
+                   help="largest transaction timeout a producer may ask for (default %(default)s)")
+    p.add_argument("--transactional-id-expiration-ms", type=_positive, default=7 * 24 * 3600 * 1000,
+                   help="forget transactional ids idle this long (default %(default)s, 7 days)")
     p.set_defaults(func=run_broker)
     return p
 
@@ -74,7 +83,10 @@ def add_broker_parser(subparsers) -> argparse.ArgumentParser:
 def _config(args) -> BrokerConfig:
     return BrokerConfig(host=args.host, port=args.port, advertised_host=args.advertised_host,
                         default_partitions=args.default_partitions, auto_create_topics=args.auto_create_topics,
-                        fsync=args.fsync, max_request_bytes=args.max_request_bytes)
+                        fsync=args.fsync, max_request_bytes=args.max_request_bytes,
+                        transaction_two_phase_commit=args.two_phase_commit,
+                        transaction_max_timeout_ms=args.transaction_max_timeout_ms,
+                        transactional_id_expiration_ms=args.transactional_id_expiration_ms)
 
 
 async def _serve(args) -> None:

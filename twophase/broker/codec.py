@@ -232,8 +232,12 @@ def decode_request(frame: bytes, request_type: type) -> tuple[Any, Any]:
     return header, request
 
 
-def encode_response(correlation_id: int, response: Any) -> bytes:
-    """The length-prefixed response frame, with the header version the response type names."""
+def encode_response(correlation_id: int, response: Any) -> memoryview:
+    """The length-prefixed response frame, with the header version the response type names.
+
+    A read-only view of the encoded bytes rather than a copy: a Fetch response is mostly
+    record data, and copying it once more would cost as much as encoding it.
+    """
     header_type = response.__header_schema__
     buf = io.BytesIO()
     buf.write(b"\0\0\0\0")
@@ -241,8 +245,7 @@ def encode_response(correlation_id: int, response: Any) -> bytes:
     entity_writer(type(response))(buf, response)
     data = buf.getbuffer()
     _I32.pack_into(data, 0, len(data) - 4)
-    del data
-    return buf.getvalue()
+    return data.toreadonly()
 
 
 def encode_request(correlation_id: int, request: Any, client_id: str | None = "twophase") -> bytes:

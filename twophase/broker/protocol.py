@@ -16,7 +16,10 @@ Fetch stops at 12 because 13+ addresses topics by id; Metadata stops at 12 (13 a
 client here needs); ApiVersions stops at 3, so kafka-python's v4 gets the v0-shaped
 UNSUPPORTED_VERSION answer it falls back on. Consumer groups: OffsetCommit stops at 8 and
 OffsetFetch at 7 (9+ and 8+ are KIP-848 member epochs and multi-group requests); JoinGroup stops
-at 7 (8 adds only a reason, 9 static-member assignment skipping).
+at 7 (8 adds only a reason, 9 static-member assignment skipping). Transactions: every client
+needs min version 0 (aiokafka sends v0 only); InitProducerId goes to 6 (KIP-939 2PC),
+AddPartitionsToTxn stops at 3 (4+ is broker-to-broker verification) and EndTxn at 4 (5 is
+KIP-890's epoch bump per transaction).
 """
 
 from __future__ import annotations
@@ -29,10 +32,14 @@ from typing import Any
 from kio.index import load_request_schema, load_response_schema
 
 from .apis import (
+    add_offsets_to_txn,
+    add_partitions_to_txn,
     api_versions,
     create_topics,
     delete_topics,
     describe_groups,
+    describe_transactions,
+    end_txn,
     fetch,
     find_coordinator,
     heartbeat,
@@ -41,11 +48,13 @@ from .apis import (
     leave_group,
     list_groups,
     list_offsets,
+    list_transactions,
     metadata,
     offset_commit,
     offset_fetch,
     produce,
     sync_group,
+    txn_offset_commit,
 )
 
 
@@ -94,7 +103,13 @@ APIS: tuple[Api, ...] = (
     Api(18, "ApiVersions", api_versions, 0, 3),
     Api(19, "CreateTopics", create_topics, 2, 7),
     Api(20, "DeleteTopics", delete_topics, 1, 6),
-    Api(22, "InitProducerId", init_producer_id, 0, 4),
+    Api(22, "InitProducerId", init_producer_id, 0, 6),
+    Api(24, "AddPartitionsToTxn", add_partitions_to_txn, 0, 3),
+    Api(25, "AddOffsetsToTxn", add_offsets_to_txn, 0, 3),
+    Api(26, "EndTxn", end_txn, 0, 4),
+    Api(28, "TxnOffsetCommit", txn_offset_commit, 0, 3),
+    Api(65, "DescribeTransactions", describe_transactions, 0, 0),
+    Api(66, "ListTransactions", list_transactions, 0, 2),
 )
 
 API_BY_KEY: dict[int, Api] = {api.key: api for api in APIS}

@@ -7,6 +7,12 @@ time, so responses go out in request order (Kafka does the same: it mutes a conn
 one of its requests is in flight). A parked Fetch therefore holds back later requests of its
 own connection only.
 
+Resource limits (Kafka's names): a connection with no request for ``connections.max.idle.ms``
+is closed (a request still being handled keeps it open); request bodies are read only once
+their size fits in a byte budget shared by all connections (``queued.max.request.bytes``),
+so a burst of large requests slows clients down through TCP flow control instead of
+growing the broker's memory without bound.
+
 What happens to bad input:
 
 - garbage, truncated or over-long frames, bodies that do not match their schema, unknown API
@@ -26,6 +32,7 @@ Example::
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import struct
@@ -39,6 +46,12 @@ log = logging.getLogger("twophase.broker")
 
 MIB = 1024 * 1024
 DEFAULT_MAX_REQUEST_BYTES = 100 * MIB  # Kafka's socket.request.max.bytes
+DEFAULT_MAX_QUEUED_REQUEST_BYTES = 2 * DEFAULT_MAX_REQUEST_BYTES
+DEFAULT_IDLE_TIMEOUT_MS = 600_000  # Kafka's connections.max.idle.ms
+# Bytes a connection reads ahead of the request it is on; larger requests are received into a
+# buffer of their own (counted in the request byte budget). Memory stays near the budget plus
+# this per connection.
+READ_AHEAD_BYTES = 64 * 1024
 MIN_REQUEST_BYTES = 10  # api key, version, correlation id, client id length
 _SIZE = struct.Struct(">i")
 
@@ -47,25 +60,166 @@ class CloseConnection(Exception):
     """The request cannot be answered; the connection is closed (the message says why)."""
 
 
-class _Protocol(asyncio.StreamReaderProtocol):
-    """asyncio's stream protocol plus ``gone``: a future done once the client closed or reset the
-    connection, so a parked Fetch of a client that went away ends at once instead of at max_wait."""
+class _Connection(asyncio.BufferedProtocol):
+    """One client connection. Bytes are received straight into their final buffer: a request
+    larger than the read-ahead buffer gets a buffer of its own size that the socket fills
+    directly (one copy, instead of the four a StreamReader makes: receive, buffer, slice,
+    bytes). The read-ahead buffer holds at most ``READ_AHEAD_BYTES``; when it is full, reading
+    pauses until the request loop consumes it, so a connection waiting for request bytes
+    buffers no more than that.
 
-    def __init__(self, reader, client_connected_cb, loop) -> None:
-        super().__init__(reader, client_connected_cb, loop=loop)
+    ``gone`` is done once the client closed or reset the connection, so a parked Fetch of a
+    client that went away ends at once instead of at max_wait.
+    """
+
+    def __init__(self, server: KafkaServer, loop: asyncio.AbstractEventLoop) -> None:
+        self._server = server
+        self._loop = loop
+        self.transport: asyncio.Transport | None = None
+        self.task: asyncio.Task | None = None
+        self.peer = ""
+        self.last_active = loop.time()  # when the last request was answered (or the connection made)
+        self.busy = False  # a request is being handled or is waiting for request bytes
+        self.close_reason: str | None = None
         self.gone: asyncio.Future = loop.create_future()
+        self.closed: asyncio.Future = loop.create_future()
+        self._ahead = bytearray(READ_AHEAD_BYTES)
+        self._view = memoryview(self._ahead)
+        self._start = self._end = 0  # unread bytes: _ahead[_start:_end]
+        self._frame: bytearray | None = None  # a large request being received in place
+        self._filled = 0
+        self._wanted = 0  # unread bytes the request loop waits for (read-ahead mode)
+        self._waiter: asyncio.Future | None = None
+        self._eof = False
+        self._reading_paused = False
+        self._drained: asyncio.Future | None = None  # set while the transport's write buffer is full
+
+    # -- asyncio protocol callbacks --
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        address = transport.get_extra_info("peername")
+        self.peer = f"{address[0]}:{address[1]}" if isinstance(address, tuple) else str(address)
+        self._server._connections.add(self)
+        self.task = self._loop.create_task(self._server._serve(self))
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if self._frame is not None:
+            return memoryview(self._frame)[self._filled:]
+        return self._view[self._end:]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self._frame is not None:
+            self._filled += nbytes
+            if self._filled == len(self._frame):
+                self._frame = None  # complete: whatever follows goes to the read-ahead
+                self._wake()
+            return
+        self._end += nbytes
+        if self._wanted and self._end - self._start >= self._wanted:
+            self._wake()
+        if self._end == len(self._ahead):
+            self._pause_reading()  # read-ahead full: the request loop has to catch up first
+
+    def eof_received(self) -> bool:
+        self._eof = True  # Kafka has no half-closed connections: the client is gone
+        self._mark_gone()
+        self._wake()
+        return True  # answers to requests already read may still be written
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._eof = True
+        self._mark_gone()
+        self._wake()
+        if self._drained is not None and not self._drained.done():
+            self._drained.set_result(None)
+        if not self.closed.done():
+            self.closed.set_result(None)
+
+    def pause_writing(self) -> None:
+        self._drained = self._loop.create_future()
+
+    def resume_writing(self) -> None:
+        if self._drained is not None and not self._drained.done():
+            self._drained.set_result(None)
+        self._drained = None
+
+    # -- used by the request loop --
+
+    async def read(self, n: int) -> bytes | memoryview:
+        """Exactly ``n`` bytes (a read-only memoryview for requests larger than the read-ahead).
+        Raises ``asyncio.IncompleteReadError`` if the client goes away first."""
+        available = self._end - self._start
+        if available >= n:
+            return self._take(n)
+        if n > len(self._ahead):
+            frame = self._frame = bytearray(n)
+            frame[:available] = self._view[self._start:self._end]
+            self._filled = available
+            self._start = self._end = 0
+            self._resume_reading()
+            try:
+                await self._wait(lambda: self._frame is None)
+            finally:
+                filled, self._frame = self._filled, None
+            if filled < n:
+                raise asyncio.IncompleteReadError(bytes(frame[:filled]), n)
+            return memoryview(frame).toreadonly()
+        if self._start + n > len(self._ahead):  # make room at the end of the read-ahead
+            self._ahead[:available] = bytes(self._view[self._start:self._end])  # overlapping: copy first
+            self._start, self._end = 0, available
+        self._wanted = n
+        self._resume_reading()
+        try:
+            await self._wait(lambda: self._end - self._start >= n)
+        finally:
+            self._wanted = 0
+        if self._end - self._start < n:
+            raise asyncio.IncompleteReadError(bytes(self._view[self._start:self._end]), n)
+        return self._take(n)
+
+    async def write(self, data: bytes | memoryview) -> None:
+        """Send ``data``; waits while the client is not reading fast enough."""
+        self.transport.write(data)
+        if self._drained is not None:
+            await self._drained
+            if self.transport.is_closing():
+                raise ConnectionResetError("connection lost while writing")
+
+    def _take(self, n: int) -> bytes:
+        data = bytes(self._view[self._start:self._start + n])
+        self._start += n
+        if self._start == self._end:
+            self._start = self._end = 0
+            self._resume_reading()
+        return data
+
+    async def _wait(self, done: Callable[[], bool]) -> None:
+        while not done() and not self._eof:
+            self._waiter = self._loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    def _pause_reading(self) -> None:
+        if not self._reading_paused and not self.transport.is_closing():
+            self._reading_paused = True
+            self.transport.pause_reading()
+
+    def _resume_reading(self) -> None:
+        if self._reading_paused:
+            self._reading_paused = False
+            if not self.transport.is_closing():
+                self.transport.resume_reading()
 
     def _mark_gone(self) -> None:
         if not self.gone.done():
             self.gone.set_result(None)
-
-    def eof_received(self):
-        self._mark_gone()  # Kafka has no half-closed connections either
-        return super().eof_received()
-
-    def connection_lost(self, exc) -> None:
-        self._mark_gone()
-        super().connection_lost(exc)
 
 
 class Dispatcher:
@@ -74,7 +228,8 @@ class Dispatcher:
     def __init__(self, broker) -> None:
         self.broker = broker
 
-    async def __call__(self, frame: bytes, peer: str, gone: asyncio.Future | None = None) -> bytes | None:
+    async def __call__(self, frame: bytes | memoryview, peer: str,
+                       gone: asyncio.Future | None = None) -> memoryview | None:
         try:
             api_key, version, correlation_id = peek_header(frame)
         except DecodeFailed as exc:
@@ -96,19 +251,96 @@ class Dispatcher:
         return None if response is None else encode_response(correlation_id, response)
 
 
-class KafkaServer:
-    """Accepts connections and runs one request loop per connection."""
+class ByteBudget:
+    """A pool of request bytes shared by every connection (Kafka's queued.max.request.bytes).
 
-    def __init__(self, dispatch: Callable[..., Awaitable[bytes | None]], host: str = "127.0.0.1",
-                 port: int = 0, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> None:
+    A connection takes a request's size from the pool before it reads the request body and
+    gives it back once the request has been handled. While the pool is short, waiting
+    connections read nothing more, so their clients are held back by TCP flow control; requests
+    are granted in arrival order and none is dropped. A request larger than the whole pool
+    waits until the pool is full and then takes all of it.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError("the request byte budget must be at least 1 byte")
+        self.capacity = capacity
+        self.available = capacity
+        self._waiters: collections.deque[tuple[int, asyncio.Future]] = collections.deque()
+
+    @property
+    def waiting(self) -> int:
+        """Requests waiting for bytes."""
+        return sum(1 for _, fut in self._waiters if not fut.done())
+
+    async def acquire(self, size: int) -> int:
+        """Take ``size`` bytes (at most the capacity), waiting while they are not there; the amount taken."""
+        size = min(size, self.capacity)
+        if not self._waiters and size <= self.available:
+            self.available -= size
+            return size
+        fut = asyncio.get_running_loop().create_future()
+        self._waiters.append((size, fut))
+        try:
+            await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():
+                self.release(size)  # granted just before the cancellation arrived
+            else:
+                self._grant()  # a smaller request behind this one may fit now
+            raise
+        return size
+
+    def release(self, size: int) -> None:
+        self.available += size
+        self._grant()
+
+    def _grant(self) -> None:
+        while self._waiters:
+            size, fut = self._waiters[0]
+            if fut.done():  # its connection was closed while waiting
+                self._waiters.popleft()
+            elif size <= self.available:
+                self._waiters.popleft()
+                self.available -= size
+                fut.set_result(None)
+            else:
+                return
+
+
+class KafkaServer:
+    """Accepts connections and runs one request loop per connection.
+
+    Settings not passed here are taken from the broker configuration when ``dispatch`` is the
+    broker's :class:`Dispatcher`, else Kafka's defaults apply:
+
+    - ``idle_timeout_ms`` (connections.max.idle.ms, 10 min): a connection with no request for
+      that long is closed; a request being handled (a parked Fetch, a JoinGroup waiting for the
+      other members) keeps it busy, not idle;
+    - ``max_queued_request_bytes`` (queued.max.request.bytes): see :class:`ByteBudget`.
+    """
+
+    def __init__(self, dispatch: Callable[..., Awaitable[bytes | memoryview | None]], host: str = "127.0.0.1",
+                 port: int = 0, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, *,
+                 idle_timeout_ms: int | None = None, max_queued_request_bytes: int | None = None) -> None:
+        config = getattr(getattr(dispatch, "broker", None), "config", None)
+        if idle_timeout_ms is None:
+            idle_timeout_ms = getattr(config, "connections_max_idle_ms", DEFAULT_IDLE_TIMEOUT_MS)
+        if max_queued_request_bytes is None:
+            max_queued_request_bytes = getattr(config, "queued_max_request_bytes", DEFAULT_MAX_QUEUED_REQUEST_BYTES)
         if max_request_bytes < MIN_REQUEST_BYTES:
             raise ValueError(f"max_request_bytes must be at least {MIN_REQUEST_BYTES}")
+        if idle_timeout_ms <= 0:
+            raise ValueError(f"idle_timeout_ms must be positive, not {idle_timeout_ms}")
         self.dispatch = dispatch
         self.host = host
         self.port = port
         self.max_request_bytes = max_request_bytes
+        self.idle_timeout = idle_timeout_ms / 1000
+        self.budget = ByteBudget(max_queued_request_bytes)
         self._server: asyncio.base_events.Server | None = None
-        self._connections: set[asyncio.Task] = set()
+        self._connections: set[_Connection] = set()
+        self._idle_sweeper: asyncio.Task | None = None
 
     @property
     def connection_count(self) -> int:
@@ -118,56 +350,69 @@ class KafkaServer:
         """Bind and listen; returns the bound port (useful with port 0)."""
         loop = asyncio.get_running_loop()
 
-        def protocol() -> _Protocol:
-            return _Protocol(asyncio.StreamReader(limit=1 * MIB, loop=loop), self._serve, loop=loop)
-
-        self._server = await loop.create_server(protocol, self.host, self.port)
+        self._server = await loop.create_server(lambda: _Connection(self, loop), self.host, self.port)
         self.port = self._server.sockets[0].getsockname()[1]
+        self._idle_sweeper = asyncio.create_task(self._close_idle_connections())
         return self.port
 
     async def close(self) -> None:
         """Stop accepting, close every connection (parked requests are cancelled), wait for them."""
         if self._server is not None:
             self._server.close()
-        tasks = list(self._connections)
+        if self._idle_sweeper is not None:
+            self._idle_sweeper.cancel()
+            await asyncio.gather(self._idle_sweeper, return_exceptions=True)
+            self._idle_sweeper = None
+        tasks = [conn.task for conn in self._connections]
         for task in tasks:
             task.cancel()
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
+        for conn in list(self._connections):  # cancelled before their request loop started
+            conn.transport.close()
+        self._connections.clear()
         if self._server is not None:
             await self._server.wait_closed()
             self._server = None
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self._connections.add(task)
-        address = writer.get_extra_info("peername")
-        peer = f"{address[0]}:{address[1]}" if isinstance(address, tuple) else str(address)
-        log.debug("connection from %s", peer)
-        gone = writer.transport.get_protocol().gone
+    async def _close_idle_connections(self) -> None:
+        # Checking every quarter of the timeout (at most every 5 s) closes an idle connection
+        # within 1.25 x the timeout and costs the request path nothing but a clock read.
+        interval = min(self.idle_timeout / 4, 5.0)
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(interval)
+            cutoff = loop.time() - self.idle_timeout
+            for conn in list(self._connections):
+                if not conn.busy and conn.last_active < cutoff and conn.close_reason is None:
+                    conn.close_reason = f"idle for more than {self.idle_timeout * 1000:.0f} ms"
+                    log.info("closing connection from %s: %s", conn.peer, conn.close_reason)
+                    conn.task.cancel()
+
+    async def _serve(self, conn: _Connection) -> None:
+        log.debug("connection from %s", conn.peer)
         reason = "closed by client"
         try:
-            reason = await self._request_loop(reader, writer, peer, gone)
+            reason = await self._request_loop(conn)
         except asyncio.CancelledError:
-            reason = "broker shutting down"
+            reason = conn.close_reason or "broker shutting down"
         except (ConnectionError, TimeoutError) as exc:
             reason = f"connection error: {exc}"
         except Exception:
-            log.exception("request from %s failed; closing its connection", peer)
+            log.exception("request from %s failed; closing its connection", conn.peer)
             reason = "internal error"
         finally:
-            self._connections.discard(task)
-            writer.close()
+            self._connections.discard(conn)
+            conn.transport.close()
             with contextlib.suppress(Exception, asyncio.CancelledError):
-                await asyncio.wait_for(writer.wait_closed(), 1.0)
-            log.debug("connection from %s closed: %s", peer, reason)
+                await asyncio.wait_for(asyncio.shield(conn.closed), 1.0)
+            log.debug("connection from %s closed: %s", conn.peer, reason)
 
-    async def _request_loop(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: str,
-                            gone: asyncio.Future) -> str:
+    async def _request_loop(self, conn: _Connection) -> str:
+        peer, budget, clock = conn.peer, self.budget, asyncio.get_running_loop().time
         while True:
             try:
-                prefix = await reader.readexactly(4)
+                prefix = await conn.read(4)
             except asyncio.IncompleteReadError as exc:
                 return "closed by client" if not exc.partial else "closed mid size prefix"
             (size,) = _SIZE.unpack(prefix)
@@ -175,17 +420,27 @@ class KafkaServer:
                 log.info("closing connection from %s: request size %d outside [%d, %d]",
                          peer, size, MIN_REQUEST_BYTES, self.max_request_bytes)
                 return f"bad request size {size}"
+            conn.busy = True  # waiting for request bytes is the broker's doing, not idleness
+            held = await budget.acquire(size)
+            frame = b""
             try:
-                frame = await reader.readexactly(size)
-            except asyncio.IncompleteReadError as exc:
-                log.info("closing connection from %s: truncated request (%d of %d bytes)",
-                         peer, len(exc.partial), size)
-                return "truncated request"
-            try:
-                response = await self.dispatch(frame, peer, gone)
-            except CloseConnection as exc:
-                log.info("closing connection from %s: %s", peer, exc)
-                return str(exc)
+                conn.busy = False  # a client that stalls mid-request is idle
+                try:
+                    frame = await conn.read(size)
+                except asyncio.IncompleteReadError as exc:
+                    log.info("closing connection from %s: truncated request (%d of %d bytes)",
+                             peer, len(exc.partial), size)
+                    return "truncated request"
+                conn.busy = True
+                try:
+                    response = await self.dispatch(frame, peer, conn.gone)
+                except CloseConnection as exc:
+                    log.info("closing connection from %s: %s", peer, exc)
+                    return str(exc)
+            finally:
+                frame = b""  # not kept while the connection waits for its next request
+                budget.release(held)
+            conn.busy = False
+            conn.last_active = clock()
             if response is not None:
-                writer.write(response)
-                await writer.drain()
+                await conn.write(response)

@@ -5,7 +5,12 @@ produce to one of its partitions wakes it (no polling loop), max_wait expires, o
 goes away. Fetch sessions (v7+) are not kept: a request to start one gets session id 0 ("no
 session"), which clients treat as "send full requests"; an incremental request names a session
 we never handed out and gets FETCH_SESSION_ID_NOT_FOUND. Topic ids (v13+) are not advertised.
-Without transactions the last stable offset is the high watermark and no transaction is aborted.
+
+Isolation: read_committed (isolation_level 1) returns only batches below the last stable offset and
+lists the aborted transactions (producer id, first offset) overlapping the returned batches, which the
+client uses to drop aborted records; read_uncommitted returns everything up to the high watermark and
+no aborted transactions (null). Both report the LSO. A read_committed long poll counts only data below
+the LSO, and the marker that moves the LSO wakes it (the coordinator calls ``broker.data_arrived``).
 
 Response size: partition_max_bytes per partition and max_bytes for the whole response, except
 that the first partition with data always gets at least one whole batch (KIP-74), so a batch
@@ -29,6 +34,8 @@ READ_UNCOMMITTED, READ_COMMITTED = 0, 1
 def _read(broker, body, rt) -> tuple[tuple, int, bool]:
     """(topic responses, bytes of records, whether any partition has an error)."""
     TopicResponse, PartitionData = nested(rt, "FetchableTopicResponse"), nested(rt, "PartitionData")
+    AbortedTransaction = nested(rt, "AbortedTransaction")
+    committed = body.isolation_level == READ_COMMITTED
     budget = body.max_bytes if body.max_bytes > 0 else 0
     total = 0
     errors = False
@@ -39,21 +46,24 @@ def _read(broker, body, rt) -> tuple[tuple, int, bool]:
             try:
                 plog = broker.partition_log(topic.topic, part.partition)
                 high_watermark = plog.high_watermark
-                # No transactions yet, so nothing is unstable: the LSO is the high watermark.
-                stable = high_watermark
-                upper = stable if body.isolation_level == READ_COMMITTED else None
+                stable = plog.last_stable_offset
+                upper = stable if committed else None
                 if total == 0:
                     # Nothing in the response yet: at least one whole batch, even above the limits.
-                    records = plog.read(part.fetch_offset, max(min(part.partition_max_bytes, budget), 1), upper)
+                    records, end = plog.read_range(
+                        part.fetch_offset, max(min(part.partition_max_bytes, budget), 1), upper)
                 else:
-                    records = _read_within(plog, part.fetch_offset, min(part.partition_max_bytes, budget - total),
-                                           upper)
+                    records, end = _read_within(
+                        plog, part.fetch_offset, min(part.partition_max_bytes, budget - total), upper)
                 total += len(records)
+                aborted = None
+                if committed:
+                    aborted = tuple(build(AbortedTransaction, producer_id=pid, first_offset=first)
+                                    for pid, first in plog.aborted_transactions(part.fetch_offset, end))
                 partitions.append(build(
                     PartitionData, partition_index=part.partition, error_code=NONE, high_watermark=high_watermark,
                     last_stable_offset=stable, log_start_offset=plog.log_start_offset,
-                    aborted_transactions=() if body.isolation_level == READ_COMMITTED else None,
-                    preferred_read_replica=-1, records=records))
+                    aborted_transactions=aborted, preferred_read_replica=-1, records=records))
             except KafkaError as exc:
                 errors = True
                 partitions.append(build(
@@ -64,14 +74,14 @@ def _read(broker, body, rt) -> tuple[tuple, int, bool]:
     return tuple(topics), total, errors
 
 
-def _read_within(plog, offset: int, limit: int, upper: int | None) -> bytes:
-    """Whole batches that fit in ``limit`` bytes (none if the first one does not fit)."""
+def _read_within(plog, offset: int, limit: int, upper: int | None) -> tuple[bytes, int]:
+    """Whole batches that fit in ``limit`` bytes (none if the first one does not fit), and the offset after."""
     if limit <= 0:
         if not plog.log_start_offset <= offset <= plog.high_watermark:
             raise OffsetOutOfRangeError(f"offset {offset} outside [{plog.log_start_offset}, {plog.high_watermark}]")
-        return b""
-    data = plog.read(offset, limit, upper)
-    return data if len(data) <= limit else b""
+        return b"", offset
+    data, end = plog.read_range(offset, limit, upper)
+    return (data, end) if len(data) <= limit else (b"", offset)
 
 
 async def handle(broker, request):

@@ -1,4 +1,5 @@
-"""Heartbeat (key 12), v0-v4: keeps a member's session alive; REBALANCE_IN_PROGRESS tells it to rejoin."""
+"""Heartbeat (key 12), v0-v4: keeps a member's session alive; REBALANCE_IN_PROGRESS tells it to rejoin,
+FENCED_INSTANCE_ID (v3+) that another instance took over its group instance id."""
 
 from __future__ import annotations
 
@@ -8,5 +9,6 @@ from ._common import NO_THROTTLE, error
 
 async def handle(broker, request):
     body = request.body
-    code = broker.groups.heartbeat(body.group_id, body.generation_id, body.member_id)
+    code = broker.groups.heartbeat(body.group_id, body.generation_id, body.member_id,
+                                   getattr(body, "group_instance_id", None))
     return build(request.response_type(), throttle_time=NO_THROTTLE, error_code=error(code))

@@ -1,7 +1,8 @@
 """JoinGroup (key 11), v0-v7: join a consumer group; the answer may wait for the other members.
 
 v4+ clients joining with an empty member id get MEMBER_ID_REQUIRED (79) and a member id, and
-join again with it (KIP-394). v0 has no rebalance timeout: the session timeout stands in.
+join again with it (KIP-394), unless they are static members (v5+ group_instance_id, KIP-345).
+The first rebalance of an empty group waits ``group_initial_rebalance_delay_ms`` (broker config). v0 has no rebalance timeout: the session timeout stands in.
 A parked request whose client goes away is dropped (no answer); the member then counts as not
 having rejoined.
 """
@@ -42,7 +43,8 @@ async def handle(broker, request):
     result = await unless_gone(request, broker.groups.join(
         body.group_id, body.member_id, request.client_id or "", request.peer.rpartition(":")[0],
         session_ms, rebalance_ms, body.protocol_type, [(p.name, p.metadata) for p in body.protocols],
-        require_known_member_id=version >= 4, group_instance_id=getattr(body, "group_instance_id", None)))
+        require_known_member_id=version >= 4, group_instance_id=getattr(body, "group_instance_id", None),
+        initial_rebalance_delay_ms=broker.config.group_initial_rebalance_delay_ms))
     if result is None:
         return None
     Member = nested(rt, "JoinGroupResponseMember")

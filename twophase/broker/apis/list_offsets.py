@@ -1,8 +1,9 @@
 """ListOffsets (key 2), v1-v7: earliest (-2), latest (-1), max timestamp (-3), or by timestamp.
 
 By timestamp, the answer is the first record whose timestamp is at or after the one asked for
-(its offset and timestamp), or offset -1 when there is none. Latest under read_committed
-(isolation level 1) is the last stable offset.
+(its offset and timestamp), or offset -1 when there is none. The isolation level (v2+) sets the last
+fetchable offset, as in Kafka: the last stable offset under read_committed (1), else the high
+watermark. Latest answers it, and a by-timestamp answer at or beyond it is offset -1.
 """
 
 from __future__ import annotations
@@ -14,39 +15,30 @@ from ..storage import KafkaError
 from ._common import NO_THROTTLE, NONE, error
 
 LATEST, EARLIEST, MAX_TIMESTAMP = -1, -2, -3
+READ_COMMITTED = 1
 
 
-def _lookup(plog, timestamp: int) -> tuple[int, int]:
+def _lookup(plog, timestamp: int, isolation_level: int) -> tuple[int, int]:
     """(offset, timestamp) for one ListOffsets partition query."""
     if timestamp == EARLIEST:
         return plog.log_start_offset, -1
+    last_fetchable = plog.last_stable_offset if isolation_level == READ_COMMITTED else plog.high_watermark
     if timestamp == LATEST:
-        return plog.high_watermark, -1  # read_committed too: without transactions LSO = HW
+        return last_fetchable, -1
     if timestamp == MAX_TIMESTAMP:
-        found = _max_timestamp(plog)
-        return found if found else (-1, -1)
-    found = plog.timestamp_lookup(timestamp)
+        found = plog.offset_of_max_timestamp()
+    else:
+        found = plog.timestamp_lookup(timestamp)
+        if found is not None and found.offset >= last_fetchable:
+            found = None
     return (found.offset, found.timestamp) if found is not None else (-1, -1)
-
-
-def _max_timestamp(plog) -> tuple[int, int] | None:
-    """(offset, timestamp) of the first record carrying the log's largest timestamp."""
-    best = None
-    for segment in plog.segments:
-        if segment.is_empty:
-            continue
-        ts = segment.max_timestamp
-        if best is None or ts > best[1]:
-            found = segment.find_timestamp(ts)
-            if found is not None:
-                best = (found[0], found[1])
-    return best
 
 
 async def handle(broker, request):
     body, rt = request.body, request.response_type()
     TopicResponse = nested(rt, "ListOffsetsTopicResponse")
     PartitionResponse = nested(rt, "ListOffsetsPartitionResponse")
+    isolation_level = getattr(body, "isolation_level", 0)  # v1 has none: read_uncommitted
     topics = []
     for topic in body.topics:
         partitions = []
@@ -56,7 +48,7 @@ async def handle(broker, request):
                 if part.timestamp < MAX_TIMESTAMP:  # -4, -5: tiered-storage lookups (v8+)
                     offset, timestamp, code = -1, -1, ErrorCode.unsupported_version
                 else:
-                    offset, timestamp = _lookup(plog, part.timestamp)
+                    offset, timestamp = _lookup(plog, part.timestamp, isolation_level)
                     code = NONE
             except KafkaError as exc:
                 offset, timestamp, code = -1, -1, error(exc.code)

@@ -1,10 +1,13 @@
 """OffsetFetch (key 9), v1-v7: a group's committed offsets (-1 where nothing was committed).
 
-v2+ may ask for all topics (topics = null). require_stable (v7) is accepted and, without
-transactions, always satisfied.
+v2+ may ask for all topics (topics = null). With require_stable (v7), a partition whose offset
+has a pending transactional commit answers UNSTABLE_OFFSET_COMMIT (88); read_committed
+consumers retry until the transaction completes.
 """
 
 from __future__ import annotations
+
+from kio.schema.errors import ErrorCode
 
 from ..codec import build, nested
 from ._common import NO_THROTTLE, NONE
@@ -23,10 +26,16 @@ async def handle(broker, request):
         wanted = {}
         for t in body.topics:
             wanted.setdefault(t.name, []).extend(t.partition_indexes)
+    require_stable = getattr(body, "require_stable", False)
     topics = []
     for name, partitions in wanted.items():
         entries = []
         for p in partitions:
+            if require_stable and groups.offsets.has_pending(body.group_id, name, p):
+                entries.append(build(PartitionResponse, partition_index=p, committed_offset=-1,
+                                     committed_leader_epoch=-1, metadata="",
+                                     error_code=ErrorCode.unstable_offset_commit))
+                continue
             c = groups.committed(body.group_id, name, p)
             entries.append(build(PartitionResponse, partition_index=p,
                                  committed_offset=c.offset if c else -1,

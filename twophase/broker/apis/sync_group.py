@@ -16,7 +16,8 @@ async def handle(broker, request):
     body, rt = request.body, request.response_type()
     result = await unless_gone(request, broker.groups.sync(
         body.group_id, body.generation_id, body.member_id, getattr(body, "protocol_type", None),
-        getattr(body, "protocol_name", None), {a.member_id: a.assignment for a in body.assignments}))
+        getattr(body, "protocol_name", None), {a.member_id: a.assignment for a in body.assignments},
+        getattr(body, "group_instance_id", None)))
     if result is None:
         return None  # the client went away while waiting for the leader
     return build(rt, throttle_time=NO_THROTTLE, error_code=error(result.error), protocol_type=result.protocol_type,

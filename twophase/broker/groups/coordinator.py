@@ -1,9 +1,24 @@
 """The group coordinator: JoinGroup/SyncGroup/Heartbeat/LeaveGroup/OffsetCommit/OffsetFetch logic.
 
 Handlers in :mod:`twophase.broker.apis` translate wire messages to calls here and results back;
-nothing here knows about kio. Everything runs on the broker's event loop: a JoinGroup or
-SyncGroup that has to wait for other members awaits a future, and session timeouts, rebalance
-timeouts and sync timeouts are ``loop.call_later`` timers (no polling).
+nothing here knows about kio. Everything runs on the broker's event loop (construct it there
+too): a JoinGroup or SyncGroup that has to wait for other members awaits a future, and session
+timeouts, rebalance timeouts, sync timeouts and the initial rebalance delay are
+``loop.call_later`` timers (no polling).
+
+Beyond the basic protocol, as Kafka's classic coordinator does:
+
+- static membership (KIP-345): a member joining with a ``group_instance_id`` the group already
+  knows takes over that member's place (assignment, leadership) under a new member id without a
+  rebalance while the group is Stable; requests naming the instance id with the replaced member
+  id get FENCED_INSTANCE_ID. Static members skip the MEMBER_ID_REQUIRED round and are not
+  dropped for missing a rebalance (only by their session timeout or a LeaveGroup);
+- the initial rebalance delay (group.initial.rebalance.delay.ms): the first rebalance of an
+  empty group waits that long, and again (up to the rebalance timeout) while new members keep
+  arriving, so a group whose consumers start together forms in one generation;
+- membership persisted (:mod:`.membership`) whenever the group becomes Stable or Empty and
+  reloaded on start, so after a broker restart members heartbeat and commit with their old
+  member id and generation.
 
 Example::
 
@@ -21,6 +36,7 @@ import time
 import uuid
 
 from .group import Group, GroupState, JoinResult, Member, SyncResult
+from .membership import MembershipStore
 from .offsets import CommittedOffset, OffsetStore
 
 log = logging.getLogger("twophase.broker.groups")
@@ -35,6 +51,7 @@ UNKNOWN_MEMBER_ID = 25
 INVALID_SESSION_TIMEOUT = 26
 REBALANCE_IN_PROGRESS = 27
 MEMBER_ID_REQUIRED = 79
+FENCED_INSTANCE_ID = 82
 
 MIN_SESSION_TIMEOUT_MS = 1_000
 MAX_SESSION_TIMEOUT_MS = 1_800_000
@@ -46,10 +63,18 @@ class GroupCoordinator:
     def __init__(self, directory: str, *, min_session_timeout_ms: int = MIN_SESSION_TIMEOUT_MS,
                  max_session_timeout_ms: int = MAX_SESSION_TIMEOUT_MS) -> None:
         self.offsets = OffsetStore(directory)
-        self.groups: dict[str, Group] = {}
+        self.membership = MembershipStore(directory)
+        self.groups: dict[str, Group] = self.membership.load()
         self.min_session_timeout_ms = min_session_timeout_ms
         self.max_session_timeout_ms = max_session_timeout_ms
         self._closed = False
+        for group in self.groups.values():
+            # As after a coordinator failover in Kafka: every member gets a fresh session.
+            for m in group.members.values():
+                self._heartbeat_received(group, m)
+        restored = [g for g in self.groups.values() if g.members]
+        if restored:
+            log.info("restored %d groups with %d members", len(restored), sum(len(g.members) for g in restored))
 
     def close(self) -> None:
         """Cancel every timer and answer every parked request (the broker is stopping)."""
@@ -71,7 +96,9 @@ class GroupCoordinator:
     async def join(self, group_id: str, member_id: str, client_id: str, client_host: str,
                    session_timeout_ms: int, rebalance_timeout_ms: int, protocol_type: str,
                    protocols: list[tuple[str, bytes]], *, require_known_member_id: bool,
-                   group_instance_id: str | None = None) -> JoinResult:
+                   group_instance_id: str | None = None, initial_rebalance_delay_ms: int = 0) -> JoinResult:
+        """Join (or rejoin) ``group_id``; waits until the rebalance completes. ``initial_rebalance_delay_ms``
+        applies when this join starts the first rebalance of an empty group."""
         if self._closed:
             return JoinResult(COORDINATOR_NOT_AVAILABLE, member_id=member_id)
         if not group_id:
@@ -86,8 +113,11 @@ class GroupCoordinator:
             if not group.supports(protocol_type, names):
                 return JoinResult(INCONSISTENT_GROUP_PROTOCOL, member_id=member_id)
             if member_id == "":
-                member_id = f"{client_id or 'member'}-{uuid.uuid4()}"
-                if require_known_member_id:
+                member_id = f"{group_instance_id or client_id or 'member'}-{uuid.uuid4()}"
+                if group_instance_id is not None and group_instance_id in group.static_members:
+                    return await self._replace_static(group, group_instance_id, member_id, client_id, client_host,
+                                                      session_timeout_ms, rebalance_timeout_ms, protocols)
+                if require_known_member_id and group_instance_id is None:  # static members skip KIP-394
                     # KIP-394: hand out the id first; the member joins for real with it.
                     loop = asyncio.get_running_loop()
                     group.pending[member_id] = loop.call_later(session_timeout_ms / 1000, self._expire_pending,
@@ -97,7 +127,9 @@ class GroupCoordinator:
                 group.pending.pop(member_id).cancel()
             member = Member(member_id, group_instance_id, client_id, client_host, session_timeout_ms,
                             rebalance_timeout_ms, protocol_type, tuple(protocols))
-            return await self._add_and_park(group, member)
+            return await self._add_and_park(group, member, initial_rebalance_delay_ms)
+        if group is not None and group.fenced(group_instance_id, member_id):
+            return JoinResult(FENCED_INSTANCE_ID, member_id=member_id)
         if group is None or member_id not in group.members:
             return JoinResult(UNKNOWN_MEMBER_ID, member_id=member_id)
         member = group.members[member_id]
@@ -121,28 +153,80 @@ class GroupCoordinator:
             self._prepare_rebalance(group, f"member {member_id} rejoined")
         return await self._await_join(group, member, fut)
 
-    async def _add_and_park(self, group: Group, member: Member) -> JoinResult:
-        group.members[member.member_id] = member
-        if group.leader_id is None:
-            group.leader_id = member.member_id
+    async def _add_and_park(self, group: Group, member: Member, initial_rebalance_delay_ms: int) -> JoinResult:
+        group.add(member)
         if len(group.members) == 1:
             group.protocol_type = member.protocol_type
+        group.member_added_during_delay = group.delaying_initial_join
         fut = self._park_join(member)
-        log.info("group %s: member %s (%s, %s) joins", group.group_id, member.member_id, member.client_id,
-                 member.client_host)
-        if group.state is GroupState.PREPARING_REBALANCE:
+        log.info("group %s: member %s (%s, %s%s) joins", group.group_id, member.member_id, member.client_id,
+                 member.client_host, f", instance {member.group_instance_id}" if member.group_instance_id else "")
+        if group.state is GroupState.EMPTY and initial_rebalance_delay_ms > 0:
+            self._start_initial_delay(group, initial_rebalance_delay_ms)
+        elif group.state is GroupState.PREPARING_REBALANCE:
             self._maybe_complete_join(group)
         else:
             self._prepare_rebalance(group, f"member {member.member_id} joined")
         return await self._await_join(group, member, fut)
 
+    async def _replace_static(self, group: Group, instance_id: str, member_id: str, client_id: str,
+                              client_host: str, session_timeout_ms: int, rebalance_timeout_ms: int,
+                              protocols: list[tuple[str, bytes]]) -> JoinResult:
+        """A known static member restarted: the new instance takes the old one's place (KIP-345)."""
+        old = group.members[group.static_members[instance_id]]
+        old_id, leader = old.member_id, group.leader_id
+        _resolve(old.join_future, JoinResult(FENCED_INSTANCE_ID, member_id=old_id))
+        _resolve(old.sync_future, SyncResult(FENCED_INSTANCE_ID))
+        old.join_future = old.sync_future = None
+        member = group.replace_static(instance_id, member_id)
+        member.client_id, member.client_host = client_id, client_host
+        member.session_timeout_ms, member.rebalance_timeout_ms = session_timeout_ms, rebalance_timeout_ms
+        member.protocols = tuple(protocols)
+        log.info("group %s: static member %s rejoins as %s (was %s)", group.group_id, instance_id, member_id, old_id)
+        self._heartbeat_received(group, member)
+        if group.state is GroupState.STABLE and group.select_protocol() == group.protocol_name:
+            self._save(group)
+            # The old leader id, so a replaced leader does not compute an assignment a Stable group
+            # would never hand out; the member gets its kept assignment from SyncGroup.
+            return JoinResult(NONE, group.generation, group.protocol_type, group.protocol_name, leader or "",
+                              member_id)
+        fut = self._park_join(member)
+        if group.state is GroupState.PREPARING_REBALANCE:
+            self._maybe_complete_join(group)
+        else:
+            self._prepare_rebalance(group, f"static member {instance_id} rejoined as {member_id}")
+        return await self._await_join(group, member, fut)
+
+    def _start_initial_delay(self, group: Group, delay_ms: int) -> None:
+        group.cancel_timer()
+        group.transition(GroupState.PREPARING_REBALANCE)
+        group.delaying_initial_join, group.member_added_during_delay = True, False
+        remaining_ms = max(group.max_rebalance_timeout_ms() - delay_ms, 0)
+        group.timer = asyncio.get_running_loop().call_later(delay_ms / 1000, self._initial_delay_expired, group,
+                                                            delay_ms, remaining_ms)
+        log.info("group %s: first rebalance in %d ms (waiting for more members)", group.group_id, delay_ms)
+
+    def _initial_delay_expired(self, group: Group, delay_ms: int, remaining_ms: int) -> None:
+        group.timer = None
+        if group.member_added_during_delay and remaining_ms > 0:
+            # More members are arriving: wait again, but never beyond the rebalance timeout.
+            group.member_added_during_delay = False
+            delay_ms = min(delay_ms, remaining_ms)
+            group.timer = asyncio.get_running_loop().call_later(delay_ms / 1000, self._initial_delay_expired, group,
+                                                                delay_ms, remaining_ms - delay_ms)
+            return
+        group.delaying_initial_join = False
+        self._complete_join(group)
+
     async def _await_join(self, group: Group, member: Member, fut: asyncio.Future) -> JoinResult:
         """Wait for the rebalance to complete. A parked join that is cancelled (its client went
-        away) takes its member out of the group, so the others need not wait for it."""
+        away) takes a dynamic member out of the group, so the others need not wait for it; a static
+        member stays (it is expected back under its instance id)."""
         try:
             return await fut
         except asyncio.CancelledError:
-            if not self._closed and member.join_future is fut and group.members.get(member.member_id) is member:
+            if not self._closed and member.join_future is fut and group.members.get(member.member_id) is member \
+                    and member.group_instance_id is None:
                 log.info("group %s: member %s went away during the rebalance", group.group_id, member.member_id)
                 self._remove(group, member, f"member {member.member_id} went away")
             raise
@@ -174,7 +258,7 @@ class GroupCoordinator:
         self._maybe_complete_join(group)
 
     def _maybe_complete_join(self, group: Group) -> None:
-        if group.state is GroupState.PREPARING_REBALANCE and group.all_joined():
+        if group.state is GroupState.PREPARING_REBALANCE and not group.delaying_initial_join and group.all_joined():
             self._complete_join(group)
 
     def _rebalance_timeout(self, group: Group) -> None:
@@ -184,7 +268,8 @@ class GroupCoordinator:
 
     def _complete_join(self, group: Group) -> None:
         group.cancel_timer()
-        for m in [m for m in group.members.values() if not m.awaiting_join]:
+        group.delaying_initial_join = False
+        for m in [m for m in group.members.values() if not m.awaiting_join and m.group_instance_id is None]:
             log.info("group %s: member %s did not rejoin in time; removed", group.group_id, m.member_id)
             self._drop(group, m)
         group.generation += 1
@@ -193,10 +278,12 @@ class GroupCoordinator:
             group.leader_id = None
             group.transition(GroupState.EMPTY)
             log.info("group %s: empty (generation %d)", group.group_id, group.generation)
+            self._save(group)
             return
         group.protocol_name = group.select_protocol()
-        if group.leader_id not in group.members:
-            group.leader_id = next(iter(group.members))
+        if not group.members[group.leader_id].awaiting_join:
+            # The leader must be someone who gets this JoinGroup answer (a static member may be away).
+            group.leader_id = next((m.member_id for m in group.members.values() if m.awaiting_join), group.leader_id)
         group.transition(GroupState.COMPLETING_REBALANCE)
         log.info("group %s: generation %d with %d members, protocol %s, leader %s", group.group_id,
                  group.generation, len(group.members), group.protocol_name, group.leader_id)
@@ -220,8 +307,11 @@ class GroupCoordinator:
     # -- SyncGroup -------------------------------------------------------------------------------
 
     async def sync(self, group_id: str, generation: int, member_id: str, protocol_type: str | None,
-                   protocol_name: str | None, assignments: dict[str, bytes]) -> SyncResult:
+                   protocol_name: str | None, assignments: dict[str, bytes],
+                   group_instance_id: str | None = None) -> SyncResult:
         group = self.groups.get(group_id)
+        if group is not None and group.fenced(group_instance_id, member_id):
+            return SyncResult(FENCED_INSTANCE_ID)
         if group is None or member_id not in group.members:
             return SyncResult(UNKNOWN_MEMBER_ID)
         if generation != group.generation:
@@ -247,6 +337,7 @@ class GroupCoordinator:
                 m.assignment = assignments.get(m.member_id, b"")
             group.transition(GroupState.STABLE)
             log.info("group %s: stable at generation %d", group.group_id, group.generation)
+            self._save(group)
             for m in group.members.values():
                 _resolve(m.sync_future, SyncResult(NONE, group.protocol_type, group.protocol_name, m.assignment))
                 m.sync_future = None
@@ -255,8 +346,10 @@ class GroupCoordinator:
 
     # -- Heartbeat, LeaveGroup -------------------------------------------------------------------
 
-    def heartbeat(self, group_id: str, generation: int, member_id: str) -> int:
+    def heartbeat(self, group_id: str, generation: int, member_id: str, group_instance_id: str | None = None) -> int:
         group = self.groups.get(group_id)
+        if group is not None and group.fenced(group_instance_id, member_id):
+            return FENCED_INSTANCE_ID
         if group is None or group.state is GroupState.EMPTY or member_id not in group.members:
             return UNKNOWN_MEMBER_ID
         if group.state is GroupState.DEAD:
@@ -266,15 +359,21 @@ class GroupCoordinator:
         self._heartbeat_received(group, group.members[member_id])
         return REBALANCE_IN_PROGRESS if group.state is GroupState.PREPARING_REBALANCE else NONE
 
-    def leave(self, group_id: str, member_ids: list[str]) -> list[int]:
-        """One error code per member id."""
+    def leave(self, group_id: str, member_ids: list[str], instance_ids: list[str | None] | None = None) -> list[int]:
+        """One error code per member. ``instance_ids`` (LeaveGroup v3+) pair each member id with
+        its group instance id; an empty member id with an instance id removes that static
+        member, whoever holds it (KIP-345's administrative removal)."""
         group = self.groups.get(group_id)
         codes = []
-        for member_id in member_ids:
+        for member_id, instance_id in zip(member_ids, instance_ids or [None] * len(member_ids), strict=True):
+            if member_id == "" and instance_id is not None and group is not None:
+                member_id = group.static_members.get(instance_id, "")
             if group is not None and member_id in group.pending:
                 group.pending.pop(member_id).cancel()
                 codes.append(NONE)
                 self._maybe_complete_join(group)
+            elif group is not None and group.fenced(instance_id, member_id):
+                codes.append(FENCED_INSTANCE_ID)
             elif group is None or member_id not in group.members:
                 codes.append(UNKNOWN_MEMBER_ID)
             else:
@@ -313,9 +412,7 @@ class GroupCoordinator:
             member.expiry = None
         _resolve(member.join_future, JoinResult(UNKNOWN_MEMBER_ID, member_id=member.member_id))
         _resolve(member.sync_future, SyncResult(UNKNOWN_MEMBER_ID))
-        group.members.pop(member.member_id, None)
-        if group.leader_id == member.member_id:
-            group.leader_id = next(iter(group.members), None)
+        group.remove(member.member_id)
 
     def _remove(self, group: Group, member: Member, reason: str) -> None:
         self._drop(group, member)
@@ -323,6 +420,13 @@ class GroupCoordinator:
             self._prepare_rebalance(group, reason)
         else:
             self._maybe_complete_join(group)
+
+    def _save(self, group: Group) -> None:
+        try:
+            self.membership.save(group)
+        except OSError:
+            # Only a restart would notice (its members would rejoin): not worth failing the group for.
+            log.exception("group %s: could not persist its membership", group.group_id)
 
     # -- ListGroups, DescribeGroups --------------------------------------------------------------
 
@@ -349,9 +453,11 @@ class GroupCoordinator:
 
     # -- offsets ---------------------------------------------------------------------------------
 
-    def commit_check(self, group_id: str, generation: int, member_id: str) -> int:
+    def commit_check(self, group_id: str, generation: int, member_id: str, group_instance_id: str | None = None) -> int:
         """The error for an OffsetCommit from this member/generation, or NONE if it may commit."""
         group = self.groups.get(group_id)
+        if group is not None and group.fenced(group_instance_id, member_id):
+            return FENCED_INSTANCE_ID
         if group is None or group.state is GroupState.EMPTY:
             # Not managed by this coordinator's group protocol (or not any more): simple commits only.
             if generation < 0:

@@ -7,7 +7,12 @@ The state machine follows Kafka's classic group coordinator::
       └─last member gone┘  └──────join/leave/expiry/sync timeout──────────────┤ leader's SyncGroup
                            └──────────────────join/leave/expiry─── Stable ◀────┘
 
-Dead is reachable from every state (the broker shuts down) and leads nowhere.
+Dead is reachable from every state (the broker shuts down) and leads nowhere. A group restored
+from disk after a restart starts Stable (or Empty), as Kafka loads it.
+
+Static members (KIP-345) carry a ``group_instance_id`` that outlives their member id: the
+group maps each instance id to the member id currently holding it, and a request naming the
+instance id with any other member id comes from a fenced (replaced) instance.
 """
 
 from __future__ import annotations
@@ -101,12 +106,58 @@ class Group:
         self.leader_id: str | None = None
         self.members: dict[str, Member] = {}
         self.pending: dict[str, asyncio.TimerHandle] = {}  # ids handed out with MEMBER_ID_REQUIRED
-        self.timer: asyncio.TimerHandle | None = None  # rebalance timeout or sync timeout
+        self.timer: asyncio.TimerHandle | None = None  # initial delay, rebalance timeout or sync timeout
+        self.static_members: dict[str, str] = {}  # group instance id -> member id holding it
+        self.delaying_initial_join = False  # the first rebalance waits for more members to arrive
+        self.member_added_during_delay = False
+
+    @classmethod
+    def restored(cls, group_id: str, generation: int, protocol_type: str | None, protocol_name: str | None,
+                 leader_id: str | None, members: list[Member]) -> Group:
+        """A group as persisted at its last Stable (or Empty) point: Stable if it has members."""
+        group = cls(group_id)
+        group.generation = generation
+        for m in members:
+            group.add(m)
+        if members:
+            group.state = GroupState.STABLE
+            group.protocol_type, group.protocol_name = protocol_type, protocol_name
+            group.leader_id = leader_id if leader_id in group.members else members[0].member_id
+        return group
 
     def transition(self, target: GroupState) -> None:
         if target not in ALLOWED_TRANSITIONS[self.state]:
             raise IllegalTransition(f"group {self.group_id!r}: {self.state.value} -> {target.value}")
         self.state = target
+
+    def add(self, member: Member) -> None:
+        self.members[member.member_id] = member
+        if member.group_instance_id is not None:
+            self.static_members[member.group_instance_id] = member.member_id
+        if self.leader_id is None:
+            self.leader_id = member.member_id
+
+    def remove(self, member_id: str) -> None:
+        member = self.members.pop(member_id, None)
+        if member is not None and self.static_members.get(member.group_instance_id) == member_id:
+            del self.static_members[member.group_instance_id]
+        if self.leader_id == member_id:
+            self.leader_id = next(iter(self.members), None)
+
+    def replace_static(self, instance_id: str, new_member_id: str) -> Member:
+        """Hand the place (assignment, leadership) of ``instance_id``'s member to ``new_member_id``."""
+        member = self.members.pop(self.static_members[instance_id])
+        was_leader = self.leader_id == member.member_id
+        member.member_id = new_member_id
+        self.members[new_member_id] = member
+        self.static_members[instance_id] = new_member_id
+        if was_leader:
+            self.leader_id = new_member_id
+        return member
+
+    def fenced(self, instance_id: str | None, member_id: str) -> bool:
+        """Whether a request from (``instance_id``, ``member_id``) comes from a replaced static member."""
+        return instance_id is not None and self.static_members.get(instance_id, member_id) != member_id
 
     def cancel_timer(self) -> None:
         if self.timer is not None:

@@ -5,11 +5,18 @@ rename, fsync the directory) on every commit, so an acknowledged commit survives
 torn write leaves the previous version. The file name is a hash of the group id (group ids can
 be any string); the id itself is stored inside the file.
 
+Transactional offset commits (KIP-98/KIP-447) are staged per producer id in the same file as
+pending offsets: they survive a restart while their transaction is open, become committed
+offsets when it commits and vanish when it aborts. OffsetFetch with require_stable asks
+:meth:`OffsetStore.has_pending`.
+
 Example::
 
     store = OffsetStore("/data/groups")
     store.commit("g", {("t", 0): CommittedOffset(42, -1, "", now_ms)})
     store.get("g", "t", 0).offset   # 42, also after a restart
+    store.stage("g", producer_id, {("t", 0): CommittedOffset(50, -1, "", now_ms)})
+    store.complete_pending("g", producer_id, commit=True)   # now 50
 """
 
 from __future__ import annotations
@@ -42,6 +49,8 @@ class OffsetStore:
         self.directory = directory
         os.makedirs(directory, exist_ok=True)
         self._offsets: dict[str, dict[tuple[str, int], CommittedOffset]] = {}
+        # group id -> producer id -> staged offsets of its open transaction
+        self._pending: dict[str, dict[int, dict[tuple[str, int], CommittedOffset]]] = {}
         self._load()
 
     def _path(self, group_id: str) -> str:
@@ -57,13 +66,15 @@ class OffsetStore:
                 with open(path, "rb") as f:
                     raw = json.load(f)
                 group_id = raw["group_id"]
-                offsets = {(t, int(p)): CommittedOffset(int(o), int(e), m, int(ts))
-                           for t, parts in raw["offsets"].items() for p, (o, e, m, ts) in parts.items()}
+                offsets = _decode(raw["offsets"])
+                pending = {int(pid): _decode(staged) for pid, staged in raw.get("pending", {}).items()}
             except (OSError, ValueError, KeyError, TypeError) as exc:
                 # atomic_write never leaves a torn file; anything unreadable was put there by hand.
                 log.error("ignoring unreadable offsets file %s: %s", path, exc)
                 continue
             self._offsets[group_id] = offsets
+            if pending:
+                self._pending[group_id] = pending
         if self._offsets:
             log.info("loaded committed offsets of %d groups", len(self._offsets))
 
@@ -82,21 +93,70 @@ class OffsetStore:
             return
         merged = dict(self._offsets.get(group_id, {}))
         merged.update(offsets)
-        self._write(group_id, merged)
+        self._write(group_id, merged, self._pending.get(group_id, {}))
         self._offsets[group_id] = merged
+
+    # -- transactional offsets -------------------------------------------------------------------
+
+    def stage(self, group_id: str, producer_id: int, offsets: dict[tuple[str, int], CommittedOffset]) -> None:
+        """Durably record ``offsets`` as pending for the open transaction of ``producer_id``."""
+        pending = {pid: dict(staged) for pid, staged in self._pending.get(group_id, {}).items()}
+        pending.setdefault(producer_id, {}).update(offsets)
+        self._write(group_id, self._offsets.get(group_id, {}), pending)
+        self._pending[group_id] = pending
+
+    def complete_pending(self, group_id: str, producer_id: int, commit: bool) -> None:
+        """Apply (commit) or drop (abort) what ``producer_id`` staged; a no-op if nothing is staged."""
+        pending = dict(self._pending.get(group_id, {}))
+        staged = pending.pop(producer_id, None)
+        if staged is None:
+            return
+        offsets = dict(self._offsets.get(group_id, {}))
+        if commit:
+            offsets.update(staged)
+        self._write(group_id, offsets, pending)
+        self._offsets[group_id] = offsets
+        if pending:
+            self._pending[group_id] = pending
+        else:
+            self._pending.pop(group_id, None)
+
+    def has_pending(self, group_id: str, topic: str, partition: int) -> bool:
+        return any((topic, partition) in staged for staged in self._pending.get(group_id, {}).values())
+
+    def pending_producers(self) -> list[tuple[str, int]]:
+        """(group id, producer id) of every staged transactional commit."""
+        return [(g, pid) for g, by_producer in self._pending.items() for pid in by_producer]
 
     def delete_topic(self, topic: str) -> None:
         """Forget every group's offsets for ``topic`` (the topic was deleted)."""
-        for group_id, offsets in list(self._offsets.items()):
+        for group_id in set(self._offsets) | set(self._pending):
+            offsets = self._offsets.get(group_id, {})
+            pending = self._pending.get(group_id, {})
             kept = {k: v for k, v in offsets.items() if k[0] != topic}
-            if len(kept) != len(offsets):
-                self._write(group_id, kept)
-                self._offsets[group_id] = kept
+            kept_pending = {pid: {k: v for k, v in staged.items() if k[0] != topic} for pid, staged in pending.items()}
+            if len(kept) != len(offsets) or kept_pending != pending:
+                self._write(group_id, kept, kept_pending)
+                if group_id in self._offsets:
+                    self._offsets[group_id] = kept
+                if group_id in self._pending:
+                    self._pending[group_id] = kept_pending
 
-    def _write(self, group_id: str, offsets: dict[tuple[str, int], CommittedOffset]) -> None:
-        by_topic: dict[str, dict[str, list]] = {}
-        for (topic, partition), c in offsets.items():
-            by_topic.setdefault(topic, {})[str(partition)] = [c.offset, c.leader_epoch, c.metadata,
-                                                              c.commit_timestamp_ms]
-        data = {"version": FILE_VERSION, "group_id": group_id, "offsets": by_topic}
+    def _write(self, group_id: str, offsets: dict[tuple[str, int], CommittedOffset],
+               pending: dict[int, dict[tuple[str, int], CommittedOffset]]) -> None:
+        data = {"version": FILE_VERSION, "group_id": group_id, "offsets": _encode(offsets)}
+        if pending:
+            data["pending"] = {str(pid): _encode(staged) for pid, staged in pending.items()}
         atomic_write(self._path(group_id), json.dumps(data, separators=(",", ":")).encode())
+
+
+def _encode(offsets: dict[tuple[str, int], CommittedOffset]) -> dict[str, dict[str, list]]:
+    by_topic: dict[str, dict[str, list]] = {}
+    for (topic, partition), c in offsets.items():
+        by_topic.setdefault(topic, {})[str(partition)] = [c.offset, c.leader_epoch, c.metadata, c.commit_timestamp_ms]
+    return by_topic
+
+
+def _decode(by_topic: dict) -> dict[tuple[str, int], CommittedOffset]:
+    return {(t, int(p)): CommittedOffset(int(o), int(e), m, int(ts))
+            for t, parts in by_topic.items() for p, (o, e, m, ts) in parts.items()}

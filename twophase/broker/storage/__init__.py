@@ -1,4 +1,5 @@
-"""Storage of the built-in broker: partition logs of Kafka RecordBatch v2 bytes, producer state, topics.
+"""Storage of the built-in broker: partition logs of Kafka RecordBatch v2 bytes, producer state, topics,
+and the partition side of transactions (markers, last stable offset, aborted-transactions index).
 
 Example::
 
@@ -44,8 +45,10 @@ from .records import (
     validate_batch,
 )
 from .results import AppendResult, TimestampOffset
+from .txnindex import AbortedTxn, TransactionIndex
 
 __all__ = [
+    "AbortedTxn",
     "AppendResult",
     "BatchHeader",
     "ControlRecord",
@@ -70,6 +73,7 @@ __all__ = [
     "TopicAlreadyExistsError",
     "TopicInfo",
     "TransactionCoordinatorFencedError",
+    "TransactionIndex",
     "UnknownTopicOrPartitionError",
     "control_batch",
     "iter_batches",

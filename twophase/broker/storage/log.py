@@ -10,6 +10,14 @@ Example::
     log.enforce_retention(now_ms)
     log.close()
 
+Transactions (KIP-98): the coordinator ends a producer's transaction with a marker; the last stable
+offset (LSO) is the first offset of the earliest open transaction, else the high watermark; aborted
+transactions are kept per segment in ``<base>.txnindex`` for read_committed fetches::
+
+    offset = log.append_marker(producer_id, producer_epoch, commit=False, coordinator_epoch=0, now_ms=now)
+    data, end = log.read_range(offset, 1 << 20, upper_offset=log.last_stable_offset)
+    log.aborted_transactions(offset, end)           # [(producer_id, first_offset)] overlapping the range
+
 Calls are synchronous, quick (no waiting besides fsync) and not thread-safe: the broker calls them from
 its single asyncio event-loop thread. Every ``now_ms`` is wall-clock milliseconds since the epoch
 (``time.time() * 1000``): retention compares it with record timestamps.
@@ -39,12 +47,14 @@ from .records import (
     NO_PARTITION_LEADER_EPOCH,
     BatchHeader,
     ControlRecord,
+    control_batch,
     iter_batches,
     parse_control_record,
     set_base_offset,
 )
 from .results import AppendResult, TimestampOffset
 from .segment import Segment
+from .txnindex import SUFFIX as TXN_INDEX_SUFFIX
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +85,7 @@ class PartitionLog:
         os.makedirs(directory, exist_ok=True)
         self._segments = self._open_segments()
         self.producers = ProducerStateManager(directory)
+        self._last_abort_marker = -1  # offset of the newest ABORT marker in the index, -1 if none
         self._recover_producers(now)
         self._last_flush_ms: int | None = None
 
@@ -85,7 +96,8 @@ class PartitionLog:
         bases = sorted(int(n[:-4]) for n in names if n.endswith(".log") and n[:-4].isdigit())
         for name in names:
             stem = name.split(".")[0]
-            if name.endswith(".tmp") or (name.endswith(".index") and stem.isdigit() and int(stem) not in bases):
+            index = name.endswith((".index", TXN_INDEX_SUFFIX))
+            if name.endswith(".tmp") or (index and stem.isdigit() and int(stem) not in bases):
                 unlink_quietly(os.path.join(self.directory, name))
         if not bases:
             segment = Segment.create(self.directory, 0, self.config.index_interval_bytes)
@@ -96,13 +108,33 @@ class PartitionLog:
         return [Segment.open(self.directory, b, interval, recover=b == bases[-1]) for b in bases]
 
     def _recover_producers(self, now_ms: int) -> None:
+        """Producer state and aborted-transaction indexes: the newest snapshot, then replay of the log after it.
+
+        The replay re-derives the index entries of the markers it passes. An index that is missing or
+        damaged below the replay start can only be rebuilt with the producer state of that point, so
+        then the whole log is replayed.
+        """
         snapshot = self.producers.load_snapshot(max_offset=self.high_watermark)
         start = self.log_start_offset if snapshot is None else max(snapshot, self.log_start_offset)
+        damaged = [s.base_offset for s in self._segments
+                   if s.txn_index.trusted_until < min(start, s.next_offset)]
+        if damaged:
+            log.warning("%s: aborted-transaction index of segment(s) %s incomplete: replaying the whole log",
+                        self.directory, damaged)
+            self.producers.clear()
+            start = self.log_start_offset
+        for segment in self._segments:
+            segment.txn_index.truncate_from(start)
         replayed = 0
         for segment, header in self._iter_headers(start):
             marker = self._marker(segment, header) if header.is_control else None
-            self.producers.replay(header, marker, now_ms)
+            aborted = self.producers.replay(header, marker, now_ms)
+            if aborted is not None:
+                segment.txn_index.append(aborted)
             replayed += 1
+        for segment in self._segments[:-1]:
+            segment.txn_index.close()  # sealed: fsync what the replay added
+        self._last_abort_marker = max((s.txn_index.last_marker for s in self._segments), default=-1)
         if replayed:
             log.info("%s: replayed %d batches into producer state from offset %d", self.directory, replayed, start)
 
@@ -134,6 +166,17 @@ class PartitionLog:
     @property
     def log_end_offset(self) -> int:
         return self._segments[-1].next_offset
+
+    @property
+    def last_stable_offset(self) -> int:
+        """First offset of the earliest open transaction (not below the log start), else the high watermark."""
+        first = self.producers.first_unstable_offset()
+        if first is None:
+            return self.high_watermark
+        return min(max(first, self.log_start_offset), self.high_watermark)
+
+    def has_open_transaction(self, producer_id: int) -> bool:
+        return self.producers.has_open_transaction(producer_id)
 
     @property
     def size_bytes(self) -> int:
@@ -191,6 +234,9 @@ class PartitionLog:
                 self._roll()
                 self.enforce_retention(now_ms)
             self._segments[-1].append(buf, assigned)
+            for txn in prepared.aborted:
+                self._segments[-1].txn_index.append(txn)
+                self._last_abort_marker = txn.last_offset
             if self.config.flush == "always":
                 self._segments[-1].flush()
         except OSError as exc:
@@ -200,6 +246,19 @@ class PartitionLog:
             raise KafkaStorageError(f"write failed: {exc}") from exc
         self.producers.commit(prepared)
         return AppendResult(assigned[0][1].base_offset, next_offset - 1)
+
+    def append_marker(
+        self, producer_id: int, producer_epoch: int, commit: bool, coordinator_epoch: int, now_ms: int
+    ) -> int:
+        """Write a COMMIT or ABORT marker ending ``producer_id``'s transaction here; returns its offset.
+
+        An ABORT of an open transaction is recorded in the aborted-transactions index. A marker for a
+        producer with no open transaction is stored and changes nothing else. Like Kafka, a marker with
+        an epoch older than the producer's raises InvalidProducerEpochError and one from an older
+        coordinator epoch TransactionCoordinatorFencedError.
+        """
+        marker = control_batch(producer_id, producer_epoch, commit, coordinator_epoch, now_ms)
+        return self.append(marker, now_ms, from_client=False).base_offset
 
     def _roll(self) -> None:
         old = self._segments[-1]
@@ -270,22 +329,50 @@ class PartitionLog:
         ``upper_offset`` (e.g. the LSO for read_committed) excludes batches starting at or above it.
         Raises OffsetOutOfRangeError outside [log_start_offset, high_watermark]; returns b"" at the end.
         """
+        return self.read_range(offset, max_bytes, upper_offset)[0]
+
+    def read_range(self, offset: int, max_bytes: int, upper_offset: int | None = None) -> tuple[bytes, int]:
+        """Like read(), plus the offset after the last batch returned (``offset`` when none is)."""
         self._check_usable()
         if not self.log_start_offset <= offset <= self.high_watermark:
             raise OffsetOutOfRangeError(
                 f"offset {offset} outside [{self.log_start_offset}, {self.high_watermark}]")
-        bases = [s.base_offset for s in self._segments]
         chunks: list[bytes] = []
         remaining = max_bytes
-        for segment in self._segments[max(0, bisect_right(bases, offset) - 1) :]:
-            data, complete = segment.read_chunk(offset, remaining, upper_offset, min_one=not chunks)
+        end = offset
+        for segment in self._segments[self._segment_index(offset) :]:
+            data, complete, next_offset = segment.read_chunk(offset, remaining, upper_offset, min_one=not chunks)
             if data:
                 chunks.append(data)
                 remaining -= len(data)
-            # Stop where this segment stopped early, so the result never skips offsets.
-            if not complete or remaining <= 0:
+                end = next_offset
+            # Stop where this segment stopped early, so the result never skips offsets, and where the
+            # upper offset lies (later segments start above it).
+            if not complete or remaining <= 0 or (upper_offset is not None and upper_offset <= segment.next_offset):
                 break
-        return b"".join(chunks)
+        return b"".join(chunks), end
+
+    def aborted_transactions(self, start_offset: int, end_offset: int) -> list[tuple[int, int]]:
+        """(producer id, first offset) of the aborted transactions overlapping [start_offset, end_offset).
+
+        Starts at the segment holding ``start_offset`` (a transaction's marker follows its data) and stops
+        at the first entry proving that no later transaction can overlap, so it never scans the whole log.
+        """
+        self._check_usable()
+        found: list[tuple[int, int]] = []
+        if start_offset >= end_offset or start_offset > self._last_abort_marker:
+            return found  # the common case: no abort at or after the fetch offset
+        for segment in self._segments[self._segment_index(start_offset) :]:
+            if len(segment.txn_index) and segment.txn_index.collect(start_offset, end_offset, found):
+                break
+        return found
+
+    def _segment_index(self, offset: int) -> int:
+        """Index in ``_segments`` of the segment holding ``offset`` (0 below the log start)."""
+        segments = self._segments
+        if len(segments) == 1 or offset >= segments[-1].base_offset:
+            return len(segments) - 1
+        return max(0, bisect_right([s.base_offset for s in segments], offset) - 1)
 
     def timestamp_lookup(self, timestamp_ms: int) -> TimestampOffset | None:
         """The first record with timestamp >= ``timestamp_ms`` (offset and its timestamp), or None."""
@@ -296,6 +383,18 @@ class PartitionLog:
                 if found is not None:
                     return TimestampOffset(*found)
         return None
+
+    def offset_of_max_timestamp(self) -> TimestampOffset | None:
+        """The first record carrying the log's largest timestamp (ListOffsets -3), or None when empty."""
+        self._check_usable()
+        best: TimestampOffset | None = None
+        for segment in self._segments:
+            if segment.is_empty or (best is not None and segment.max_timestamp <= best.timestamp):
+                continue
+            found = segment.find_timestamp(segment.max_timestamp)
+            if found is not None:
+                best = TimestampOffset(*found)
+        return best
 
     def offset_for_timestamp(self, timestamp_ms: int) -> int | None:
         """First offset with timestamp >= ``timestamp_ms`` (ListOffsets by timestamp), or None."""

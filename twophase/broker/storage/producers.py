@@ -12,7 +12,11 @@ Example::
     if prepared.duplicate is None:
         ...write the batches...
         state.commit(prepared)
-    state.open_transactions()                            # {producer_id: first offset}, for the LSO
+    state.open_transactions()                            # {producer_id: first offset}
+    state.first_unstable_offset()                        # the LSO, when a transaction is open
+
+``prepare`` also reports the transactions its ABORT markers end (for the aborted-transactions index),
+each with the partition's last stable offset right after its marker.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from .errors import (
 from twophase.durable import atomic_write, unlink_quietly
 from .records import INT32_MAX, NO_SEQUENCE, BatchHeader, ControlRecord
 from .results import AppendResult
+from .txnindex import AbortedTxn
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +88,7 @@ class PreparedAppend:
 
     duplicate: AppendResult | None = None
     entries: dict[int, ProducerEntry] = field(default_factory=dict)
+    aborted: list[AbortedTxn] = field(default_factory=list)
 
 
 def _in_sequence(last_seq: int, next_seq: int) -> bool:
@@ -95,6 +101,9 @@ class ProducerStateManager:
     def __init__(self, directory: str) -> None:
         self.directory = directory
         self._producers: dict[int, ProducerEntry] = {}
+        # Producer id -> first offset of its open transaction; kept beside the entries so the LSO is
+        # O(open transactions), not O(producers), on every fetch.
+        self._open: dict[int, int] = {}
 
     # -- queries ----------------------------------------------------------------------------------
 
@@ -106,7 +115,14 @@ class ProducerStateManager:
 
     def open_transactions(self) -> dict[int, int]:
         """Producer id -> first offset of its open transaction (the LSO is the smallest of these)."""
-        return {pid: e.txn_first_offset for pid, e in self._producers.items() if e.txn_first_offset is not None}
+        return dict(self._open)
+
+    def has_open_transaction(self, producer_id: int) -> bool:
+        return producer_id in self._open
+
+    def first_unstable_offset(self) -> int | None:
+        """First offset of the earliest open transaction, or None when none is open."""
+        return min(self._open.values()) if self._open else None
 
     # -- validation and update --------------------------------------------------------------------
 
@@ -129,6 +145,7 @@ class ProducerStateManager:
         Raises on the first invalid batch; nothing is changed until commit().
         """
         staged: dict[int, ProducerEntry] = {}
+        aborted: list[AbortedTxn] = []
         for header, marker in zip(headers, markers, strict=True):
             pid = header.producer_id
             if pid < 0:
@@ -142,19 +159,47 @@ class ProducerStateManager:
             if entry is None:
                 entry = current.copy() if current is not None else ProducerEntry(pid)
             self._validate(entry, header, marker, from_client)
+            txn_first_offset = entry.txn_first_offset
             self._update(entry, header, marker, now_ms)
             staged[pid] = entry
-        return PreparedAppend(entries=staged)
+            if _ends_aborted_txn(header, marker, txn_first_offset):
+                open_firsts = [f for p, f in self._open.items() if p not in staged]
+                open_firsts += [e.txn_first_offset for e in staged.values() if e.txn_first_offset is not None]
+                aborted.append(AbortedTxn(pid, txn_first_offset, header.base_offset,
+                                          min(open_firsts, default=header.last_offset + 1)))
+        return PreparedAppend(entries=staged, aborted=aborted)
 
     def commit(self, prepared: PreparedAppend) -> None:
         self._producers.update(prepared.entries)
+        for entry in prepared.entries.values():
+            self._track_open(entry)
 
-    def replay(self, header: BatchHeader, marker: ControlRecord | None, now_ms: int) -> None:
-        """Apply a batch read back from the log during recovery (already validated when appended)."""
+    def replay(self, header: BatchHeader, marker: ControlRecord | None, now_ms: int) -> AbortedTxn | None:
+        """Apply a batch read back from the log during recovery (already validated when appended).
+
+        Returns the aborted transaction an ABORT marker ends, as prepare() reports it.
+        """
         if header.producer_id < 0:
-            return
+            return None
         entry = self._producers.setdefault(header.producer_id, ProducerEntry(header.producer_id))
+        txn_first_offset = entry.txn_first_offset
         self._update(entry, header, marker, now_ms)
+        self._track_open(entry)
+        if not _ends_aborted_txn(header, marker, txn_first_offset):
+            return None
+        return AbortedTxn(entry.producer_id, txn_first_offset, header.base_offset,
+                          min(self._open.values(), default=header.last_offset + 1))
+
+    def clear(self) -> None:
+        """Forget every producer (before replaying the whole log)."""
+        self._producers.clear()
+        self._open.clear()
+
+    def _track_open(self, entry: ProducerEntry) -> None:
+        if entry.txn_first_offset is None:
+            self._open.pop(entry.producer_id, None)
+        else:
+            self._open[entry.producer_id] = entry.txn_first_offset
 
     @staticmethod
     def _validate(entry: ProducerEntry, header: BatchHeader, marker: ControlRecord | None, from_client: bool) -> None:
@@ -248,7 +293,7 @@ class ProducerStateManager:
 
         Snapshots beyond ``max_offset`` describe data that recovery truncated and are deleted.
         """
-        self._producers.clear()
+        self.clear()
         for offset in reversed(self._snapshot_offsets()):
             path = self._snapshot_path(offset)
             if offset > max_offset:
@@ -277,5 +322,11 @@ class ProducerStateManager:
                 log.warning("%s: unreadable producer snapshot (%s), trying an older one", path, exc)
                 continue
             self._producers = producers
+            for entry in producers.values():
+                self._track_open(entry)
             return offset
         return None
+
+
+def _ends_aborted_txn(header: BatchHeader, marker: ControlRecord | None, txn_first_offset: int | None) -> bool:
+    return header.is_control and marker is not None and not marker.commit and txn_first_offset is not None

@@ -15,12 +15,19 @@ Example::
         next_offset += header.last_offset_delta + 1
     marker = control_batch(producer_id=7, producer_epoch=0, commit=True,
                            coordinator_epoch=0, timestamp_ms=now_ms)
+
+Clients (twophase.client) also build and read whole records::
+
+    data = record_batch([(ts, b"key", b"value", [("h", b"x")])], compression=COMPRESSION_GZIP)
+    records = decode_batch_records(fetched_batch)   # [Record(offset, timestamp_ms, key, value, headers)]
 """
 
 from __future__ import annotations
 
+import gzip
 import struct
-from collections.abc import Iterator
+import zlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import crc32c
@@ -158,20 +165,13 @@ def set_base_offset(buf: bytearray | memoryview, pos: int, base_offset: int, lea
         struct.pack_into(">i", buf, pos + 12, leader_epoch)
 
 
-def _encode_record(key: bytes, value: bytes) -> bytes:
-    # attributes 0, timestampDelta 0, offsetDelta 0, key, value, no headers
-    body = b"\x00" + encode_varint(0) + encode_varint(0)
-    body += encode_varint(len(key)) + key + encode_varint(len(value)) + value + encode_varint(0)
-    return encode_varint(len(body)) + body
-
-
 def control_batch(
     producer_id: int, producer_epoch: int, commit: bool, coordinator_epoch: int, timestamp_ms: int
 ) -> bytes:
     """A valid v2 control batch holding one commit or abort marker (base offset 0, to be assigned)."""
     key = _CONTROL_KEY.pack(0, CONTROL_COMMIT if commit else CONTROL_ABORT)
     value = _CONTROL_VALUE.pack(0, coordinator_epoch)
-    records = _encode_record(key, value)
+    records = encode_record(0, 0, key, value)
     length = HEADER_SIZE - LOG_OVERHEAD + len(records)
     buf = bytearray(
         _HEADER.pack(
@@ -258,3 +258,112 @@ def iter_record_timestamps(batch: Buffer) -> Iterator[tuple[int, int]]:
         record = _read_record(memoryview(batch)[:end], pos)
         yield header.base_offset + record.offset_delta, header.base_timestamp + record.timestamp_delta
         pos = record.end
+
+
+# --- whole records, for clients (twophase.client): encoding with headers, decoding fetched batches ---
+
+COMPRESSION_NONE = 0
+COMPRESSION_GZIP = 1
+
+
+@dataclass(frozen=True)
+class Record:
+    """One decoded record of a fetched batch."""
+
+    offset: int
+    timestamp_ms: int
+    key: bytes | None
+    value: bytes | None
+    headers: tuple[tuple[str, bytes | None], ...]
+
+
+def _varbytes(data: bytes | None) -> bytes:
+    return encode_varint(-1) if data is None else encode_varint(len(data)) + data
+
+
+def encode_record(offset_delta: int, timestamp_delta: int, key: bytes | None, value: bytes | None,
+                  headers: Sequence[tuple[str, bytes | None]] = ()) -> bytes:
+    """One length-prefixed v2 record (attributes 0)."""
+    body = bytearray(b"\x00")
+    body += encode_varint(timestamp_delta) + encode_varint(offset_delta) + _varbytes(key) + _varbytes(value)
+    body += encode_varint(len(headers))
+    for name, header_value in headers:
+        body += _varbytes(name.encode()) + _varbytes(header_value)
+    return encode_varint(len(body)) + bytes(body)
+
+
+def record_batch(
+    records: Sequence[tuple[int, bytes | None, bytes | None, Sequence[tuple[str, bytes | None]]]],
+    *, producer_id: int = NO_PRODUCER_ID, producer_epoch: int = -1, base_sequence: int = NO_SEQUENCE,
+    transactional: bool = False, compression: int = COMPRESSION_NONE,
+) -> bytes:
+    """A v2 batch (base offset 0) of (timestamp_ms, key, value, headers) records, optionally gzipped."""
+    if not records:
+        raise ValueError("a record batch needs at least one record")
+    if compression not in (COMPRESSION_NONE, COMPRESSION_GZIP):
+        raise ValueError(f"unsupported compression codec {compression} (only none and gzip)")
+    base_ts = records[0][0]
+    body = b"".join(encode_record(i, ts - base_ts, key, value, headers)
+                    for i, (ts, key, value, headers) in enumerate(records))
+    if compression == COMPRESSION_GZIP:
+        body = gzip.compress(body, compresslevel=6, mtime=0)
+    attributes = compression | (ATTR_TRANSACTIONAL if transactional else 0)
+    buf = bytearray(_HEADER.pack(
+        0, HEADER_SIZE - LOG_OVERHEAD + len(body), NO_PARTITION_LEADER_EPOCH, MAGIC, 0, attributes,
+        len(records) - 1, base_ts, max(r[0] for r in records), producer_id, producer_epoch, base_sequence,
+        len(records)))
+    buf += body
+    struct.pack_into(">I", buf, 17, crc32c.crc32c(memoryview(buf)[_CRC_START:]))
+    return bytes(buf)
+
+
+def _read_bytes(buf: Buffer, pos: int, end: int) -> tuple[bytes | None, int]:
+    n, pos = decode_varint(buf, pos)
+    if n < 0:
+        return None, pos
+    if pos + n > end:
+        raise ValueError("record field out of bounds")
+    return bytes(buf[pos : pos + n]), pos + n
+
+
+def _decode_records(body: Buffer, header: BatchHeader) -> Iterator[Record]:
+    pos = 0
+    for _ in range(header.record_count):
+        length, pos = decode_varint(body, pos)
+        end = pos + length
+        if length < 0 or end > len(body):
+            raise ValueError("record length out of bounds")
+        pos += 1  # attributes, unused in v2
+        ts_delta, pos = decode_varint(body, pos)
+        offset_delta, pos = decode_varint(body, pos)
+        key, pos = _read_bytes(body, pos, end)
+        value, pos = _read_bytes(body, pos, end)
+        count, pos = decode_varint(body, pos)
+        headers = []
+        for _ in range(count):
+            name, pos = _read_bytes(body, pos, end)
+            header_value, pos = _read_bytes(body, pos, end)
+            headers.append(((name or b"").decode("utf-8", "replace"), header_value))
+        timestamp = header.max_timestamp if header.has_log_append_time else header.base_timestamp + ts_delta
+        yield Record(header.base_offset + offset_delta, timestamp, key, value, tuple(headers))
+        pos = end
+
+
+def decode_batch_records(batch: Buffer) -> list[Record]:
+    """The records of one complete batch (``batch`` starts at its first byte); gzip is decompressed.
+
+    Raises CorruptRecordError for other codecs or malformed records.
+    """
+    header = parse_header(batch)
+    body = memoryview(batch)[HEADER_SIZE : header.size]
+    if header.compression == COMPRESSION_GZIP:
+        try:
+            body = memoryview(gzip.decompress(body))
+        except (OSError, EOFError, zlib.error) as exc:
+            raise CorruptRecordError(f"bad gzip data: {exc}") from None
+    elif header.compression != COMPRESSION_NONE:
+        raise CorruptRecordError(f"compression codec {header.compression} is not supported (only none and gzip)")
+    try:
+        return list(_decode_records(body, header))
+    except ValueError as exc:
+        raise CorruptRecordError(f"malformed record: {exc}") from None

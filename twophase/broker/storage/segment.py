@@ -1,4 +1,5 @@
-"""One log segment: ``<base>.log`` (concatenated record batches) plus its sparse ``<base>.index``.
+"""One log segment: ``<base>.log`` (concatenated record batches), its sparse ``<base>.index`` and its
+aborted-transactions index ``<base>.txnindex`` (twophase.broker.storage.txnindex).
 
 Each index entry is 16 bytes: the batch's base offset relative to the segment (i32), the batch's file
 position (i32) and the largest timestamp of all batches before that position (i64). Offset lookups
@@ -34,16 +35,23 @@ from .records import (
     parse_header,
     validate_batch,
 )
+from .txnindex import TransactionIndex, txn_index_path
 
 log = logging.getLogger(__name__)
 
 NO_TIMESTAMP = -1
 _ENTRY = struct.Struct(">iiq")
 _PREFIX = struct.Struct(">qi")
+_LAST_OFFSET_DELTA = struct.Struct(">i")
 _LOOKUP_CHUNK = 64 * 1024
 _RECOVERY_CHUNK = 1024 * 1024
 
 _fdatasync = getattr(os, "fdatasync", os.fsync)
+
+
+def _next_offset(data: bytes, pos: int) -> int:
+    """The offset after the batch at ``pos``: its base offset plus lastOffsetDelta plus one."""
+    return _PREFIX.unpack_from(data, pos)[0] + _LAST_OFFSET_DELTA.unpack_from(data, pos + 23)[0] + 1
 
 
 def log_path(directory: str, base_offset: int) -> str:
@@ -71,6 +79,7 @@ class Segment:
         self._ts_before = array("q")
         self._bytes_since_index = 0
         self._dirty = False
+        self.txn_index = TransactionIndex(txn_index_path(directory, base_offset), base_offset)
 
     # -- opening ---------------------------------------------------------------------------------
 
@@ -79,6 +88,7 @@ class Segment:
         seg = cls(directory, base_offset, index_interval_bytes)
         if seg.size:
             raise FileExistsError(f"segment {seg.path} already holds data")
+        seg.txn_index = TransactionIndex.create(directory, base_offset)
         return seg
 
     @classmethod
@@ -91,6 +101,7 @@ class Segment:
         seg = cls(directory, base_offset, index_interval_bytes)
         kept = 0 if recover else seg._load_index()
         seg._rescan(kept, validate=recover)
+        seg.txn_index = TransactionIndex.load(directory, base_offset, seg.next_offset)
         return seg
 
     def _load_index(self) -> int:
@@ -218,8 +229,9 @@ class Segment:
             self._dirty = False
 
     def seal(self) -> None:
-        """Make the segment durable before it stops being the active one: fsync the log, write the index."""
+        """Make the segment durable before it stops being the active one: fsync the log and both indexes."""
         self.flush()
+        self.txn_index.close()  # fsynced; reopened if the segment is appended to again
         path = index_path(self.directory, self.base_offset)
         raw = b"".join(_ENTRY.pack(*e) for e in zip(self._rel_offsets, self._positions, self._ts_before))
         with open(path, "wb") as f:
@@ -232,9 +244,11 @@ class Segment:
             self.flush()
             os.close(self._fd)
             self._fd = -1
+        self.txn_index.close()
 
     def delete(self) -> None:
         self.close()
+        self.txn_index.delete()
         for path in (self.path, index_path(self.directory, self.base_offset)):
             try:
                 os.unlink(path)
@@ -284,27 +298,61 @@ class Segment:
 
     def read_chunk(
         self, offset: int, max_bytes: int, upper_offset: int | None = None, *, min_one: bool = True
-    ) -> tuple[bytes, bool]:
-        """Like read(), plus whether the read stopped only because the segment (or ``upper_offset``) ended."""
+    ) -> tuple[bytes, bool, int]:
+        """Like read(), plus whether the read stopped only because the segment (or ``upper_offset``) ended,
+        and the offset after the last returned batch (``offset`` when none is returned).
+
+        Batch boundaries come from the sparse index: only the batches within one index interval of
+        the cut are walked, so the cost does not grow with the number of (small) batches returned.
+        """
         pos = self.find_position(offset)
         if pos is None:
-            return b"", True
-        chunk = os.pread(self._fd, max(0, min(max_bytes, self.size - pos)), pos)
-        off = 0
-        while off + LOG_OVERHEAD <= len(chunk):
-            base, length = _PREFIX.unpack_from(chunk, off)
-            if upper_offset is not None and base >= upper_offset:
-                return chunk[:off], True
-            if off + LOG_OVERHEAD + length > len(chunk):
+            return b"", True, offset
+        end, end_offset = self.size, self.next_offset
+        if upper_offset is not None and upper_offset < self.next_offset:
+            end, end_offset = self._first_batch_from(upper_offset)
+            if end <= pos:
+                return b"", True, offset
+        if end - pos <= max_bytes:
+            return os.pread(self._fd, end - pos, pos), True, end_offset
+        cut, cut_offset = self._last_boundary_within(pos, pos + max_bytes)
+        if cut > pos:
+            return os.pread(self._fd, cut - pos, pos), False, cut_offset
+        if not min_one:
+            return b"", False, offset
+        # The first batch alone exceeds max_bytes: it is returned whole (KIP-74).
+        size = LOG_OVERHEAD + _PREFIX.unpack(os.pread(self._fd, LOG_OVERHEAD, pos))[1]
+        data = os.pread(self._fd, size, pos)
+        return data, pos + size >= end, _next_offset(data, 0)
+
+    def _first_batch_from(self, offset: int) -> tuple[int, int]:
+        """(file position, base offset) of the first batch whose base offset is >= ``offset`` (< next_offset)."""
+        pos = self.find_position(offset)
+        header = os.pread(self._fd, HEADER_SIZE, pos)
+        base = _PREFIX.unpack_from(header)[0]
+        if base >= offset:
+            return pos, base
+        # ``offset`` lies inside this batch: the boundary is the next one.
+        return pos + LOG_OVERHEAD + _PREFIX.unpack_from(header)[1], _next_offset(header, 0)
+
+    def _last_boundary_within(self, pos: int, limit: int) -> tuple[int, int]:
+        """(position, base offset) of the last batch start in (pos, limit], or (pos, -1) if there is none.
+
+        ``pos`` is a batch start and ``limit`` lies before the end of the segment.
+        """
+        i = bisect_right(self._positions, limit) - 1
+        start = self._positions[i] if i >= 0 and self._positions[i] > pos else pos
+        chunk = os.pread(self._fd, limit - start + LOG_OVERHEAD, start)  # up to the prefix of a batch at limit
+        found = (pos, -1)
+        at = start
+        while at - start + LOG_OVERHEAD <= len(chunk):
+            base, length = _PREFIX.unpack_from(chunk, at - start)
+            if at > pos:
+                found = (at, base)
+            at += LOG_OVERHEAD + length
+            if at > limit:
                 break
-            off += LOG_OVERHEAD + length
-        if off or not min_one:
-            return chunk[:off], pos + off >= self.size
-        prefix = os.pread(self._fd, LOG_OVERHEAD, pos)
-        base, length = _PREFIX.unpack(prefix)
-        if upper_offset is not None and base >= upper_offset:
-            return b"", True
-        return os.pread(self._fd, LOG_OVERHEAD + length, pos), pos + LOG_OVERHEAD + length >= self.size
+        return found
 
     def find_timestamp(self, timestamp: int) -> tuple[int, int] | None:
         """(offset, timestamp) of the first record with a timestamp >= ``timestamp``, or None.

@@ -1,0 +1,387 @@
+"""The transaction coordinator on its own (no sockets): state machine, errors, markers, log, recovery.
+
+Partition logs are fakes that record markers; the group offsets are a real OffsetStore in a
+temporary directory. The real partition side is exercised by test_txn_wire and test_txn_interop.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from twophase.broker.groups import OffsetStore
+from twophase.broker.storage import UnknownTopicOrPartitionError
+from twophase.broker.txn import (
+    ALLOWED_TRANSITIONS, IllegalTransition, TransactionCoordinator, TransactionLog, TxnMetadata, TxnSettings,
+    TxnState)
+from twophase.broker.txn.coordinator import (
+    CONCURRENT_TRANSACTIONS, INVALID_PRODUCER_EPOCH, INVALID_PRODUCER_ID_MAPPING, INVALID_TRANSACTION_TIMEOUT,
+    INVALID_TXN_STATE, NONE, PRODUCER_FENCED, TRANSACTIONAL_ID_AUTHORIZATION_FAILED)
+from twophase.broker.txn.log import LOG_FILE
+
+T0 = 1_700_000_000_000
+
+
+class FakePartition:
+    def __init__(self, name, markers):
+        self.name, self.markers = name, markers
+        self.fail = False
+
+    def append_marker(self, producer_id, producer_epoch, commit, coordinator_epoch, now_ms):
+        if self.fail:
+            raise OSError("disk gone")
+        self.markers.append((self.name, producer_id, producer_epoch, commit))
+        return len(self.markers)
+
+
+class Harness:
+    """A coordinator over fake partitions; ``restart()`` builds a new one on the same directories."""
+
+    def __init__(self, tmp_path, **settings):
+        self.tmp_path = tmp_path
+        self.settings = TxnSettings(**settings)
+        self.markers: list = []
+        self.woken: list = []
+        self.partitions = {(t, p): FakePartition(f"{t}-{p}", self.markers) for t in ("a", "b") for p in range(3)}
+        self.next_pid = 100
+        self.restart()
+
+    def allocate(self):
+        self.next_pid += 1
+        return self.next_pid
+
+    def partition(self, topic, partition):
+        try:
+            return self.partitions[(topic, partition)]
+        except KeyError:
+            raise UnknownTopicOrPartitionError(f"{topic}-{partition}") from None
+
+    def restart(self, now_ms=T0):
+        if getattr(self, "txns", None):
+            self.txns.close()
+        self.offsets = OffsetStore(str(self.tmp_path / "groups"))
+        self.txns = TransactionCoordinator(str(self.tmp_path / "txn"), partition_log=self.partition,
+                                           offsets=self.offsets, allocate_producer_id=self.allocate,
+                                           data_arrived=lambda t, p: self.woken.append((t, p)),
+                                           settings=self.settings)
+        self.txns.recover(now_ms)
+        return self.txns
+
+
+@pytest.fixture
+def h(tmp_path):
+    harness = Harness(tmp_path, max_timeout_ms=60_000, id_expiration_ms=3_600_000)
+    yield harness
+    harness.txns.close()
+
+
+def init(h, tid="app", timeout=10_000, now=T0, **kw):
+    r = h.txns.init_producer_id(tid, timeout, now_ms=now, **kw)
+    assert r.error == NONE, r
+    return r.producer_id, r.producer_epoch
+
+
+def state(h, tid="app"):
+    return h.txns.describe(tid).state
+
+
+# -- the state machine ---------------------------------------------------------------------------
+
+def test_every_transition_not_listed_fails_loudly():
+    for source in TxnState:
+        for target in TxnState:
+            meta = TxnMetadata("x", 1, 0, 1000, state=source)
+            if target in ALLOWED_TRANSITIONS[source]:
+                meta.transition(target)
+                assert meta.state is target
+            else:
+                with pytest.raises(IllegalTransition):
+                    meta.transition(target)
+    assert not ALLOWED_TRANSITIONS[TxnState.DEAD]
+    # A decision, once logged, can only be completed the same way.
+    assert ALLOWED_TRANSITIONS[TxnState.PREPARE_COMMIT] == {TxnState.COMPLETE_COMMIT}
+
+
+def test_metadata_round_trips_through_its_log_form():
+    meta = TxnMetadata("x", 5, 3, 1000, state=TxnState.ONGOING, two_phase=True, txn_producer_id=5,
+                       txn_producer_epoch=2, partitions={("a", 1), ("b", 0)}, groups={"g"}, start_ms=7,
+                       last_update_ms=9)
+    assert TxnMetadata.from_dict("x", meta.to_dict()) == meta
+
+
+# -- InitProducerId ------------------------------------------------------------------------------
+
+def test_new_id_gets_a_new_producer_and_reinit_bumps_the_epoch(h):
+    pid, epoch = init(h)
+    assert (pid, epoch) == (101, 0)
+    assert init(h) == (101, 1)
+    assert init(h, "other")[0] == 102
+    assert state(h) == "Empty"
+
+
+def test_timeout_is_validated_except_for_two_phase(h):
+    for bad in (0, -1, 60_001):
+        assert h.txns.init_producer_id("app", bad, now_ms=T0).error == INVALID_TRANSACTION_TIMEOUT
+    assert h.txns.init_producer_id("app", 2**31 - 1, enable_two_phase=True, now_ms=T0).error == NONE
+
+
+def test_two_phase_can_be_forbidden(tmp_path):
+    h = Harness(tmp_path, allow_two_phase=False)
+    assert h.txns.init_producer_id("app", 1000, enable_two_phase=True, now_ms=T0).error == \
+        TRANSACTIONAL_ID_AUTHORIZATION_FAILED
+    assert h.txns.init_producer_id("app", 1000, now_ms=T0).error == NONE
+    h.txns.close()
+
+
+def test_kip360_only_the_current_instance_may_bump_its_epoch(h):
+    pid, epoch = init(h)
+    assert h.txns.init_producer_id("app", 1000, producer_id=pid, producer_epoch=epoch, now_ms=T0).producer_epoch == 1
+    assert h.txns.init_producer_id("app", 1000, producer_id=pid, producer_epoch=0, now_ms=T0).error == PRODUCER_FENCED
+    assert h.txns.init_producer_id("new", 1000, producer_id=5, producer_epoch=0, now_ms=T0).error == \
+        INVALID_PRODUCER_ID_MAPPING
+
+
+def test_reinit_aborts_the_open_transaction_and_fences_the_old_instance(h):
+    pid, epoch = init(h)
+    assert h.txns.add_partitions("app", pid, epoch, [("a", 0), ("b", 1)], T0) == NONE
+    new_pid, new_epoch = init(h)
+    assert new_pid == pid and new_epoch == epoch + 2
+    # Abort markers carry a newer epoch than the old instance's data, so its later writes are refused.
+    assert h.markers == [("a-0", pid, epoch + 1, False), ("b-1", pid, epoch + 1, False)]
+    assert h.txns.end_txn("app", pid, epoch, True, T0) == PRODUCER_FENCED
+    assert h.txns.add_partitions("app", pid, epoch, [("a", 0)], T0) == PRODUCER_FENCED
+    assert h.txns.check_produce("app", pid, epoch, "a", 0) == INVALID_PRODUCER_EPOCH
+    assert state(h) == "Empty"
+
+
+# -- a transaction -------------------------------------------------------------------------------
+
+def test_commit_writes_a_marker_on_every_partition_then_completes(h):
+    pid, epoch = init(h)
+    assert state(h) == "Empty"
+    assert h.txns.check_produce("app", pid, epoch, "a", 0) == INVALID_TXN_STATE  # not added yet
+    assert h.txns.add_partitions("app", pid, epoch, [("a", 0)], T0 + 1) == NONE
+    assert h.txns.add_partitions("app", pid, epoch, [("b", 2), ("a", 0)], T0 + 2) == NONE
+    assert state(h) == "Ongoing"
+    assert h.txns.check_produce("app", pid, epoch, "b", 2) == NONE
+    assert h.txns.describe("app").start_ms == T0 + 1
+    assert h.txns.end_txn("app", pid, epoch, True, T0 + 3) == NONE
+    assert h.markers == [("a-0", pid, epoch, True), ("b-2", pid, epoch, True)]
+    assert sorted(h.woken) == [("a", 0), ("b", 2)]
+    assert state(h) == "CompleteCommit"
+    assert h.txns.check_produce("app", pid, epoch, "a", 0) == INVALID_TXN_STATE  # a late batch is refused
+
+
+def test_retried_end_txn_succeeds_only_with_the_same_outcome(h):
+    pid, epoch = init(h)
+    h.txns.add_partitions("app", pid, epoch, [("a", 0)], T0)
+    assert h.txns.end_txn("app", pid, epoch, False, T0) == NONE
+    assert h.txns.end_txn("app", pid, epoch, False, T0) == NONE
+    assert h.txns.end_txn("app", pid, epoch, True, T0) == INVALID_TXN_STATE
+    assert len(h.markers) == 1
+    assert h.txns.end_txn("app", pid, epoch + 1, False, T0) == PRODUCER_FENCED
+    assert h.txns.end_txn("app", pid + 1, epoch, False, T0) == INVALID_PRODUCER_ID_MAPPING
+    assert h.txns.end_txn("nobody", pid, epoch, False, T0) == INVALID_PRODUCER_ID_MAPPING
+
+
+def test_end_txn_without_a_transaction_is_invalid(h):
+    pid, epoch = init(h)
+    assert h.txns.end_txn("app", pid, epoch, True, T0) == INVALID_TXN_STATE
+
+
+def test_next_transaction_starts_fresh(h):
+    pid, epoch = init(h)
+    h.txns.add_partitions("app", pid, epoch, [("a", 0)], T0)
+    h.txns.end_txn("app", pid, epoch, True, T0)
+    h.txns.add_partitions("app", pid, epoch, [("b", 0)], T0 + 5)
+    d = h.txns.describe("app")
+    assert (d.state, d.partitions, d.start_ms) == ("Ongoing", (("b", 0),), T0 + 5)
+
+
+def test_markers_that_fail_are_retried_and_block_new_work_meanwhile(h):
+    pid, epoch = init(h)
+    h.txns.add_partitions("app", pid, epoch, [("a", 0), ("a", 1)], T0)
+    h.partitions[("a", 1)].fail = True
+    assert h.txns.end_txn("app", pid, epoch, True, T0) == NONE  # the decision is durable
+    assert state(h) == "PrepareCommit"
+    assert h.txns.add_partitions("app", pid, epoch, [("a", 0)], T0) == CONCURRENT_TRANSACTIONS
+    assert h.txns.end_txn("app", pid, epoch, True, T0) == CONCURRENT_TRANSACTIONS
+    assert h.txns.end_txn("app", pid, epoch, False, T0) == INVALID_TXN_STATE
+    h.partitions[("a", 1)].fail = False
+    h.txns.check(T0 + 1)
+    assert state(h) == "CompleteCommit"
+    assert ("a-1", pid, epoch, True) in h.markers
+
+
+def test_a_deleted_partition_does_not_block_completion(h):
+    pid, epoch = init(h)
+    h.txns.add_partitions("app", pid, epoch, [("a", 0), ("a", 1)], T0)
+    del h.partitions[("a", 1)]
+    assert h.txns.end_txn("app", pid, epoch, True, T0) == NONE
+    assert state(h) == "CompleteCommit" and h.markers == [("a-0", pid, epoch, True)]
+
+
+# -- transactional offsets -----------------------------------------------------------------------
+
+def test_offsets_become_visible_only_on_commit(h):
+    pid, epoch = init(h)
+    assert h.txns.txn_offset_commit("app", pid, epoch, "g", {("a", 0): (5, -1, "")}, T0) == INVALID_TXN_STATE
+    assert h.txns.add_offsets("app", pid, epoch, "g", T0) == NONE
+    assert h.txns.txn_offset_commit("app", pid, epoch, "g", {("a", 0): (5, -1, "m")}, T0) == NONE
+    assert h.offsets.get("g", "a", 0) is None and h.offsets.has_pending("g", "a", 0)
+    h.txns.end_txn("app", pid, epoch, True, T0)
+    assert h.offsets.get("g", "a", 0).offset == 5 and not h.offsets.has_pending("g", "a", 0)
+    h.txns.add_offsets("app", pid, epoch, "g", T0)
+    h.txns.txn_offset_commit("app", pid, epoch, "g", {("a", 0): (9, -1, "")}, T0)
+    h.txns.end_txn("app", pid, epoch, False, T0)
+    assert h.offsets.get("g", "a", 0).offset == 5 and not h.offsets.has_pending("g", "a", 0)
+
+
+def test_pending_offsets_survive_a_restart_and_commit_afterwards(h):
+    pid, epoch = init(h)
+    h.txns.add_offsets("app", pid, epoch, "g", T0)
+    h.txns.txn_offset_commit("app", pid, epoch, "g", {("b", 1): (7, -1, None)}, T0)
+    h.restart()
+    assert h.offsets.has_pending("g", "b", 1)
+    assert h.txns.end_txn("app", pid, epoch, True, T0) == NONE
+    h.restart()
+    assert h.offsets.get("g", "b", 1).offset == 7 and not h.offsets.has_pending("g", "b", 1)
+
+
+# -- timeouts, 2PC, expiration ---------------------------------------------------------------------
+
+def test_a_timed_out_transaction_is_aborted_and_its_producer_fenced(h):
+    pid, epoch = init(h, timeout=1_000)
+    h.txns.add_partitions("app", pid, epoch, [("a", 0)], T0)
+    h.txns.check(T0 + 1_000)
+    assert state(h) == "Ongoing"
+    h.txns.check(T0 + 1_001)
+    assert state(h) == "CompleteAbort"
+    assert h.markers == [("a-0", pid, epoch + 1, False)]
+    assert h.txns.end_txn("app", pid, epoch, True, T0) == PRODUCER_FENCED
+
+
+def test_timeout_clock_resumes_after_a_restart(h):
+    pid, epoch = init(h, timeout=1_000)
+    h.txns.add_partitions("app", pid, epoch, [("a", 0)], T0)
+    h.restart(now_ms=T0 + 500)
+    assert state(h) == "Ongoing"
+    h.txns.check(T0 + 1_001)
+    assert state(h) == "CompleteAbort"
+
+
+def test_a_two_phase_transaction_never_times_out_and_can_be_taken_over(h):
+    pid, epoch = init(h, timeout=1_000, enable_two_phase=True)
+    h.txns.add_partitions("app", pid, epoch, [("a", 0), ("b", 0)], T0)
+    h.restart(now_ms=T0 + 10_000_000)
+    h.txns.check(T0 + 10_000_000)
+    assert state(h) == "Ongoing" and h.markers == []
+    # A new instance keeps the prepared transaction: new epoch, and the pair the data was written with.
+    r = h.txns.init_producer_id("app", 1_000, enable_two_phase=True, keep_prepared=True, now_ms=T0 + 10_000_001)
+    assert (r.error, r.producer_id, r.producer_epoch) == (NONE, pid, epoch + 1)
+    assert (r.ongoing_producer_id, r.ongoing_producer_epoch) == (pid, epoch)
+    assert state(h) == "Ongoing" and h.markers == []
+    # It may only end it; the old instance is fenced.
+    assert h.txns.add_partitions("app", pid, epoch + 1, [("a", 1)], T0) == INVALID_TXN_STATE
+    assert h.txns.check_produce("app", pid, epoch + 1, "a", 0) == INVALID_TXN_STATE
+    assert h.txns.end_txn("app", pid, epoch, True, T0) == PRODUCER_FENCED
+    assert h.txns.end_txn("app", pid, epoch + 1, True, T0) == NONE
+    assert h.markers == [("a-0", pid, epoch + 1, True), ("b-0", pid, epoch + 1, True)]
+    assert h.txns.end_txn("app", pid, epoch + 1, True, T0) == NONE  # a retry from another process
+
+
+def test_keep_prepared_without_a_transaction_reports_none_ongoing(h):
+    init(h, enable_two_phase=True)
+    r = h.txns.init_producer_id("app", 1_000, enable_two_phase=True, keep_prepared=True, now_ms=T0)
+    assert (r.error, r.ongoing_producer_id, r.ongoing_producer_epoch) == (NONE, -1, -1)
+
+
+def test_init_without_keep_prepared_aborts_a_prepared_transaction(h):
+    pid, epoch = init(h, enable_two_phase=True)
+    h.txns.add_partitions("app", pid, epoch, [("a", 0)], T0)
+    init(h, enable_two_phase=True)
+    assert h.markers == [("a-0", pid, epoch + 1, False)]
+
+
+def test_idle_ids_expire_and_are_compacted_out_of_the_log(tmp_path):
+    h = Harness(tmp_path, id_expiration_ms=1_000)
+    h.txns._log.compact_min_records = 4
+    pid, epoch = init(h, "busy")
+    h.txns.add_partitions("busy", pid, epoch, [("a", 0)], T0)
+    for i in range(6):
+        init(h, f"idle-{i}")
+    h.txns.check(T0 + 1_001)
+    assert h.txns.describe("idle-0") is None and state(h, "busy") == "Ongoing"
+    assert h.txns.list_transactions()[2] == [("busy", pid, "Ongoing")]
+    h.restart(now_ms=T0 + 1_002)
+    assert h.txns.describe("idle-5") is None and state(h, "busy") == "Ongoing"
+    data = (tmp_path / "txn" / LOG_FILE).read_bytes()
+    assert all(f"idle-{i}".encode() not in data for i in range(5))  # at most a tombstone appended since
+    h.txns.close()
+
+
+def test_list_filters(h):
+    pid, epoch = init(h, "app-1")
+    h.txns.add_partitions("app-1", pid, epoch, [("a", 0)], T0)
+    init(h, "app-2")
+    assert [t for t, _, _ in h.txns.list_transactions(now_ms=T0)[2]] == ["app-1", "app-2"]
+    assert h.txns.list_transactions(states=["Ongoing", "Bogus"], now_ms=T0)[1:] == (
+        ["Bogus"], [("app-1", pid, "Ongoing")])
+    assert h.txns.list_transactions(producer_ids=[pid], now_ms=T0)[2] == [("app-1", pid, "Ongoing")]
+    assert h.txns.list_transactions(pattern="app-[2]", now_ms=T0)[2][0][0] == "app-2"
+    assert h.txns.list_transactions(pattern="(", now_ms=T0)[0] == 128
+    assert h.txns.list_transactions(states=["Ongoing"], min_duration_ms=10, now_ms=T0 + 5)[2] == []
+    assert len(h.txns.list_transactions(states=["Ongoing"], min_duration_ms=10, now_ms=T0 + 11)[2]) == 1
+
+
+# -- the durable log and recovery ------------------------------------------------------------------
+
+def test_recovery_finishes_a_logged_decision(h):
+    pid, epoch = init(h)
+    h.txns.add_partitions("app", pid, epoch, [("a", 0), ("a", 2)], T0)
+    h.txns.add_offsets("app", pid, epoch, "g", T0)
+    h.txns.txn_offset_commit("app", pid, epoch, "g", {("a", 0): (3, -1, "")}, T0)
+    h.partitions[("a", 2)].fail = True  # as if the broker died after the first marker
+    h.txns.end_txn("app", pid, epoch, True, T0)
+    assert state(h) == "PrepareCommit" and h.offsets.get("g", "a", 0) is None
+    h.restart()  # the partition still fails: the decision and its pending offsets are kept
+    assert state(h) == "PrepareCommit" and h.offsets.has_pending("g", "a", 0)
+    h.partitions[("a", 2)].fail = False
+    h.markers.clear()
+    h.restart()
+    assert state(h) == "CompleteCommit"
+    assert h.markers == [("a-0", pid, epoch, True), ("a-2", pid, epoch, True)]
+    assert h.offsets.get("g", "a", 0).offset == 3
+
+
+def test_replay_keeps_the_last_record_per_id_and_truncates_a_torn_tail(h, caplog):
+    pid, epoch = init(h)
+    h.txns.add_partitions("app", pid, epoch, [("b", 1)], T0)
+    h.txns.close()
+    path = h.tmp_path / "txn" / LOG_FILE
+    intact = path.read_bytes()
+    with open(path, "ab") as f:
+        f.write(intact[:-1][-30:])  # half a record
+    h.restart()
+    assert state(h) == "Ongoing" and h.txns.describe("app").partitions == (("b", 1),)
+    assert "truncating" in caplog.text
+    assert path.read_bytes() == intact
+    h.txns.end_txn("app", pid, epoch, True, T0)  # appends go after the good records
+    h.restart()
+    assert state(h) == "CompleteCommit"
+
+
+def test_a_corrupt_record_ends_the_replay(tmp_path):
+    log = TransactionLog(str(tmp_path))
+    log.open()
+    log.append("x", {"v": 1})
+    log.append("x", {"v": 2})
+    log.close()
+    data = bytearray((tmp_path / LOG_FILE).read_bytes())
+    data[-2] ^= 0xFF  # flip a byte of the last record's payload: its CRC no longer matches
+    (tmp_path / LOG_FILE).write_bytes(bytes(data))
+    reopened = TransactionLog(str(tmp_path))
+    assert reopened.open() == {"x": {"v": 1}}
+    reopened.close()
+    assert os.path.getsize(tmp_path / LOG_FILE) < len(data)

@@ -1,0 +1,50 @@
+"""Client test fixtures: the broker fixtures of tests/broker, plus polling helpers.
+
+    def test_x(broker, topic):
+        messages = consume_all(Consumer(broker.bootstrap), topic, 3, expected=10)
+"""
+
+from __future__ import annotations
+
+import time
+
+from tests.broker.conftest import broker, broker_factory, topic  # noqa: F401  (fixtures)
+
+
+def wait_for(predicate, timeout_s: float = 10.0, interval_s: float = 0.05, what: str = "condition"):
+    """Poll ``predicate`` until it returns something truthy; fail after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval_s)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def drain(consumer, expected: int, timeout_s: float = 15.0, settle_s: float = 0.5) -> list:
+    """Poll until ``expected`` messages arrived, then ``settle_s`` longer to catch extra ones."""
+    got = []
+    deadline = time.monotonic() + timeout_s
+    while len(got) < expected and time.monotonic() < deadline:
+        got += consumer.poll(timeout_s=0.5)
+    settle = time.monotonic() + settle_s
+    while time.monotonic() < settle:
+        got += consumer.poll(timeout_s=0.2)
+    return got
+
+
+def confluent_drain(consumer, expected: int, timeout_s: float = 20.0, settle_s: float = 1.0) -> list:
+    """The same for a confluent_kafka.Consumer: (topic, partition, offset, key, value, headers) tuples."""
+    got = []
+    deadline = time.monotonic() + timeout_s
+    settle_until = None
+    while time.monotonic() < deadline:
+        m = consumer.poll(0.2)
+        if m is not None and m.error() is None:
+            got.append((m.topic(), m.partition(), m.offset(), m.key(), m.value(), m.headers() or []))
+        if len(got) >= expected and settle_until is None:
+            settle_until = time.monotonic() + settle_s
+        if settle_until is not None and time.monotonic() > settle_until:
+            break
+    return got

@@ -1,0 +1,218 @@
+"""Producer and consumer against the real broker, cross-checked with confluent-kafka: keys, headers,
+gzip, murmur2 partitions, idempotent retries through a connection-dropping proxy, long polling."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+from confluent_kafka import Consumer as ConfluentConsumer
+from confluent_kafka import Producer as ConfluentProducer
+
+from tests.broker.batches import batch_offsets
+from tests.broker.conftest import fetch_request
+from twophase.client import Admin, Consumer, KafkaConnectionError, KafkaError, Producer
+from twophase.client.connection import ApiKey, Connection
+
+from .conftest import confluent_drain, drain
+
+
+def _all_partitions(consumer: Consumer, topic: str, n: int) -> Consumer:
+    consumer.assign([(topic, p) for p in range(n)])
+    return consumer
+
+
+@pytest.mark.parametrize("compression", [None, "gzip"])
+def test_round_trip_keys_headers_and_values(broker, topic, compression):
+    Admin(broker.bootstrap).create_topics({topic: 3})
+    with Producer(broker.bootstrap, compression=compression, linger_ms=20) as p:
+        for i in range(300):
+            p.send(topic, value=b"v%d" % i, key=b"k%d" % (i % 13), headers=[("n", b"%d" % i), ("null", None)])
+        p.send(topic, value=None, key=b"tombstone", partition=2, timestamp_ms=1234)
+        p.flush()
+    with _all_partitions(Consumer(broker.bootstrap), topic, 3) as c:
+        got = drain(c, 301)
+    assert len(got) == 301
+    by_value = {m.value: m for m in got}
+    assert by_value[b"v7"].key == b"k7" and by_value[b"v7"].headers == (("n", b"7"), ("null", None))
+    tomb = by_value[None]
+    assert (tomb.partition, tomb.timestamp_ms, tomb.key) == (2, 1234, b"tombstone")
+    for p in range(3):  # per partition, offsets are dense and sends kept their order
+        mine = [m for m in got if m.partition == p]
+        assert [m.offset for m in mine] == list(range(len(mine)))
+        values = [int(m.value[1:]) for m in mine if m.value]
+        assert values == sorted(values)
+
+
+def test_confluent_reads_ours_and_keys_land_on_the_same_partitions(broker, topic):
+    Admin(broker.bootstrap).create_topics({topic: 5})
+    keys = [b"user-%d" % i for i in range(50)]
+    with Producer(broker.bootstrap, compression="gzip") as p:
+        for k in keys:
+            p.send(topic, value=b"ours:" + k, key=k, headers=[("src", b"twophase")])
+    theirs = ConfluentProducer({"bootstrap.servers": broker.bootstrap, "partitioner": "murmur2_random",
+                                "enable.idempotence": True})
+    for k in keys:
+        theirs.produce(topic, value=b"theirs:" + k, key=k)
+    assert theirs.flush(10) == 0
+    reader = ConfluentConsumer({"bootstrap.servers": broker.bootstrap, "group.id": f"g-{topic}",
+                                "auto.offset.reset": "earliest", "enable.auto.commit": False})
+    reader.subscribe([topic])
+    try:
+        got = confluent_drain(reader, 100)
+    finally:
+        reader.close()
+    partition_of = {}
+    for _, partition, _, key, value, headers in got:
+        origin = value.split(b":")[0]
+        partition_of.setdefault(key, {})[origin] = partition
+        if origin == b"ours":
+            assert headers == [("src", b"twophase")]
+    assert len(got) == 100
+    assert all(p[b"ours"] == p[b"theirs"] for p in partition_of.values())
+    assert len({p[b"ours"] for p in partition_of.values()}) == 5
+
+
+def test_we_read_what_confluent_wrote(broker, topic):
+    theirs = ConfluentProducer({"bootstrap.servers": broker.bootstrap, "compression.type": "gzip",
+                                "linger.ms": 10})
+    for i in range(200):
+        theirs.produce(topic, value=b"%d" % i, key=b"k", headers=[("i", b"%d" % i)])
+    assert theirs.flush(10) == 0
+    with Consumer(broker.bootstrap) as c:
+        c.assign([(topic, 0)])
+        got = drain(c, 200)
+    assert [m.value for m in got] == [b"%d" % i for i in range(200)]
+    assert [m.headers for m in got[:2]] == [(("i", b"0"),), (("i", b"1"),)]
+
+
+def test_seek_and_latest_reset(broker, topic):
+    with Producer(broker.bootstrap) as p:
+        for i in range(10):
+            p.send(topic, value=b"%d" % i, partition=0)
+    with Consumer(broker.bootstrap) as c:
+        c.assign([(topic, 0)])
+        c.seek(topic, 0, 7)
+        assert [m.value for m in drain(c, 3)] == [b"7", b"8", b"9"]
+        c.seek(topic, 0, -2)
+        assert len(drain(c, 10)) == 10
+    with Consumer(broker.bootstrap, auto_offset_reset="latest") as c:
+        c.assign([(topic, 0)])
+        assert c.poll(timeout_s=0.3) == []
+        assert c.position(topic, 0) == 10
+        with pytest.raises(KafkaError, match="not assigned"):
+            c.seek(topic, 1, 0)
+
+
+def test_long_poll_returns_as_soon_as_data_arrives(broker, topic):
+    with Producer(broker.bootstrap, linger_ms=0) as p, Consumer(broker.bootstrap, max_wait_ms=10_000) as c:
+        p.send(topic, value=b"first", partition=0)
+        p.flush()
+        c.assign([(topic, 0)])
+        assert [m.value for m in drain(c, 1, settle_s=0)] == [b"first"]
+        threading.Timer(0.5, lambda: (p.send(topic, value=b"late", partition=0), p.flush())).start()
+        started = time.monotonic()
+        got = c.poll(timeout_s=8)
+        elapsed = time.monotonic() - started
+    assert [m.value for m in got] == [b"late"]
+    assert 0.3 < elapsed < 5, elapsed  # parked in the broker, answered when the record came
+
+
+def test_idempotent_retries_write_each_batch_once_and_in_order(broker, topic, monkeypatch):
+    """The first Produce responses are lost after the broker wrote the batch (as when a connection
+    drops): the producer resends the same batches, the broker deduplicates them."""
+    original = Connection.request
+    lost = {"left": 3, "seen": 0}
+
+    def losing(self, request, timeout_s=None):
+        response = original(self, request, timeout_s)
+        if request.__api_key__ == ApiKey.PRODUCE:
+            lost["seen"] += 1
+            if lost["left"]:
+                lost["left"] -= 1
+                self.close()
+                raise KafkaConnectionError("response lost (test)")
+        return response
+
+    monkeypatch.setattr(Connection, "request", losing)
+    with Producer(broker.bootstrap, linger_ms=0, batch_size=200) as p:
+        for i in range(40):
+            p.send(topic, value=b"%03d" % i, partition=0)
+        p.flush()
+    monkeypatch.undo()
+    assert lost == {"left": 0, "seen": lost["seen"]} and lost["seen"] > 3
+    with Consumer(broker.bootstrap) as c:
+        c.assign([(topic, 0)])
+        got = drain(c, 40)
+    assert [m.value for m in got] == [b"%03d" % i for i in range(40)]  # no duplicates, no reordering
+
+
+def test_bad_input_gets_clear_errors(broker, topic):
+    with pytest.raises(ValueError, match="acks"):
+        Producer(broker.bootstrap, acks=1)
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        Producer("nohost")
+    with Producer(broker.bootstrap) as p:
+        p.send(topic, value=b"x")
+        with pytest.raises(ValueError, match="partitions 0..0"):
+            p.send(topic, value=b"x", partition=5)
+    with pytest.raises(ValueError, match="isolation_level"):
+        Consumer(broker.bootstrap, isolation_level="serializable")
+
+
+def test_linger_sends_without_flush_and_batch_size_splits_batches(broker, topic):
+    with Producer(broker.bootstrap, linger_ms=50, batch_size=1_000) as p, Consumer(broker.bootstrap) as c:
+        c.assign([(topic, 0)])
+        for i in range(100):
+            p.send(topic, value=b"%03d" % i + b"." * 40, partition=0)
+        got = drain(c, 100, settle_s=0)  # no flush: the sender goes on its own after linger_ms
+        assert [m.value[:3] for m in got] == [b"%03d" % i for i in range(100)]
+    conn = Connection("127.0.0.1", broker.port)
+    try:
+        response = conn.request(fetch_request(topic, 0))
+    finally:
+        conn.close()
+    batches = batch_offsets(response.responses[0].partitions[0].records)
+    assert len(batches) > 5  # about 1 kB per batch, not one batch of everything
+
+
+def test_a_send_that_keeps_failing_is_reported_by_flush(broker, topic, monkeypatch):
+    original = Connection.request
+
+    def refusing(self, request, timeout_s=None):
+        if request.__api_key__ == ApiKey.PRODUCE:
+            raise KafkaConnectionError("network down (test)")
+        return original(self, request, timeout_s)
+
+    with Producer(broker.bootstrap, retries=2) as p:
+        p.send(topic, value=b"ok", partition=0)
+        p.flush()
+        monkeypatch.setattr(Connection, "request", refusing)
+        p.send(topic, value=b"lost", partition=0)
+        with pytest.raises(KafkaConnectionError, match="network down"):
+            p.flush()
+        monkeypatch.undo()
+        p.send(topic, value=b"after", partition=0)  # a new producer id: sequences start over
+        p.flush()
+    with Consumer(broker.bootstrap) as c:
+        c.assign([(topic, 0)])
+        assert [m.value for m in drain(c, 2)] == [b"ok", b"after"]
+
+
+def test_a_server_that_is_not_kafka_is_a_clear_connection_error():
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def http_server():
+        conn, _ = listener.accept()
+        conn.recv(1024)
+        conn.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n")
+        conn.close()
+
+    threading.Thread(target=http_server, daemon=True).start()
+    try:
+        with pytest.raises(KafkaConnectionError, match="not plausible"):
+            Connection("127.0.0.1", listener.getsockname()[1], timeout_s=5)
+    finally:
+        listener.close()

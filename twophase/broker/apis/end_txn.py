@@ -1,0 +1,21 @@
+"""EndTxn (key 26), v0-v4: commit or abort the open transaction.
+
+Answered once the decision is durable in the transaction log and, normally, every marker is
+written. A retry of an EndTxn that already completed the same way succeeds; the opposite outcome
+is INVALID_TXN_STATE. v5 (KIP-890 epoch bump per transaction) is not served.
+"""
+
+from __future__ import annotations
+
+import time
+
+from ..codec import build
+from ._common import NO_THROTTLE
+from ._txn import txn_error
+
+
+async def handle(broker, request):
+    body, rt = request.body, request.response_type()
+    code = broker.transactions.end_txn(body.transactional_id, body.producer_id, body.producer_epoch,
+                                       body.committed, int(time.time() * 1000))
+    return build(rt, throttle_time=NO_THROTTLE, error_code=txn_error(code, request))

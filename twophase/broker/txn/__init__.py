@@ -1,0 +1,12 @@
+"""The transaction coordinator: transactional ids, the transaction state machine and its durable log."""
+
+from .coordinator import InitResult, TransactionCoordinator, TxnDescription, TxnSettings
+from .failpoints import Failpoint
+from .log import TransactionLog
+from .metadata import TxnMetadata
+from .state import ALLOWED_TRANSITIONS, IllegalTransition, TxnState
+
+TXN_DIR = "transactions"  # under the broker's data directory
+
+__all__ = ["ALLOWED_TRANSITIONS", "Failpoint", "IllegalTransition", "InitResult", "TXN_DIR",
+           "TransactionCoordinator", "TransactionLog", "TxnDescription", "TxnMetadata", "TxnSettings", "TxnState"]

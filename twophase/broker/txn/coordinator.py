@@ -1,0 +1,359 @@
+"""The transaction coordinator (KIP-98, KIP-447 offsets, KIP-939 prepared transactions).
+
+Maps each transactional id to its producer id, epoch, state, partitions and consumer groups,
+and drives the two-phase completion: the decision (PrepareCommit/PrepareAbort) is fsynced to
+the transaction log before any marker is written; then a commit or abort marker goes to every
+partition of the transaction, pending group offsets are applied or discarded, and
+CompleteCommit/CompleteAbort is logged. A broker that dies in between finishes the job in
+:meth:`recover`. Handlers in :mod:`twophase.broker.apis` translate wire messages to calls here;
+nothing here knows about kio. All calls run on the broker's event loop thread.
+
+Example::
+
+    txns = TransactionCoordinator("/data/transactions", partition_log=logs.partition,
+                                  offsets=groups.offsets, allocate_producer_id=broker.allocate_producer_id,
+                                  data_arrived=broker.data_arrived, settings=TxnSettings())
+    txns.recover(now_ms)
+    r = txns.init_producer_id("app-1", 60_000, now_ms=now_ms)
+    txns.add_partitions("app-1", r.producer_id, r.producer_epoch, [("t", 0)], now_ms)
+    txns.end_txn("app-1", r.producer_id, r.producer_epoch, commit=True, now_ms=now_ms)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import re
+import time
+from collections.abc import Callable, Iterable
+
+from ..groups.offsets import CommittedOffset, OffsetStore
+from ..storage import KafkaError, UnknownTopicOrPartitionError
+from .failpoints import Failpoint
+from .log import TransactionLog
+from .metadata import TxnMetadata
+from .state import TxnState
+
+log = logging.getLogger("twophase.broker.txn")
+
+NONE = 0
+INVALID_REQUEST = 42
+INVALID_PRODUCER_EPOCH = 47
+INVALID_TXN_STATE = 48
+INVALID_PRODUCER_ID_MAPPING = 49
+INVALID_TRANSACTION_TIMEOUT = 50
+CONCURRENT_TRANSACTIONS = 51
+TRANSACTIONAL_ID_AUTHORIZATION_FAILED = 53
+PRODUCER_FENCED = 90
+TRANSACTIONAL_ID_NOT_FOUND = 105
+INVALID_REGULAR_EXPRESSION = 128
+
+COORDINATOR_EPOCH = 0  # one broker, never re-elected
+
+
+@dataclasses.dataclass(frozen=True)
+class TxnSettings:
+    """Kafka's transaction.max.timeout.ms, transactional.id.expiration.ms,
+    transaction.abort.timed.out.transaction.cleanup.interval.ms and transaction.two.phase.commit.enable."""
+
+    max_timeout_ms: int = 900_000
+    id_expiration_ms: int = 7 * 24 * 3600 * 1000
+    check_interval_ms: int = 10_000
+    allow_two_phase: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("max_timeout_ms", "id_expiration_ms", "check_interval_ms"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1 ms")
+
+
+@dataclasses.dataclass(frozen=True)
+class InitResult:
+    error: int
+    producer_id: int = -1
+    producer_epoch: int = -1
+    ongoing_producer_id: int = -1  # KIP-939: what the kept prepared transaction was written with
+    ongoing_producer_epoch: int = -1
+
+
+@dataclasses.dataclass(frozen=True)
+class TxnDescription:
+    transactional_id: str
+    state: str
+    producer_id: int
+    producer_epoch: int
+    timeout_ms: int
+    start_ms: int
+    partitions: tuple[tuple[str, int], ...]
+
+
+class TransactionCoordinator:
+    def __init__(self, directory: str, *, partition_log: Callable, offsets: OffsetStore,
+                 allocate_producer_id: Callable[[], int], data_arrived: Callable[[str, int], None],
+                 settings: TxnSettings | None = None, failpoint: Failpoint | None = None) -> None:
+        """``partition_log(topic, partition)`` returns a PartitionLog or raises
+        UnknownTopicOrPartitionError; ``data_arrived`` wakes read_committed long polls."""
+        self.settings = settings or TxnSettings()
+        self._log = TransactionLog(directory)
+        self._partition_log = partition_log
+        self._offsets = offsets
+        self._allocate = allocate_producer_id
+        self._data_arrived = data_arrived
+        self._failpoint = failpoint or Failpoint(None)
+        self._txns: dict[str, TxnMetadata] = {}
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    def recover(self, now_ms: int) -> None:
+        """Replay the log; finish every transaction whose decision was logged but not completed."""
+        for tid, value in self._log.open().items():
+            self._txns[tid] = TxnMetadata.from_dict(tid, value)
+        for meta in self._txns.values():
+            if meta.state.completing:
+                log.info("recovery: completing %s of transactional id %r on %d partitions",
+                         meta.state.value, meta.transactional_id, len(meta.partitions))
+                self._complete(meta, now_ms)
+        self._discard_orphaned_offsets()
+        if self._txns:
+            open_count = sum(m.state is TxnState.ONGOING for m in self._txns.values())
+            log.info("recovered %d transactional ids (%d with an open transaction)", len(self._txns), open_count)
+
+    def _discard_orphaned_offsets(self) -> None:
+        live = {m.txn_producer_id for m in self._txns.values() if m.state is TxnState.ONGOING or m.state.completing}
+        for group_id, producer_id in self._offsets.pending_producers():
+            if producer_id not in live:
+                log.warning("discarding pending offsets of group %r for producer %d: no open transaction",
+                            group_id, producer_id)
+                self._offsets.complete_pending(group_id, producer_id, commit=False)
+
+    def close(self) -> None:
+        self._log.close()
+
+    async def run_periodic(self) -> None:
+        """Abort timed-out transactions and forget expired ids every check interval (until cancelled)."""
+        while True:
+            await asyncio.sleep(self.settings.check_interval_ms / 1000)
+            try:
+                self.check(int(time.time() * 1000))
+            except Exception:
+                log.exception("transaction timeout/expiration check failed")
+
+    def check(self, now_ms: int) -> None:
+        for meta in list(self._txns.values()):
+            if meta.state.completing:
+                self._complete(meta, now_ms)  # a marker write failed earlier: retry
+            elif (meta.state is TxnState.ONGOING and not meta.two_phase
+                  and now_ms - meta.start_ms > meta.timeout_ms):
+                log.warning("aborting transaction of %r (producer %d epoch %d): open for %d ms, timeout %d ms",
+                            meta.transactional_id, meta.producer_id, meta.producer_epoch,
+                            now_ms - meta.start_ms, meta.timeout_ms)
+                meta.bump_epoch(self._allocate)  # fences the producer, like Kafka
+                self._prepare_and_complete(meta, commit=False, now_ms=now_ms)
+            elif meta.state.idle and now_ms - meta.last_update_ms > self.settings.id_expiration_ms:
+                log.info("transactional id %r expired (idle since %d)", meta.transactional_id, meta.last_update_ms)
+                meta.transition(TxnState.DEAD)
+                self._log.append(meta.transactional_id, None)
+                del self._txns[meta.transactional_id]
+
+    # -- InitProducerId --------------------------------------------------------------------------
+
+    def init_producer_id(self, transactional_id: str, timeout_ms: int, *, producer_id: int = -1,
+                         producer_epoch: int = -1, enable_two_phase: bool = False, keep_prepared: bool = False,
+                         now_ms: int) -> InitResult:
+        if enable_two_phase and not self.settings.allow_two_phase:
+            return InitResult(TRANSACTIONAL_ID_AUTHORIZATION_FAILED)  # what Kafka 4.1 answers
+        if not enable_two_phase and not 0 < timeout_ms <= self.settings.max_timeout_ms:
+            return InitResult(INVALID_TRANSACTION_TIMEOUT)
+        meta = self._txns.get(transactional_id)
+        if meta is None:
+            if producer_id != -1:
+                return InitResult(INVALID_PRODUCER_ID_MAPPING)
+            meta = TxnMetadata(transactional_id, self._allocate(), 0, timeout_ms, two_phase=enable_two_phase)
+            self._txns[transactional_id] = meta
+            self._persist(meta, now_ms)
+            return InitResult(NONE, meta.producer_id, meta.producer_epoch)
+        if producer_id != -1 and (producer_id, producer_epoch) != (meta.producer_id, meta.producer_epoch):
+            return InitResult(PRODUCER_FENCED)  # KIP-360: only the current instance may bump its own epoch
+        if meta.state.completing:
+            self._complete(meta, now_ms)
+            if meta.state.completing:
+                return InitResult(CONCURRENT_TRANSACTIONS)
+        if meta.state is TxnState.ONGOING and keep_prepared:
+            meta.bump_epoch(self._allocate)
+            meta.two_phase = meta.two_phase or enable_two_phase
+            self._persist(meta, now_ms)
+            return InitResult(NONE, meta.producer_id, meta.producer_epoch,
+                              meta.txn_producer_id, meta.txn_producer_epoch)
+        if meta.state is TxnState.ONGOING:
+            log.info("InitProducerId for %r aborts its open transaction (producer %d epoch %d)",
+                     transactional_id, meta.txn_producer_id, meta.txn_producer_epoch)
+            meta.bump_epoch(self._allocate)
+            if not self._prepare_and_complete(meta, commit=False, now_ms=now_ms):
+                return InitResult(CONCURRENT_TRANSACTIONS)
+        meta.bump_epoch(self._allocate)
+        meta.transition(TxnState.EMPTY)
+        meta.timeout_ms = timeout_ms
+        meta.two_phase = enable_two_phase
+        self._persist(meta, now_ms)
+        return InitResult(NONE, meta.producer_id, meta.producer_epoch)
+
+    # -- adding partitions, groups and offsets ---------------------------------------------------
+
+    def _current(self, transactional_id: str, producer_id: int, producer_epoch: int) -> tuple[int, TxnMetadata | None]:
+        """The metadata if (producer id, epoch) is the current instance's, else the error."""
+        meta = self._txns.get(transactional_id)
+        if meta is None or meta.producer_id != producer_id:
+            return INVALID_PRODUCER_ID_MAPPING, None
+        if meta.producer_epoch != producer_epoch:
+            return PRODUCER_FENCED, None
+        return NONE, meta
+
+    def _open_for_additions(self, transactional_id: str, producer_id: int, producer_epoch: int,
+                            now_ms: int) -> tuple[int, TxnMetadata | None]:
+        error, meta = self._current(transactional_id, producer_id, producer_epoch)
+        if error:
+            return error, None
+        if meta.state.completing:
+            return CONCURRENT_TRANSACTIONS, None
+        if meta.taken_over:
+            return INVALID_TXN_STATE, None  # KIP-939: a kept prepared transaction only gets committed or aborted
+        if meta.state.idle:
+            meta.begin(now_ms)
+        return NONE, meta
+
+    def add_partitions(self, transactional_id: str, producer_id: int, producer_epoch: int,
+                       partitions: Iterable[tuple[str, int]], now_ms: int) -> int:
+        partitions = set(partitions)
+        meta = self._txns.get(transactional_id)
+        if (meta is not None and meta.state is TxnState.ONGOING and not meta.taken_over
+                and (meta.producer_id, meta.producer_epoch) == (producer_id, producer_epoch)
+                and partitions <= meta.partitions):
+            return NONE  # a retry: nothing new to log
+        error, meta = self._open_for_additions(transactional_id, producer_id, producer_epoch, now_ms)
+        if error:
+            return error
+        meta.partitions |= partitions
+        self._persist(meta, now_ms)
+        return NONE
+
+    def add_offsets(self, transactional_id: str, producer_id: int, producer_epoch: int, group_id: str,
+                    now_ms: int) -> int:
+        error, meta = self._open_for_additions(transactional_id, producer_id, producer_epoch, now_ms)
+        if error:
+            return error
+        if group_id not in meta.groups:
+            meta.groups.add(group_id)
+            self._persist(meta, now_ms)
+        return NONE
+
+    def txn_offset_commit(self, transactional_id: str, producer_id: int, producer_epoch: int, group_id: str,
+                          offsets: dict[tuple[str, int], tuple[int, int, str | None]], now_ms: int) -> int:
+        """Stage ``offsets`` ((topic, partition) -> (offset, leader epoch, metadata)) durably as pending."""
+        error, meta = self._current(transactional_id, producer_id, producer_epoch)
+        if error:
+            return error
+        if meta.state is not TxnState.ONGOING or group_id not in meta.groups or meta.taken_over:
+            return INVALID_TXN_STATE  # AddOffsetsToTxn first
+        self._offsets.stage(group_id, meta.txn_producer_id, {
+            key: CommittedOffset(o, e, m, now_ms) for key, (o, e, m) in offsets.items()})
+        return NONE
+
+    def check_produce(self, transactional_id: str, producer_id: int, producer_epoch: int,
+                      topic: str, partition: int) -> int:
+        """Whether a transactional batch may be appended: only to a partition of the open transaction."""
+        meta = self._txns.get(transactional_id)
+        if meta is None or meta.producer_id != producer_id:
+            return INVALID_PRODUCER_ID_MAPPING
+        if producer_epoch != meta.producer_epoch:
+            return INVALID_PRODUCER_EPOCH  # Produce has no PRODUCER_FENCED; clients treat 47 as fenced
+        if meta.state is not TxnState.ONGOING or meta.taken_over or (topic, partition) not in meta.partitions:
+            return INVALID_TXN_STATE
+        return NONE
+
+    # -- EndTxn ----------------------------------------------------------------------------------
+
+    def end_txn(self, transactional_id: str, producer_id: int, producer_epoch: int, commit: bool,
+                now_ms: int) -> int:
+        error, meta = self._current(transactional_id, producer_id, producer_epoch)
+        if error:
+            return error
+        done = TxnState.COMPLETE_COMMIT if commit else TxnState.COMPLETE_ABORT
+        preparing = TxnState.PREPARE_COMMIT if commit else TxnState.PREPARE_ABORT
+        if meta.state is done:
+            return NONE  # a retry of what already happened
+        if meta.state is preparing:
+            self._complete(meta, now_ms)
+            return NONE if meta.state is done else CONCURRENT_TRANSACTIONS
+        if meta.state is not TxnState.ONGOING:
+            return INVALID_TXN_STATE
+        self._failpoint.hit("before_prepare")
+        self._prepare_and_complete(meta, commit, now_ms)
+        return NONE  # the decision is durable; markers that failed are retried by check()
+
+    def _prepare_and_complete(self, meta: TxnMetadata, commit: bool, now_ms: int) -> bool:
+        """Log the decision, then complete it; False if completion has to be retried later."""
+        meta.transition(TxnState.PREPARE_COMMIT if commit else TxnState.PREPARE_ABORT)
+        self._persist(meta, now_ms)
+        self._failpoint.hit("after_prepare")
+        self._complete(meta, now_ms)
+        return not meta.state.completing
+
+    def _complete(self, meta: TxnMetadata, now_ms: int) -> None:
+        """Write markers and apply/discard group offsets for a Prepare* state, then log Complete*."""
+        commit = meta.state is TxnState.PREPARE_COMMIT
+        try:
+            for i, (topic, partition) in enumerate(sorted(meta.partitions)):
+                if i == 1:
+                    self._failpoint.hit("between_markers")
+                self._write_marker(meta, topic, partition, commit, now_ms)
+            for group_id in sorted(meta.groups):
+                self._offsets.complete_pending(group_id, meta.txn_producer_id, commit)
+        except (KafkaError, OSError) as exc:
+            log.error("completing %s of %r failed, will retry: %s", meta.state.value, meta.transactional_id, exc)
+            return
+        self._failpoint.hit("after_markers")
+        meta.transition(TxnState.COMPLETE_COMMIT if commit else TxnState.COMPLETE_ABORT)
+        self._persist(meta, now_ms)
+
+    def _write_marker(self, meta: TxnMetadata, topic: str, partition: int, commit: bool, now_ms: int) -> None:
+        try:
+            plog = self._partition_log(topic, partition)
+        except UnknownTopicOrPartitionError:
+            log.warning("no marker for %s-%d (transactional id %r): the partition is gone",
+                        topic, partition, meta.transactional_id)
+            return
+        plog.append_marker(meta.txn_producer_id, meta.marker_epoch, commit, COORDINATOR_EPOCH, now_ms)
+        self._data_arrived(topic, partition)
+
+    def _persist(self, meta: TxnMetadata, now_ms: int) -> None:
+        meta.last_update_ms = now_ms
+        self._log.append(meta.transactional_id, meta.to_dict())
+
+    # -- ListTransactions / DescribeTransactions -------------------------------------------------
+
+    def list_transactions(self, states: Iterable[str] = (), producer_ids: Iterable[int] = (),
+                          min_duration_ms: int = -1, pattern: str | None = None,
+                          now_ms: int = 0) -> tuple[int, list[str], list[tuple[str, int, str]]]:
+        """(error, unknown state filters, [(transactional id, producer id, state)]) like Kafka's filters."""
+        known = {s.value for s in TxnState} - {TxnState.DEAD.value}
+        states, producer_ids = set(states), set(producer_ids)
+        try:
+            regex = re.compile(pattern) if pattern else None
+        except re.error:
+            return INVALID_REGULAR_EXPRESSION, [], []
+        found = []
+        for tid, meta in sorted(self._txns.items()):
+            if ((states and meta.state.value not in states) or (producer_ids and meta.producer_id not in producer_ids)
+                    or (min_duration_ms >= 0 and now_ms - meta.start_ms <= min_duration_ms)
+                    or (regex and not regex.fullmatch(tid))):
+                continue
+            found.append((tid, meta.producer_id, meta.state.value))
+        return NONE, sorted(states - known), found
+
+    def describe(self, transactional_id: str) -> TxnDescription | None:
+        meta = self._txns.get(transactional_id)
+        if meta is None:
+            return None
+        return TxnDescription(transactional_id, meta.state.value, meta.producer_id, meta.producer_epoch,
+                              meta.timeout_ms, meta.start_ms, tuple(sorted(meta.partitions)))

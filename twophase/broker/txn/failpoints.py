@@ -1,0 +1,44 @@
+"""Crash injection for tests: the broker SIGKILLs itself at a named step of EndTxn.
+
+Set ``TWOPHASE_BROKER_FAILPOINT`` in the broker process's environment (read when the
+coordinator starts) to one of :data:`FAILPOINTS`. All but ``before_prepare`` also fire when the
+broker itself aborts a transaction (timeout, or fencing by InitProducerId), which takes the same
+steps:
+
+- ``before_prepare``:  EndTxn arrived, nothing logged yet          -> the transaction is still open
+- ``after_prepare``:   PrepareCommit/PrepareAbort logged, no marker -> recovery writes every marker
+- ``between_markers``: the first partition's marker written         -> recovery writes the rest
+- ``after_markers``:   every marker written, Complete* not logged    -> recovery rewrites them (harmless)
+
+Example::
+
+    TWOPHASE_BROKER_FAILPOINT=after_prepare python -m twophase.cli broker --data-dir d
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+
+log = logging.getLogger("twophase.broker.txn")
+
+ENV = "TWOPHASE_BROKER_FAILPOINT"
+FAILPOINTS = frozenset({"before_prepare", "after_prepare", "between_markers", "after_markers"})
+
+
+class Failpoint:
+    def __init__(self, name: str | None) -> None:
+        if name and name not in FAILPOINTS:
+            raise ValueError(f"{ENV}={name!r}: expected one of {sorted(FAILPOINTS)}")
+        self.name = name or None
+
+    @classmethod
+    def from_env(cls) -> Failpoint:
+        return cls(os.environ.get(ENV))
+
+    def hit(self, name: str) -> None:
+        if name == self.name:
+            log.warning("failpoint %s: killing the broker (SIGKILL)", name)
+            logging.shutdown()
+            os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,86 @@
+"""What the coordinator knows about one transactional id, and its form in the transaction log.
+
+Two (producer id, epoch) pairs are kept because of KIP-939: ``producer_id``/``producer_epoch``
+is what the current producer instance uses, ``txn_producer_id``/``txn_producer_epoch`` what the
+open transaction was begun with. They differ only after a new instance took over a prepared
+transaction (InitProducerId with keep_prepared_txn), which bumps the epoch but leaves the
+transaction alone.
+
+Example::
+
+    meta = TxnMetadata("app-1", producer_id=7, producer_epoch=0, timeout_ms=60_000)
+    meta.transition(TxnState.ONGOING)          # IllegalTransition if not allowed
+    TxnMetadata.from_dict(meta.to_dict()) == meta
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .state import TxnState
+
+MAX_EPOCH = 32767  # int16; an epoch bump beyond it allocates a new producer id
+
+
+@dataclasses.dataclass(eq=True)
+class TxnMetadata:
+    transactional_id: str
+    producer_id: int
+    producer_epoch: int
+    timeout_ms: int
+    state: TxnState = TxnState.EMPTY
+    two_phase: bool = False  # KIP-939: the transaction never times out
+    txn_producer_id: int = -1
+    txn_producer_epoch: int = -1
+    partitions: set[tuple[str, int]] = dataclasses.field(default_factory=set)
+    groups: set[str] = dataclasses.field(default_factory=set)
+    start_ms: int = -1  # when the current (or last) transaction began
+    last_update_ms: int = -1
+
+    def transition(self, target: TxnState) -> None:
+        self.state.check(target)
+        self.state = target
+
+    @property
+    def taken_over(self) -> bool:
+        """An instance started with keep_prepared_txn holds the open transaction: it may only end it."""
+        return self.state is TxnState.ONGOING and (self.txn_producer_id, self.txn_producer_epoch) != (
+            self.producer_id, self.producer_epoch)
+
+    @property
+    def marker_epoch(self) -> int:
+        """The epoch commit/abort markers carry: the current one, which fences writes of older ones."""
+        if self.txn_producer_id == self.producer_id:
+            return self.producer_epoch
+        return self.txn_producer_epoch + 1  # the id rolled over; still newer than the data's epoch
+
+    def begin(self, now_ms: int) -> None:
+        self.transition(TxnState.ONGOING)
+        self.txn_producer_id, self.txn_producer_epoch = self.producer_id, self.producer_epoch
+        self.partitions = set()
+        self.groups = set()
+        self.start_ms = now_ms
+
+    def bump_epoch(self, allocate_producer_id) -> None:
+        """Fence older instances: the next epoch, or a new producer id once the epoch runs out."""
+        if self.producer_epoch >= MAX_EPOCH - 1:
+            self.producer_id, self.producer_epoch = allocate_producer_id(), 0
+        else:
+            self.producer_epoch += 1
+
+    def to_dict(self) -> dict:
+        return {
+            "pid": self.producer_id, "epoch": self.producer_epoch, "timeout_ms": self.timeout_ms,
+            "state": self.state.value, "two_phase": self.two_phase,
+            "txn_pid": self.txn_producer_id, "txn_epoch": self.txn_producer_epoch,
+            "partitions": sorted([t, p] for t, p in self.partitions), "groups": sorted(self.groups),
+            "start_ms": self.start_ms, "last_update_ms": self.last_update_ms,
+        }
+
+    @classmethod
+    def from_dict(cls, transactional_id: str, d: dict) -> TxnMetadata:
+        return cls(transactional_id, producer_id=int(d["pid"]), producer_epoch=int(d["epoch"]),
+                   timeout_ms=int(d["timeout_ms"]), state=TxnState(d["state"]), two_phase=bool(d["two_phase"]),
+                   txn_producer_id=int(d["txn_pid"]), txn_producer_epoch=int(d["txn_epoch"]),
+                   partitions={(str(t), int(p)) for t, p in d["partitions"]}, groups=set(d["groups"]),
+                   start_ms=int(d["start_ms"]), last_update_ms=int(d["last_update_ms"]))

@@ -1,0 +1,28 @@
+"""The project's own lean Kafka client: producer (idempotent, transactional, KIP-939 prepare and
+resume), consumer (assign or subscribe, read_committed), admin (topics, transactions).
+
+It exists because no Python Kafka client lets another process commit a prepared transaction.
+
+Example::
+
+    from twophase.client import Producer, Consumer, Admin, PreparedTxn
+
+    p = Producer("127.0.0.1:9092", transactional_id="t1", enable_2pc=True)
+    p.init_transactions(); p.begin_transaction()
+    p.send("topic", value=b"v", key=b"k")
+    handle = p.prepare_transaction()
+    Producer.complete_prepared("127.0.0.1:9092", PreparedTxn.from_json(handle.to_json()), commit=True)
+"""
+
+from .admin import Admin, TransactionDescription, TransactionListing
+from .consumer import Consumer, Message
+from .errors import (KafkaConnectionError, KafkaError, KafkaTimeout, PreparedTxnLost, ProducerFenced,
+                     TransactionStateError)
+from .producer import Producer
+from .transactions import PreparedTxn
+
+__all__ = [
+    "Admin", "Consumer", "KafkaConnectionError", "KafkaError", "KafkaTimeout", "Message", "PreparedTxn",
+    "PreparedTxnLost", "Producer", "ProducerFenced", "TransactionDescription", "TransactionListing",
+    "TransactionStateError",
+]

@@ -1,0 +1,160 @@
+"""A blocking connection to one broker: request framing, correlation ids, ApiVersions negotiation.
+
+Requests are kio message objects of whatever version :meth:`Connection.version` picked (the highest
+both sides speak within the client's range). One request is in flight per connection at a time;
+callers that must not wait behind a long-polling Fetch (heartbeats) use their own connection.
+
+Example::
+
+    conn = Connection("127.0.0.1", 9092)
+    v = conn.version(ApiKey.METADATA, 12)
+    response = conn.request(message(ApiKey.METADATA, v, topics=None, allow_auto_topic_creation=False))
+    conn.close()
+"""
+
+from __future__ import annotations
+
+import datetime
+import enum
+import socket
+import struct
+import threading
+from typing import Any
+
+from kio.index import load_request_schema, load_response_schema
+from kio.schema.api_versions.v0.request import ApiVersionsRequest as ApiVersionsRequestV0
+from kio.schema.api_versions.v3.request import ApiVersionsRequest as ApiVersionsRequestV3
+from kio.schema.errors import ErrorCode
+from kio.serial import entity_reader
+
+from twophase.broker.codec import build, encode_request, nested
+
+from .errors import KafkaConnectionError, KafkaError, check
+
+_SIZE = struct.Struct(">i")
+MAX_RESPONSE_BYTES = 1 << 30
+MS = datetime.timedelta(milliseconds=1)
+
+
+class ApiKey(enum.IntEnum):
+    PRODUCE = 0
+    FETCH = 1
+    LIST_OFFSETS = 2
+    METADATA = 3
+    OFFSET_COMMIT = 8
+    OFFSET_FETCH = 9
+    FIND_COORDINATOR = 10
+    JOIN_GROUP = 11
+    HEARTBEAT = 12
+    LEAVE_GROUP = 13
+    SYNC_GROUP = 14
+    CREATE_TOPICS = 19
+    DELETE_TOPICS = 20
+    INIT_PRODUCER_ID = 22
+    ADD_PARTITIONS_TO_TXN = 24
+    END_TXN = 26
+    DESCRIBE_TRANSACTIONS = 65
+    LIST_TRANSACTIONS = 66
+
+
+def message(api_key: int, version: int, **fields: Any) -> Any:
+    """A request of ``api_key`` in ``version``; fields that version lacks are dropped."""
+    return build(load_request_schema(api_key, version), **fields)
+
+
+def part(api_key: int, version: int, class_name: str, /, **fields: Any) -> Any:
+    """A nested entity (``class_name``) of the request of ``api_key`` in ``version``."""
+    return build(nested(load_request_schema(api_key, version), class_name), **fields)
+
+
+class Connection:
+    """One TCP connection to a broker; thread-safe (requests are serialized)."""
+
+    def __init__(self, host: str, port: int, *, client_id: str = "twophase", timeout_s: float = 30.0) -> None:
+        self.host, self.port = host, port
+        self.client_id = client_id
+        self.timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self._correlation_id = 0
+        try:
+            self._sock = socket.create_connection((host, port), timeout=timeout_s)
+        except OSError as exc:
+            raise KafkaConnectionError(f"cannot connect to {host}:{port}: {exc}") from None
+        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.closed = False
+        try:
+            self.versions = self._negotiate()
+        except BaseException:
+            self.close()
+            raise
+
+    def __repr__(self) -> str:
+        return f"Connection({self.host}:{self.port})"
+
+    def _negotiate(self) -> dict[int, tuple[int, int]]:
+        response = self.request(ApiVersionsRequestV3(client_software_name="twophase", client_software_version="1"))
+        if response.error_code == ErrorCode.unsupported_version:
+            response = self.request(ApiVersionsRequestV0())
+        check(response.error_code, f"ApiVersions to {self}")
+        return {int(a.api_key): (int(a.min_version), int(a.max_version)) for a in response.api_keys}
+
+    def version(self, api_key: int, client_max: int, client_min: int = 0) -> int:
+        """The highest version of ``api_key`` in [client_min, client_max] that the broker speaks."""
+        lo, hi = self.versions.get(api_key, (0, -1))
+        chosen = min(hi, client_max)
+        if chosen < max(lo, client_min):
+            raise KafkaError(f"{self} speaks API {api_key} versions {lo}..{hi}, the client needs "
+                             f"{client_min}..{client_max}", ErrorCode.unsupported_version)
+        return chosen
+
+    def request(self, request: Any, timeout_s: float | None = None) -> Any:
+        """Send ``request`` and wait for its response (decoded). Connection failures close this
+        connection and raise KafkaConnectionError."""
+        with self._lock:
+            if self.closed:
+                raise KafkaConnectionError(f"{self} is closed")
+            self._correlation_id += 1
+            correlation_id = self._correlation_id
+            try:
+                self._sock.settimeout(timeout_s or self.timeout_s)
+                self._sock.sendall(encode_request(correlation_id, request, self.client_id))
+                frame = self._read_frame()
+            except (OSError, ConnectionError) as exc:
+                self.close()
+                raise KafkaConnectionError(f"{self}: {type(exc).__name__}: {exc}") from None
+        response_type = load_response_schema(request.__api_key__, request.__version__)
+        try:
+            header, size = entity_reader(response_type.__header_schema__)(frame, 0)
+            body, _ = entity_reader(response_type)(frame, size)
+        except Exception as exc:  # kio raises assorted errors on undecodable bytes
+            self.close()
+            raise KafkaConnectionError(f"{self}: undecodable {response_type.__name__}: {exc}") from None
+        if header.correlation_id != correlation_id:
+            self.close()
+            raise KafkaConnectionError(f"{self}: correlation id {header.correlation_id}, expected {correlation_id}")
+        return body
+
+    def _read_exactly(self, n: int) -> bytes:
+        chunks = []
+        while n:
+            chunk = self._sock.recv(min(n, 1 << 20))
+            if not chunk:
+                raise ConnectionError("closed by the broker")
+            chunks.append(chunk)
+            n -= len(chunk)
+        return b"".join(chunks)
+
+    def _read_frame(self) -> bytes:
+        (size,) = _SIZE.unpack(self._read_exactly(4))
+        if not 0 < size <= MAX_RESPONSE_BYTES:  # e.g. not a Kafka broker at this address
+            raise ConnectionError(f"response size {size} is not plausible")
+        return self._read_exactly(size)
+
+    def close(self) -> None:
+        """Close now, also from another thread: a request blocked in recv fails at once."""
+        self.closed = True
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass  # never connected fully, or already shut down
+        self._sock.close()

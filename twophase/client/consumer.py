@@ -1,0 +1,276 @@
+"""The consumer: assign or subscribe, seek, read_committed or read_uncommitted, long polling.
+
+read_committed works as Kafka's consumers do: the broker returns data only below the last stable
+offset plus the aborted transactions (producer id, first offset) overlapping it; batches of a
+producer are skipped from its aborted transaction's first offset up to its abort marker. Control
+batches are never returned. Offsets are committed only by :meth:`Consumer.commit`; partitions that
+move to another member in a rebalance continue there from the group's committed offset
+(at-least-once unless the caller commits before it polls again).
+
+Example::
+
+    c = Consumer("127.0.0.1:9092", isolation_level="read_committed", group_id="g")
+    c.subscribe(["orders"])                   # or c.assign([("orders", 0)]); c.seek("orders", 0, 42)
+    for m in c.poll(timeout_s=1.0):
+        print(m.offset, m.key, m.value, m.headers)
+    c.commit()                                # the positions of what poll returned
+    c.close()
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import heapq
+import logging
+import time
+from collections.abc import Iterable
+
+from kio.schema.errors import ErrorCode
+
+from twophase.broker.storage.records import (
+    HEADER_SIZE, LOG_OVERHEAD, decode_batch_records, parse_control_record, parse_header, validate_batch,
+)
+
+from .cluster import Cluster
+from .connection import MS, ApiKey, message, part
+from .errors import KafkaError, error_for
+from .group import GroupMember, TopicPartitionKey
+from .retry import retry
+
+log = logging.getLogger("twophase.client")
+
+EARLIEST, LATEST = -2, -1
+_ISOLATION = {"read_uncommitted": 0, "read_committed": 1}
+
+
+@dataclasses.dataclass(frozen=True)
+class Message:
+    topic: str
+    partition: int
+    offset: int
+    key: bytes | None
+    value: bytes | None
+    headers: tuple[tuple[str, bytes | None], ...]
+    timestamp_ms: int
+
+
+def records_of(topic: str, partition: int, data: bytes, position: int, aborted: Iterable[tuple[int, int]],
+               read_committed: bool) -> tuple[list[Message], int]:
+    """Messages at or after ``position`` in the complete batches of ``data``, and the next position.
+
+    ``aborted`` is the Fetch response's (producer id, first offset) list; with ``read_committed``
+    transactional batches of aborted transactions and all control batches are dropped.
+    """
+    pending = sorted((first, pid) for pid, first in aborted) if read_committed else []
+    aborting: set[int] = set()
+    out: list[Message] = []
+    pos = 0
+    while pos + LOG_OVERHEAD <= len(data):
+        header = parse_header(data, pos) if pos + HEADER_SIZE <= len(data) else None
+        if header is None or pos + header.size > len(data):
+            break  # the broker cuts the last batch at the size limit
+        validate_batch(data, pos)
+        batch = memoryview(data)[pos : pos + header.size]
+        pos += header.size
+        while pending and pending[0][0] <= header.last_offset:
+            aborting.add(heapq.heappop(pending)[1])
+        if header.is_control:
+            if not parse_control_record(batch).commit:
+                aborting.discard(header.producer_id)
+        elif not (header.is_transactional and header.producer_id in aborting):
+            out.extend(Message(topic, partition, r.offset, r.key, r.value, r.headers, r.timestamp_ms)
+                       for r in decode_batch_records(batch) if r.offset >= position)
+        position = max(position, header.last_offset + 1)
+    return out, position
+
+
+class Consumer:
+    def __init__(self, bootstrap: str, *, group_id: str | None = None, isolation_level: str = "read_uncommitted",
+                 auto_offset_reset: str = "earliest", max_wait_ms: int = 500, min_bytes: int = 1,
+                 max_partition_bytes: int = 1 << 20, max_bytes: int = 50 << 20, session_timeout_ms: int = 10_000,
+                 rebalance_timeout_ms: int = 30_000, heartbeat_interval_ms: int = 1_000,
+                 request_timeout_ms: int = 30_000, client_id: str = "twophase-consumer") -> None:
+        if isolation_level not in _ISOLATION:
+            raise ValueError(f"isolation_level must be read_committed or read_uncommitted, not {isolation_level!r}")
+        if auto_offset_reset not in ("earliest", "latest"):
+            raise ValueError(f"auto_offset_reset must be earliest or latest, not {auto_offset_reset!r}")
+        self.group_id = group_id
+        self.isolation = _ISOLATION[isolation_level]
+        self.reset = EARLIEST if auto_offset_reset == "earliest" else LATEST
+        self.max_wait_ms, self.min_bytes = max_wait_ms, min_bytes
+        self.max_partition_bytes, self.max_bytes = max_partition_bytes, max_bytes
+        self._cluster = Cluster(bootstrap, client_id=client_id, request_timeout_s=request_timeout_ms / 1000)
+        self._group = (GroupMember(self._cluster, group_id, session_timeout_ms=session_timeout_ms,
+                                   rebalance_timeout_ms=rebalance_timeout_ms,
+                                   heartbeat_interval_ms=heartbeat_interval_ms) if group_id else None)
+        self._subscribed = False
+        self._assigned: list[TopicPartitionKey] = []
+        self._positions: dict[TopicPartitionKey, int] = {}
+        self._buffer: collections.deque[Message] = collections.deque()
+
+    # --- assignment ---------------------------------------------------------------------------
+
+    def assign(self, partitions: Iterable[TopicPartitionKey]) -> None:
+        if self._subscribed:
+            raise KafkaError("assign() after subscribe(): use one or the other")
+        self._set_assignment(list(partitions))
+
+    def subscribe(self, topics: Iterable[str]) -> None:
+        if self._group is None:
+            raise KafkaError("subscribe() needs a group_id")
+        if self._assigned and not self._subscribed:
+            raise KafkaError("subscribe() after assign(): use one or the other")
+        self._subscribed = True
+        self._group.subscribe(topics)
+
+    def assignment(self) -> list[TopicPartitionKey]:
+        return list(self._assigned)
+
+    def _set_assignment(self, partitions: list[TopicPartitionKey]) -> None:
+        self._assigned = sorted(set(partitions))
+        self._positions = {tp: o for tp, o in self._positions.items() if tp in self._assigned}
+        self._buffer = collections.deque(m for m in self._buffer if (m.topic, m.partition) in self._assigned)
+
+    def seek(self, topic: str, partition: int, offset: int) -> None:
+        """Read ``topic``-``partition`` from ``offset`` next (EARLIEST/LATEST: -2/-1 resolve via ListOffsets)."""
+        tp = (topic, partition)
+        if tp not in self._assigned:
+            raise KafkaError(f"{topic}-{partition} is not assigned to this consumer")
+        self._buffer = collections.deque(m for m in self._buffer if (m.topic, m.partition) != tp)
+        self._positions[tp] = self._list_offset(tp, offset) if offset < 0 else offset
+
+    def position(self, topic: str, partition: int) -> int | None:
+        return self._positions.get((topic, partition))
+
+    # --- offsets ------------------------------------------------------------------------------
+
+    def _list_offset(self, tp: TopicPartitionKey, timestamp: int) -> int:
+        def call() -> int:
+            conn = self._cluster.leader_connection(*tp)
+            v = conn.version(ApiKey.LIST_OFFSETS, 7, 2)
+            request = message(ApiKey.LIST_OFFSETS, v, replica_id=-1, isolation_level=self.isolation, topics=(
+                part(ApiKey.LIST_OFFSETS, v, "ListOffsetsTopic", name=tp[0], partitions=(
+                    part(ApiKey.LIST_OFFSETS, v, "ListOffsetsPartition", partition_index=tp[1],
+                         current_leader_epoch=-1, timestamp=timestamp),)),))
+            [topic] = conn.request(request).topics
+            [p] = topic.partitions
+            if p.error_code:
+                self._cluster.invalidate(tp[0])
+                raise error_for(p.error_code, f"ListOffsets({tp[0]}-{tp[1]})")
+            return int(p.offset)
+
+        return retry(call, self._cluster.request_timeout_s, f"ListOffsets for {tp[0]}-{tp[1]}")
+
+    def _initialize_positions(self) -> None:
+        missing = [tp for tp in self._assigned if tp not in self._positions]
+        if not missing:
+            return
+        committed = self._group.committed(missing) if self._group else {}
+        for tp in missing:
+            offset = committed.get(tp, -1)
+            self._positions[tp] = offset if offset >= 0 else self._list_offset(tp, self.reset)
+
+    def commit(self, offsets: dict[TopicPartitionKey, int] | None = None) -> None:
+        """Commit ``offsets`` (default: the positions after what poll returned) to the group."""
+        if self._group is None:
+            raise KafkaError("commit() needs a group_id")
+        if offsets is None:
+            offsets = dict(self._positions)
+            for m in reversed(self._buffer):  # fetched but not yet returned: not consumed
+                offsets[(m.topic, m.partition)] = m.offset
+        self._group.commit(offsets)
+
+    def committed(self, partitions: Iterable[TopicPartitionKey]) -> dict[TopicPartitionKey, int]:
+        if self._group is None:
+            raise KafkaError("committed() needs a group_id")
+        return self._group.committed(list(partitions))
+
+    # --- polling ------------------------------------------------------------------------------
+
+    def poll(self, timeout_s: float = 1.0, max_records: int = 500) -> list[Message]:
+        """Up to ``max_records`` messages, waiting up to ``timeout_s`` for the first (long polling)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self._subscribed:
+                new = self._group.ensure_active()
+                if new is not None:
+                    self._set_assignment(new)
+            if self._buffer:
+                return [self._buffer.popleft() for _ in range(min(max_records, len(self._buffer)))]
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return []
+            self._initialize_positions()
+            if not self._assigned:
+                time.sleep(min(remaining, 0.05))  # nothing assigned (yet): no fetch to wait on
+                continue
+            if not self._fetch(min(int(remaining * 1000), self.max_wait_ms)):
+                time.sleep(min(max(0.0, deadline - time.monotonic()), 0.1))  # broker unreachable: no busy loop
+
+    def _fetch(self, max_wait_ms: int) -> bool:
+        """One fetch round over the leaders; False if a broker could not be asked."""
+        ok = True
+        by_leader: dict[int, list[TopicPartitionKey]] = collections.defaultdict(list)
+        for tp in self._assigned:
+            try:
+                by_leader[self._cluster.leader(*tp)].append(tp)
+            except KafkaError as exc:
+                log.info("no leader for %s: %s", tp, exc)
+                ok = False
+        for i, (node, partitions) in enumerate(by_leader.items()):
+            try:
+                # Only the first broker may park the fetch: the others are asked for what they have now
+                # (data arriving there meanwhile waits at most max_wait_ms).
+                self._fetch_from(node, partitions, max_wait_ms if i == 0 else 0)
+            except KafkaError as exc:
+                if not exc.retriable:
+                    raise
+                log.info("fetch from broker %d failed: %s", node, exc)
+                ok = False
+                for topic in {t for t, _ in partitions}:
+                    self._cluster.invalidate(topic)
+        return ok
+
+    def _fetch_from(self, node: int, partitions: list[TopicPartitionKey], max_wait_ms: int) -> None:
+        conn = self._cluster.connection(node)
+        v = conn.version(ApiKey.FETCH, 12, 4)
+        by_topic: dict[str, list[int]] = collections.defaultdict(list)
+        for topic, partition in partitions:
+            by_topic[topic].append(partition)
+        request = message(
+            ApiKey.FETCH, v, replica_id=-1, max_wait=max_wait_ms * MS, min_bytes=self.min_bytes,
+            max_bytes=self.max_bytes, isolation_level=self.isolation, session_id=0, session_epoch=-1, rack_id="",
+            forgotten_topics_data=(), topics=tuple(part(ApiKey.FETCH, v, "FetchTopic", topic=t, partitions=tuple(
+                part(ApiKey.FETCH, v, "FetchPartition", partition=p, current_leader_epoch=-1,
+                     fetch_offset=self._positions[(t, p)], last_fetched_epoch=-1, log_start_offset=-1,
+                     partition_max_bytes=self.max_partition_bytes) for p in ps)) for t, ps in by_topic.items()))
+        response = conn.request(request, self._cluster.request_timeout_s + max_wait_ms / 1000)
+        if response.error_code:
+            raise error_for(response.error_code, "Fetch")
+        for topic in response.responses:
+            for p in topic.partitions:
+                tp = (topic.topic, int(p.partition_index))
+                if tp not in self._positions:
+                    continue  # reassigned or sought meanwhile
+                if p.error_code == ErrorCode.offset_out_of_range:
+                    log.warning("offset %d out of range for %s: resetting", self._positions[tp], tp)
+                    self._positions[tp] = self._list_offset(tp, self.reset)
+                elif p.error_code:
+                    raise error_for(p.error_code, f"Fetch({tp[0]}-{tp[1]})")
+                elif p.records:
+                    aborted = [(int(a.producer_id), int(a.first_offset)) for a in (p.aborted_transactions or ())]
+                    messages, self._positions[tp] = records_of(tp[0], tp[1], p.records, self._positions[tp],
+                                                               aborted, self.isolation == 1)
+                    self._buffer.extend(messages)
+
+    def close(self) -> None:
+        if self._group is not None:
+            self._group.leave()
+        self._cluster.close()
+
+    def __enter__(self) -> Consumer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,130 @@
+"""KIP-939 resume: commit or abort a prepared transaction from its handle, in any process.
+
+The handle (:class:`PreparedTxn`) names the transactional id and the producer id and epoch the
+prepared records were written with. Completing it:
+
+1. DescribeTransactions: if it already ended (CompleteCommit with our producer id, or gone), answer
+   from that: a repeated commit or abort is a no-op, a commit of an aborted one is PreparedTxnLost.
+2. Otherwise InitProducerId v6 with enable2_pc and keep_prepared_txn: a new instance of the id that
+   leaves the open transaction alone and learns which (producer id, epoch) wrote it.
+3. If that is the handle's, EndTxn with the new epoch commits or aborts it; if not, the prepared
+   transaction is gone (aborted by a newer instance, which may have one of its own open).
+
+Two concurrent completions fence each other; the loser starts over and finds the outcome in step 1.
+
+Example::
+
+    complete_prepared("127.0.0.1:9092", PreparedTxn.from_json(stored), commit=True)
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+
+from kio.schema.errors import ErrorCode
+
+from .admin import Admin, TransactionDescription
+from .cluster import CoordinatorType
+from .connection import MS, ApiKey, Connection, message
+from .errors import KafkaError, PreparedTxnLost, ProducerFenced, RetriableError, check
+from .retry import retry
+from .transactions import PreparedTxn
+
+log = logging.getLogger("twophase.client")
+
+_IN_FLIGHT_STATES = ("PrepareCommit", "PrepareAbort")
+_ENDED_STATES = ("CompleteAbort", "CompleteCommit", "Empty", "Dead")
+_ATTEMPTS = 5  # starts over after being fenced by a concurrent completion
+
+
+def complete_prepared(bootstrap: str, handle: PreparedTxn, commit: bool, *, request_timeout_ms: int = 30_000) -> None:
+    """Commit or abort ``handle``'s transaction; idempotent. Raises PreparedTxnLost when a commit is
+    asked for a transaction that was aborted or replaced, KafkaError(INVALID_TXN_STATE) when an abort
+    is asked for one that was committed."""
+    with Admin(bootstrap, request_timeout_ms=request_timeout_ms) as admin:
+        for attempt in range(_ATTEMPTS):
+            if _settled(admin, handle, commit):
+                return
+            try:
+                _take_over_and_end(admin, handle, commit)
+                log.info("%s of prepared transaction %s done", "commit" if commit else "abort", handle)
+                return
+            except ProducerFenced as exc:
+                if attempt == _ATTEMPTS - 1:
+                    raise
+                log.info("completing %s raced with another instance (%s): looking again", handle, exc)
+                time.sleep(random.uniform(0.05, 0.2))  # let the winner finish its EndTxn first
+
+
+def _describe(admin: Admin, handle: PreparedTxn) -> TransactionDescription | None:
+    """The coordinator's view, once no markers are being written; None if it does not know the id."""
+    def describe():
+        try:
+            [described] = admin.describe_transactions([handle.transactional_id])
+        except KafkaError as exc:
+            if exc.code != ErrorCode.transactional_id_not_found:
+                raise
+            return None  # expired or never registered: nothing open
+        if described.state in _IN_FLIGHT_STATES:
+            raise RetriableError(f"{handle.transactional_id} is in {described.state}")
+        return described
+
+    return retry(describe, admin.request_timeout_s, f"describing {handle.transactional_id}")
+
+
+def _settled(admin: Admin, handle: PreparedTxn, commit: bool) -> bool:
+    """True if the transaction already ended the way asked; PreparedTxnLost or INVALID_TXN_STATE if it
+    ended the other way; False if it may still be open."""
+    described = _describe(admin, handle)
+    if described is None:
+        if commit:
+            raise PreparedTxnLost(f"{handle.transactional_id}: the coordinator does not know this transactional id")
+        return True
+    ours = described.producer_id == handle.producer_id
+    if described.state == "CompleteCommit" and ours:
+        if commit:
+            return True
+        raise KafkaError(f"{handle.transactional_id}: asked to abort, but it was already committed",
+                         ErrorCode.invalid_txn_state)
+    if not ours or described.state in _ENDED_STATES:
+        if commit:
+            raise PreparedTxnLost(f"{handle.transactional_id}: prepared transaction of producer {handle.producer_id} "
+                                  f"is gone (now {described.state}, producer {described.producer_id})")
+        return True
+    return False
+
+
+def _take_over_and_end(admin: Admin, handle: PreparedTxn, commit: bool) -> None:
+    tid = handle.transactional_id
+    cluster = admin.cluster
+
+    def init(conn: Connection):
+        v = conn.version(ApiKey.INIT_PRODUCER_ID, 6)
+        if v < 6:
+            raise KafkaError(f"{conn} does not support two-phase commit (InitProducerId v{v} < 6)")
+        response = conn.request(message(ApiKey.INIT_PRODUCER_ID, v, transactional_id=tid,
+                                        transaction_timeout=60_000 * MS, producer_id=-1, producer_epoch=-1,
+                                        enable2_pc=True, keep_prepared_txn=True))
+        check(response.error_code, f"InitProducerId({tid!r}, keep_prepared_txn)")
+        return response
+
+    taken = cluster.coordinator_call(tid, CoordinatorType.TRANSACTION, init, admin.request_timeout_s,
+                                     f"InitProducerId({tid!r})")
+    ongoing = (int(taken.ongoing_txn_producer_id), int(taken.ongoing_txn_producer_epoch))
+    if ongoing != (handle.producer_id, handle.producer_epoch):
+        # It ended between the two looks, or a newer instance's transaction is open: not ours to end
+        # (the prepared data was written with the handle's epoch).
+        if not _settled(admin, handle, commit):
+            raise PreparedTxnLost(f"{tid}: the ongoing transaction is producer {ongoing[0]} epoch {ongoing[1]}, "
+                                  f"not the prepared {handle.producer_id}/{handle.producer_epoch}")
+        return
+
+    def end(conn: Connection) -> None:
+        v = conn.version(ApiKey.END_TXN, 5)
+        response = conn.request(message(ApiKey.END_TXN, v, transactional_id=tid, producer_id=int(taken.producer_id),
+                                        producer_epoch=int(taken.producer_epoch), committed=commit))
+        check(response.error_code, f"EndTxn({'commit' if commit else 'abort'})")
+
+    cluster.coordinator_call(tid, CoordinatorType.TRANSACTION, end, admin.request_timeout_s, f"EndTxn({tid!r})")

@@ -1,0 +1,435 @@
+"""The producer: idempotent always, transactional with a transactional id, KIP-939 prepare/resume.
+
+A background sender thread turns per-partition batches into Produce requests, one request at a
+time, so a retried batch (same producer id, epoch and sequence) can never be overtaken by a later
+one and the broker deduplicates it. Batches go out when full (``batch_size``), after ``linger_ms``,
+or on flush. Errors of background sends are raised by the next flush, commit or send.
+
+Example::
+
+    p = Producer("127.0.0.1:9092", transactional_id="t1", enable_2pc=True)
+    p.init_transactions()
+    p.begin_transaction()
+    p.send("topic", value=b"v", key=b"k", headers=[("h", b"x")])
+    handle = p.prepare_transaction()              # flushed; store handle.to_json() somewhere durable
+    Producer.complete_prepared("127.0.0.1:9092", handle, commit=True)   # from any process, any time
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Sequence
+
+from kio.schema.errors import ErrorCode
+
+from twophase.broker.storage.records import COMPRESSION_GZIP, COMPRESSION_NONE, INT32_MAX, record_batch
+
+from .cluster import Cluster, CoordinatorType
+from .connection import MS, ApiKey, Connection, message, part
+from .errors import KafkaError, KafkaTimeout, ProducerFenced, TransactionStateError, check, error_for
+from .partitioner import StickyPartitions, partition_for_key
+from .prepared import complete_prepared
+from .retry import retry
+from .transactions import PreparedTxn, TxnState, TxnStateMachine
+
+log = logging.getLogger("twophase.client")
+
+RECORD_OVERHEAD = 24  # rough per-record bytes beyond key, value and headers, for batch sizing
+Header = tuple[str, bytes | None]
+
+
+@dataclasses.dataclass
+class _Batch:
+    topic: str
+    partition: int
+    created: float
+    records: list[tuple[int, bytes | None, bytes | None, Sequence[Header]]] = dataclasses.field(default_factory=list)
+    size: int = 0
+    closed: bool = False          # no more appends: it is (being) sent
+    wire: bytes | None = None     # encoded once, with its sequence, so a retry resends the same bytes
+    retry_at: float = 0.0
+    attempts: int = 0
+
+
+class Producer:
+    """See the module docstring. Thread-safe for send/flush from several threads.
+
+    ``delivery_timeout_ms`` bounds how long a batch is retried (``retries``, if given, also caps the
+    attempts); ``transaction_timeout_ms`` is the broker-side timeout of a non-2PC transaction;
+    ``enable_2pc`` registers the producer for KIP-939 (its transactions never time out and can be
+    prepared); ``compression`` is None or "gzip".
+    """
+
+    def __init__(self, bootstrap: str, *, transactional_id: str | None = None, enable_2pc: bool = False,
+                 transaction_timeout_ms: int = 60_000, linger_ms: int = 5, batch_size: int = 64 * 1024,
+                 acks: str | int = "all", request_timeout_ms: int = 30_000, delivery_timeout_ms: int = 120_000,
+                 retries: int | None = None, compression: str | None = None,
+                 client_id: str = "twophase-producer") -> None:
+        if acks not in ("all", -1):
+            raise ValueError(f"the producer is idempotent, which needs acks='all', not {acks!r}")
+        if compression not in (None, "none", "gzip"):
+            raise ValueError(f"compression must be None or 'gzip', not {compression!r}")
+        if enable_2pc and transactional_id is None:
+            raise ValueError("enable_2pc needs a transactional_id")
+        self.transactional_id = transactional_id
+        self.enable_2pc = enable_2pc
+        self.transaction_timeout_ms = transaction_timeout_ms
+        self.linger_s = linger_ms / 1000
+        self.batch_size = batch_size
+        self.request_timeout_s = request_timeout_ms / 1000
+        self.delivery_timeout_s = delivery_timeout_ms / 1000
+        self.retries = retries
+        self._compression = COMPRESSION_GZIP if compression == "gzip" else COMPRESSION_NONE
+        self._cluster = Cluster(bootstrap, client_id=client_id, request_timeout_s=self.request_timeout_s)
+        self._txn = TxnStateMachine()
+        self._producer_id = -1
+        self._producer_epoch = -1
+        self._sequences: dict[tuple[str, int], int] = collections.defaultdict(int)
+        self._txn_partitions: set[tuple[str, int]] = set()
+        self._sequence_gap = False
+        self._queues: dict[tuple[str, int], collections.deque[_Batch]] = {}
+        self._sticky = StickyPartitions()
+        self._errors: list[KafkaError] = []
+        self._flushing = 0
+        self._closing = False
+        self._cond = threading.Condition()
+        self._sender = threading.Thread(target=self._run, name="twophase-producer-sender", daemon=True)
+        self._sender.start()
+
+    # --- sending ------------------------------------------------------------------------------
+
+    def send(self, topic: str, value: bytes | None = None, key: bytes | None = None, partition: int | None = None,
+             headers: Sequence[Header] | None = None, timestamp_ms: int | None = None) -> None:
+        """Queue one record. Keys pick partitions with Kafka's murmur2; keyless records are sticky."""
+        if self.transactional_id is not None:
+            self._txn.require(TxnState.IN_TRANSACTION, action="send")
+        self._raise_errors()
+        headers = tuple(headers or ())
+        partitions = self._cluster.partitions(topic, create=True)
+        if partition is not None and partition not in partitions:
+            raise ValueError(f"topic {topic!r} has partitions 0..{len(partitions) - 1}, not {partition}")
+        if partition is None and key is not None:
+            partition = partition_for_key(key, len(partitions))
+        timestamp = int(time.time() * 1000) if timestamp_ms is None else timestamp_ms
+        size = RECORD_OVERHEAD + len(key or b"") + len(value or b"") + sum(len(n) + len(v or b"") for n, v in headers)
+        with self._cond:
+            if self._closing:
+                raise KafkaError("producer is closed")
+            if partition is None:
+                partition = self._sticky.partition(topic, len(partitions))
+            queue = self._queues.setdefault((topic, partition), collections.deque())
+            if not queue or queue[-1].closed or queue[-1].size + size > self.batch_size:
+                if queue and not queue[-1].closed:
+                    queue[-1].closed = True
+                queue.append(_Batch(topic, partition, time.monotonic()))
+            batch = queue[-1]
+            batch.records.append((timestamp, key, value, headers))
+            batch.size += size
+            if batch.size >= self.batch_size:
+                batch.closed = True
+            self._cond.notify_all()
+
+    def flush(self, timeout_s: float | None = None) -> None:
+        """Send everything queued and wait for it; raises the first error of a failed send."""
+        deadline = time.monotonic() + (timeout_s if timeout_s is not None else self.delivery_timeout_s + 5)
+        with self._cond:
+            self._flushing += 1
+            self._cond.notify_all()
+            try:
+                while any(self._queues.values()):
+                    if not self._sender.is_alive():
+                        raise KafkaError("the producer's sender thread has stopped (producer closed?)")
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        raise KafkaTimeout("flush did not complete in time")
+                    self._cond.wait(min(remaining, 0.5))
+            finally:
+                self._flushing -= 1
+        self._raise_errors()
+
+    def _raise_errors(self) -> None:
+        with self._cond:
+            errors, self._errors = self._errors, []
+        if errors:
+            if any(isinstance(e, ProducerFenced) for e in errors):
+                self._txn.to(TxnState.FATAL_ERROR)
+            elif self._txn.state is TxnState.IN_TRANSACTION:
+                self._txn.to(TxnState.ABORTABLE_ERROR)
+            raise errors[0]
+
+    # --- sender thread ------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while True:
+                    now = time.monotonic()
+                    batches = self._ready_batches(now)
+                    if batches or (self._closing and not any(self._queues.values())):
+                        break
+                    self._cond.wait(self._next_wakeup(now))
+            if not batches:
+                return
+            try:
+                self._send(batches)
+            except Exception as exc:  # a bug must not leave flush() waiting forever
+                log.exception("producer sender failed")
+                for batch in batches:
+                    self._fail(batch, KafkaError(f"sender failed: {type(exc).__name__}: {exc}"))
+            with self._cond:
+                self._cond.notify_all()
+
+    def _ready_batches(self, now: float) -> list[_Batch]:
+        """The head batch of each partition that is due: full, lingered, or flushed."""
+        ready = []
+        for queue in self._queues.values():
+            if not queue:
+                continue
+            head = queue[0]
+            due = head.closed or self._flushing or self._closing or now - head.created >= self.linger_s
+            if due and head.retry_at <= now:
+                if not head.closed:
+                    head.closed = True
+                    self._sticky.batch_sent(head.topic, head.partition)
+                ready.append(head)
+        return ready
+
+    def _next_wakeup(self, now: float) -> float | None:
+        times = [max(b[0].retry_at, b[0].created + self.linger_s) - now for b in self._queues.values() if b]
+        return max(0.001, min(times)) if times else None
+
+    def _fail(self, batch: _Batch, error: KafkaError) -> None:
+        """Drop a still pending batch for good and report ``error``."""
+        with self._cond:
+            queue = self._queues[(batch.topic, batch.partition)]
+            if not queue or queue[0] is not batch:
+                return  # acknowledged before the sender failed
+            log.warning("dropping %d records for %s-%d: %s", len(batch.records), batch.topic, batch.partition, error)
+            queue.popleft()
+            self._errors.append(error)
+            if batch.wire is not None:  # its sequence numbers were used: later batches would leave a gap
+                if self.transactional_id is None:
+                    self._producer_id = -1  # a new producer id restarts every sequence at 0
+                else:
+                    self._sequence_gap = True  # a new epoch after the abort restarts them
+
+    def _send(self, batches: list[_Batch]) -> None:
+        try:
+            if self._producer_id < 0:
+                self._init_producer_id()
+            if self.transactional_id is not None:
+                self._add_partitions(batches)
+        except KafkaError as exc:
+            for batch in batches:
+                self._fail(batch, exc)
+            return
+        by_leader: dict[int, list[_Batch]] = collections.defaultdict(list)
+        for batch in batches:
+            try:
+                by_leader[self._cluster.leader(batch.topic, batch.partition)].append(batch)
+            except KafkaError as exc:
+                self._retry_later(batch, exc)
+        for node, group in by_leader.items():
+            self._produce(node, group)
+
+    def _retry_later(self, batch: _Batch, error: KafkaError) -> None:
+        batch.attempts += 1
+        if (not error.retriable or time.monotonic() - batch.created > self.delivery_timeout_s
+                or (self.retries is not None and batch.attempts > self.retries)):
+            self._fail(batch, error)
+            return
+        log.info("retrying %s-%d: %s", batch.topic, batch.partition, error)
+        self._cluster.invalidate(batch.topic)
+        batch.retry_at = time.monotonic() + min(1.0, 0.05 * 2 ** batch.attempts)
+
+    def _encode(self, batch: _Batch) -> bytes:
+        if batch.wire is None:
+            key = (batch.topic, batch.partition)
+            sequence = self._sequences[key]
+            batch.wire = record_batch(batch.records, producer_id=self._producer_id,
+                                      producer_epoch=self._producer_epoch, base_sequence=sequence,
+                                      transactional=self.transactional_id is not None,
+                                      compression=self._compression)
+            self._sequences[key] = (sequence + len(batch.records)) % (INT32_MAX + 1)
+        return batch.wire
+
+    def _produce(self, node: int, batches: list[_Batch]) -> None:
+        try:
+            conn = self._cluster.connection(node)
+            v = conn.version(ApiKey.PRODUCE, 9, 3)
+            topics: dict[str, list] = collections.defaultdict(list)
+            for b in batches:
+                topics[b.topic].append(part(ApiKey.PRODUCE, v, "PartitionProduceData", index=b.partition,
+                                            records=self._encode(b)))
+            request = message(ApiKey.PRODUCE, v, transactional_id=self.transactional_id, acks=-1,
+                              timeout=int(self.request_timeout_s * 1000) * MS,
+                              topic_data=tuple(part(ApiKey.PRODUCE, v, "TopicProduceData", name=t,
+                                                    partition_data=tuple(ps)) for t, ps in topics.items()))
+            response = conn.request(request)
+        except KafkaError as exc:
+            for b in batches:
+                self._retry_later(b, exc)
+            return
+        results = {(t.name, int(p.index)): p for t in response.responses for p in t.partition_responses}
+        for b in batches:
+            result = results.get((b.topic, b.partition))
+            code = result.error_code if result is not None else ErrorCode.unknown_server_error
+            if code in (ErrorCode.none, ErrorCode.duplicate_sequence_number):
+                with self._cond:
+                    self._queues[(b.topic, b.partition)].popleft()
+            else:
+                self._retry_later(b, error_for(code, f"Produce to {b.topic}-{b.partition}"))
+
+    # --- producer id and transactions ---------------------------------------------------------
+
+    def _txn_coordinator_call(self, call, what: str):
+        return self._cluster.coordinator_call(self.transactional_id, CoordinatorType.TRANSACTION, call,
+                                              self.request_timeout_s, what)
+
+    def _init_producer_id(self):
+        """InitProducerId: a new id (idempotent) or the transactional id's next epoch (fencing older ones)."""
+        def call(conn: Connection):
+            v = conn.version(ApiKey.INIT_PRODUCER_ID, 6)
+            if self.enable_2pc and v < 6:
+                raise KafkaError(f"{conn} does not support two-phase commit (InitProducerId v{v} < 6)")
+            response = conn.request(message(
+                ApiKey.INIT_PRODUCER_ID, v, transactional_id=self.transactional_id,
+                transaction_timeout=self.transaction_timeout_ms * MS, producer_id=-1, producer_epoch=-1,
+                enable2_pc=self.enable_2pc, keep_prepared_txn=False))
+            check(response.error_code, f"InitProducerId({self.transactional_id!r})")
+            return response
+
+        if self.transactional_id is None:
+            response = self._retry_any(call, "InitProducerId")
+        else:
+            response = self._txn_coordinator_call(call, f"InitProducerId({self.transactional_id!r})")
+        self._producer_id, self._producer_epoch = int(response.producer_id), int(response.producer_epoch)
+        self._sequences.clear()
+        return response
+
+    def _retry_any(self, call, what: str):
+        return retry(lambda: call(self._cluster.any_connection()), self.request_timeout_s, what)
+
+    def _add_partitions(self, batches: list[_Batch]) -> None:
+        new = sorted({(b.topic, b.partition) for b in batches} - self._txn_partitions)
+        if not new:
+            return
+        by_topic: dict[str, list[int]] = collections.defaultdict(list)
+        for topic, partition in new:
+            by_topic[topic].append(partition)
+
+        def call(conn: Connection) -> None:
+            v = conn.version(ApiKey.ADD_PARTITIONS_TO_TXN, 3)
+            topics = tuple(part(ApiKey.ADD_PARTITIONS_TO_TXN, v, "AddPartitionsToTxnTopic", name=t,
+                                partitions=tuple(ps)) for t, ps in by_topic.items())
+            response = conn.request(message(
+                ApiKey.ADD_PARTITIONS_TO_TXN, v, v3_and_below_transactional_id=self.transactional_id,
+                v3_and_below_producer_id=self._producer_id, v3_and_below_producer_epoch=self._producer_epoch,
+                v3_and_below_topics=topics))
+            for t in response.results_by_topic_v3_and_below:
+                for p in t.results_by_partition:
+                    check(p.partition_error_code, f"AddPartitionsToTxn({t.name}-{p.partition_index})")
+
+        self._txn_coordinator_call(call, "AddPartitionsToTxn")
+        self._txn_partitions.update(new)
+
+    def init_transactions(self) -> None:
+        """Register the transactional id: fences older instances and aborts what they left open
+        (a prepared 2PC transaction too: use :meth:`complete_prepared` to keep one)."""
+        if self.transactional_id is None:
+            raise TransactionStateError("init_transactions needs a transactional_id")
+        self._txn.require(TxnState.UNINITIALIZED, action="init_transactions")
+        self._guard(self._init_producer_id)
+        self._txn.to(TxnState.READY)
+
+    def begin_transaction(self) -> None:
+        self._txn.to(TxnState.IN_TRANSACTION)
+
+    def prepare_transaction(self) -> PreparedTxn:
+        """Flush and hand out what another process needs to finish this transaction (KIP-939)."""
+        if not self.enable_2pc:
+            raise TransactionStateError("prepare_transaction needs enable_2pc=True")
+        self._txn.require(TxnState.IN_TRANSACTION, action="prepare_transaction")
+        self.flush()
+        self._txn.to(TxnState.PREPARED)
+        return PreparedTxn(self.transactional_id, self._producer_id, self._producer_epoch)
+
+    def commit_transaction(self) -> None:
+        """Flush and commit. After a KafkaTimeout (coordinator unreachable) it may be called again."""
+        self._txn.require(TxnState.IN_TRANSACTION, TxnState.PREPARED, TxnState.COMMITTING,
+                          action="commit_transaction")
+        if self._txn.state is not TxnState.COMMITTING:
+            self.flush()
+            self._txn.to(TxnState.COMMITTING)
+        self._end_transaction(commit=True)
+
+    def abort_transaction(self) -> None:
+        """Abort the open transaction; queued records are still sent first (and then aborted).
+        After a KafkaTimeout it may be called again."""
+        self._txn.require(TxnState.IN_TRANSACTION, TxnState.PREPARED, TxnState.ABORTABLE_ERROR, TxnState.ABORTING,
+                          action="abort_transaction")
+        if self._txn.state is not TxnState.ABORTING:
+            self._txn.to(TxnState.ABORTING)
+        try:
+            self.flush()
+        except ProducerFenced:
+            raise
+        except KafkaError as exc:
+            log.info("aborting %s after a failed send: %s", self.transactional_id, exc)
+        self._end_transaction(commit=False)
+        if self._sequence_gap:
+            self._guard(self._init_producer_id)  # a new epoch: sequences start at 0 again
+            self._sequence_gap = False
+
+    def _end_transaction(self, commit: bool) -> None:
+        if self._txn_partitions:  # nothing was added: the coordinator has no transaction to end
+            self._guard(lambda: self._send_end_txn(commit))
+        self._txn_partitions.clear()
+        self._txn.to(TxnState.READY)
+
+    def _send_end_txn(self, commit: bool) -> None:
+        def call(conn: Connection) -> None:
+            v = conn.version(ApiKey.END_TXN, 5)
+            response = conn.request(message(ApiKey.END_TXN, v, transactional_id=self.transactional_id,
+                                            producer_id=self._producer_id,
+                                            producer_epoch=self._producer_epoch, committed=commit))
+            check(response.error_code, f"EndTxn({'commit' if commit else 'abort'})")
+
+        self._txn_coordinator_call(call, "EndTxn")
+
+    def _guard(self, action):
+        """Run a transactional request; fencing makes the producer fatally failed."""
+        try:
+            return action()
+        except ProducerFenced:
+            self._txn.to(TxnState.FATAL_ERROR)
+            raise
+
+    @staticmethod
+    def complete_prepared(bootstrap: str, handle: PreparedTxn, commit: bool, *,
+                          request_timeout_ms: int = 30_000) -> None:
+        """Commit or abort the prepared transaction ``handle`` from any process; idempotent. See
+        :func:`twophase.client.prepared.complete_prepared`."""
+        complete_prepared(bootstrap, handle, commit, request_timeout_ms=request_timeout_ms)
+
+    # --- closing ------------------------------------------------------------------------------
+
+    def close(self, timeout_s: float | None = None) -> None:
+        """Send what is queued (within ``timeout_s``) and stop. An open transaction stays open on the
+        broker until it times out (or, with 2PC, until someone completes or aborts it)."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        self._sender.join(timeout_s if timeout_s is not None else self.delivery_timeout_s + 5)
+        self._cluster.close()
+
+    def __enter__(self) -> Producer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+

@@ -1,0 +1,82 @@
+"""Client-side transaction state (an enum with explicit allowed transitions) and the handle of a
+prepared transaction.
+
+Example::
+
+    state = TxnStateMachine()
+    state.to(TxnState.READY)                 # after InitProducerId
+    state.to(TxnState.IN_TRANSACTION)
+    state.to(TxnState.COMMITTING)            # TransactionStateError if not allowed from here
+    handle = PreparedTxn("t1", producer_id=7, producer_epoch=3)
+    PreparedTxn.from_json(handle.to_json()) == handle
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+
+from .errors import TransactionStateError
+
+
+class TxnState(enum.Enum):
+    UNINITIALIZED = "uninitialized"
+    READY = "ready"                      # no transaction open
+    IN_TRANSACTION = "in_transaction"
+    PREPARED = "prepared"                # flushed, handle given out (KIP-939); only commit/abort now
+    COMMITTING = "committing"
+    ABORTING = "aborting"
+    ABORTABLE_ERROR = "abortable_error"  # a send failed: the transaction can only be aborted
+    FATAL_ERROR = "fatal_error"          # fenced or broken: the producer must be closed
+
+
+_ALLOWED: dict[TxnState, frozenset[TxnState]] = {
+    TxnState.UNINITIALIZED: frozenset({TxnState.READY}),
+    TxnState.READY: frozenset({TxnState.IN_TRANSACTION}),
+    TxnState.IN_TRANSACTION: frozenset({TxnState.PREPARED, TxnState.COMMITTING, TxnState.ABORTING,
+                                        TxnState.ABORTABLE_ERROR}),
+    TxnState.PREPARED: frozenset({TxnState.COMMITTING, TxnState.ABORTING}),
+    TxnState.COMMITTING: frozenset({TxnState.READY, TxnState.ABORTABLE_ERROR}),
+    TxnState.ABORTING: frozenset({TxnState.READY}),
+    TxnState.ABORTABLE_ERROR: frozenset({TxnState.ABORTING}),
+    TxnState.FATAL_ERROR: frozenset(),
+}
+
+
+class TxnStateMachine:
+    """The current TxnState; every change goes through :meth:`to`, which refuses undeclared moves.
+    FATAL_ERROR is reachable from every state."""
+
+    def __init__(self) -> None:
+        self.state = TxnState.UNINITIALIZED
+
+    def to(self, target: TxnState) -> None:
+        if target is not TxnState.FATAL_ERROR and target not in _ALLOWED[self.state]:
+            raise TransactionStateError(f"transaction state {self.state.value} cannot move to {target.value}")
+        self.state = target
+
+    def require(self, *states: TxnState, action: str) -> None:
+        if self.state not in states:
+            raise TransactionStateError(f"cannot {action} in transaction state {self.state.value} "
+                                        f"(needs {' or '.join(s.value for s in states)})")
+
+
+@dataclasses.dataclass(frozen=True)
+class PreparedTxn:
+    """What another process needs to commit or abort a prepared transaction: plain data."""
+
+    transactional_id: str
+    producer_id: int
+    producer_epoch: int
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> PreparedTxn:
+        try:
+            data = json.loads(text)
+            return cls(str(data["transactional_id"]), int(data["producer_id"]), int(data["producer_epoch"]))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"not a PreparedTxn handle: {text!r} ({exc})") from None
