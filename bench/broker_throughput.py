@@ -328,10 +328,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{mode}, 1 partition, acks=all, no compression, {args.rounds} round(s) (medians), "
           f"records: {args.records_100} x 100 B, {args.records_1k} x 1 KB")
     print()
+    tansu_head, tansu_unit = (f"{'tansu':>8}", f"{'MB/s':>8}") if peer else ("", "")
     head = (f"{'fsync':>6} {'record':>6} {'op':<8}{'MB/s':>9}{'records/s':>12}{'plain append':>14}"
-            f"{'ratio':>8}  {'target':<7}{'batch KiB':>10}{'plain read':>12}{'tansu':>8}")
+            f"{'ratio':>8}  {'target':<7}{'batch KiB':>10}{'plain read':>12}{tansu_head}")
     print(head)
-    print(f"{'':>6} {'':>6} {'':<8}{'':>9}{'':>12}{'MB/s':>14}{'':>8}  {'':<7}{'':>10}{'MB/s':>12}{'MB/s':>8}")
+    print(f"{'':>6} {'':>6} {'':<8}{'':>9}{'':>12}{'MB/s':>14}{'':>8}  {'':<7}{'':>10}{'MB/s':>12}{tansu_unit}")
     print("-" * len(head))
     misses = 0
     for row in rows:

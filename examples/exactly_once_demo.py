@@ -2,23 +2,30 @@
 
 What it shows, end to end on one machine:
 
-1. A private ZooKeeper starts (free port, temp data dir) and N input files of
-   M rows each are written; every file becomes one Spark micro-batch.
-2. examples/file_sink_query.py streams them through TwoPhaseSink(FileSink),
-   with 30% of first task attempts failing mid-write (Spark retries them).
+1. A private ZooKeeper starts (free port, temp data dir), the built-in log
+   broker starts inside this process (free port, data dir in the work dir), and
+   N input files of M rows each are written; every file becomes one Spark
+   micro-batch.
+2. examples/log_sink_query.py streams them through TwoPhaseSink(LogSink) into
+   a 3-partition topic, every task attempt in a KIP-939 prepared transaction of
+   its own, with 30% of first task attempts failing mid-write (Spark retries
+   them; the failed attempts' transactions are aborted).
 3. About a third of the way in, the driver is killed with SIGKILL, mid-stream:
-   no shutdown hooks, no cleanup, half-written and pre-committed files left.
+   no shutdown hooks, no cleanup, open and prepared transactions left behind.
+   The broker lives in this process, so it keeps running.
 4. The same command restarts on the same checkpoint and runs to the end.
-5. An independent reader lists the output directory and checks that every
-   input row is visible exactly once, with nothing uncommitted visible.
+5. An independent reader, a read_committed confluent-kafka consumer, reads the
+   topic and checks that every input row is visible exactly once; a
+   read_uncommitted one shows the aborted records really are in the log.
 
 Run it with ``scripts/demo.sh`` or ``python -m examples.exactly_once_demo``;
-the work dir (input, output, checkpoint, driver logs) is kept for inspection.
+the work dir (input, checkpoint, broker data, logs) is kept for inspection.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import secrets
 import shutil
@@ -26,21 +33,27 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
+
+from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 
 from coordinator.layout import AppPaths
 from coordinator.zk import connect, read_json
 from examples.file_sink_query import write_input
-from sinks.files import read_committed_rows
+from examples.log_sink_query import read_topic
+from twophase.broker import Broker
 from twophase.checkpoint import started_epochs
+from twophase.client import Admin
 from twophase.verify import count_rows
 from twophase.zkserver import ZooKeeperServer
 
 APP, ROOT = "exactly-once-demo", "/twophase-demo"
+TOPIC, TOPIC_PARTITIONS = "demo-out", 3
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--workdir", help="where input, output, checkpoint and logs go "
+    p.add_argument("--workdir", help="where input, checkpoint, broker data and logs go "
                    "(default ./.demo/<timestamp>)")
     p.add_argument("--batches", type=int, default=12, help="input files = micro-batches (12)")
     p.add_argument("--rows", type=int, default=500, help="rows per batch (500)")
@@ -50,9 +63,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def job_command(args: argparse.Namespace, zk: str, work: str) -> list[str]:
-    return [sys.executable, "-m", "examples.file_sink_query", "--zk", zk, "--root", ROOT,
-            "--app", APP, "--input", f"{work}/input", "--output", f"{work}/output",
+def job_command(args: argparse.Namespace, zk: str, bootstrap: str, work: str) -> list[str]:
+    return [sys.executable, "-m", "examples.log_sink_query", "--zk", zk, "--root", ROOT,
+            "--app", APP, "--bootstrap", bootstrap, "--topic", TOPIC, "--input", f"{work}/input",
             "--checkpoint", f"{work}/checkpoint", "--fail-rate", str(args.fail_rate),
             "--slow-ms", str(args.slow_ms)]
 
@@ -85,11 +98,29 @@ def spark_batch(checkpoint: str) -> str:
     return str(started[-1]) if started else "-"
 
 
-def watch(proc: subprocess.Popen, zk, args, label: str, t0: float, kill_at: int | None) -> bool:
+class VisibleCount:
+    """Records a read_committed consumer has seen so far (progress display only; verify() reads afresh)."""
+
+    def __init__(self, bootstrap: str) -> None:
+        self.consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"demo-{uuid.uuid4().hex}",
+                                  "enable.auto.commit": False, "isolation.level": "read_committed"})
+        self.consumer.assign([TopicPartition(TOPIC, p, OFFSET_BEGINNING) for p in range(TOPIC_PARTITIONS)])
+        self.count = 0
+
+    def poll(self) -> int:
+        self.count += sum(1 for m in self.consumer.consume(10_000, timeout=0.05) if m.error() is None)
+        return self.count
+
+    def close(self) -> None:
+        self.consumer.close()
+
+
+def watch(proc: subprocess.Popen, zk, visible: VisibleCount, args, label: str, t0: float,
+          kill_at: int | None) -> bool:
     """Print progress every second until the driver exits, or kill it at watermark kill_at.
 
     Returns True if it was killed."""
-    output, deadline, last_print = f"{args.workdir}/output", time.monotonic() + args.timeout, 0.0
+    deadline, last_print = time.monotonic() + args.timeout, 0.0
     while proc.poll() is None:
         epoch = committed_epoch(zk)
         if kill_at is not None and epoch >= kill_at:
@@ -102,38 +133,48 @@ def watch(proc: subprocess.Popen, zk, args, label: str, t0: float, kill_at: int 
             print(f"[{last_print - t0:6.1f}s] {label}: spark batch "
                   f"{spark_batch(args.workdir + '/checkpoint'):>2}, watermark epoch {epoch:3d} "
                   f"({epoch + 1}/{args.batches} committed), "
-                  f"{len(read_committed_rows(output)):6d} rows visible", flush=True)
+                  f"{visible.poll():6d} rows visible", flush=True)
         if time.monotonic() > deadline:
             raise SystemExit(f"{label} did not finish within {args.timeout}s; see {args.workdir}")
         time.sleep(0.1)
     return False
 
 
-def stray_files(output: str) -> list[str]:
-    """Visible names that are not committed data (readers skip '_' and '.' names)."""
-    return [n for n in os.listdir(output) if not n.startswith(("_", ".")) and not n.endswith(".jsonl")]
+def open_transactions(bootstrap: str) -> list[str]:
+    """Transactions still open on the broker (ListTransactions): none may be left behind."""
+    with Admin(bootstrap) as admin:
+        return sorted(t.transactional_id for t in admin.list_transactions(states=["Ongoing"]))
 
 
-def verify(args: argparse.Namespace) -> bool:
-    output = f"{args.workdir}/output"
+def verify(args: argparse.Namespace, bootstrap: str) -> bool:
     expected = range(args.batches * args.rows)
-    report = count_rows(expected, (row["id"] for row in read_committed_rows(output)))
-    strays = stray_files(output)
-    hidden = {d: len(os.listdir(f"{output}/{d}")) for d in ("_staging", "_pending")
-              if os.path.isdir(f"{output}/{d}")}
-    print("\n=== independent reader ===")
-    print(f"uncommitted files visible: {len(strays)}", *strays[:5])
-    print(f"invisible leftovers (ignored by readers): {hidden or 'none'}")
+    committed = read_topic(bootstrap, TOPIC)
+    report = count_rows(expected, (json.loads(m.value())["id"] for m in committed))
+    in_log = len(read_topic(bootstrap, TOPIC, isolation="read_uncommitted"))
+    still_open = open_transactions(bootstrap)
+    print("\n=== independent reader (confluent-kafka, isolation.level=read_committed) ===")
+    print(f"records in the log (read_uncommitted): {in_log}, of which aborted "
+          f"(failed and killed attempts): {in_log - len(committed)}")
+    print(f"transactions still open on the broker: {len(still_open)}", *still_open[:5])
     print(report)
-    return report.exact and not strays
+    return report.exact and not still_open
 
 
-def run_demo(args: argparse.Namespace, zk_hosts: str, zk, t0: float) -> bool:
-    cmd, work = job_command(args, zk_hosts, args.workdir), args.workdir
+def run_demo(args: argparse.Namespace, zk_hosts: str, zk, bootstrap: str, t0: float) -> bool:
+    cmd, work = job_command(args, zk_hosts, bootstrap, args.workdir), args.workdir
     print("job:", " ".join(cmd[1:]), "\n")
+    visible = VisibleCount(bootstrap)
+    try:
+        ok = run_twice(cmd, work, zk, visible, args, t0)
+    finally:
+        visible.close()
+    return ok and verify(args, bootstrap)
+
+
+def run_twice(cmd: list[str], work: str, zk, visible: VisibleCount, args: argparse.Namespace, t0: float) -> bool:
     first = start_driver(cmd, f"{work}/driver-run1.log")
     try:
-        if not watch(first, zk, args, "run 1", t0, kill_at=max(args.batches // 3 - 1, 0)):
+        if not watch(first, zk, visible, args, "run 1", t0, kill_at=max(args.batches // 3 - 1, 0)):
             print(f"warning: run 1 exited ({first.returncode}) before the kill point; "
                   "try more --batches or --rows")
     finally:
@@ -141,13 +182,13 @@ def run_demo(args: argparse.Namespace, zk_hosts: str, zk, t0: float) -> bool:
     print("restarting the same command on the same checkpoint\n")
     second = start_driver(cmd, f"{work}/driver-run2.log")
     try:
-        watch(second, zk, args, "run 2", t0, kill_at=None)
+        watch(second, zk, visible, args, "run 2", t0, kill_at=None)
     finally:
         stop_driver(second)
     print(f"run 2 exited with {second.returncode} after {time.monotonic() - t0:.1f}s")
     if second.returncode != 0:
         print(f"the restarted job failed; see {work}/driver-run2.log")
-    return second.returncode == 0 and verify(args)
+    return second.returncode == 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -164,12 +205,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         server.start()
         print(f"private ZooKeeper on {server.hosts}")
-        zk = connect(server.hosts)
-        try:
-            ok = run_demo(args, server.hosts, zk, t0)
-        finally:
-            zk.stop()
-            shutil.copy(server.log_path, f"{args.workdir}/zookeeper.log")
+        with Broker(f"{args.workdir}/broker") as broker:
+            broker.create_topic(TOPIC, TOPIC_PARTITIONS)
+            print(f"built-in broker on {broker.bootstrap}, topic {TOPIC} with {TOPIC_PARTITIONS} partitions")
+            zk = connect(server.hosts)
+            try:
+                ok = run_demo(args, server.hosts, zk, broker.bootstrap, t0)
+            finally:
+                zk.stop()
+                shutil.copy(server.log_path, f"{args.workdir}/zookeeper.log")
     finally:
         server.stop()
     print(f"\n{'PASS' if ok else 'FAIL'} in {time.monotonic() - t0:.1f}s; work dir kept: {args.workdir}")

@@ -32,7 +32,12 @@ def write_input(input_dir: str, batch: int, ids: range) -> None:
     with open(tmp, "w") as f:
         for i in ids:
             f.write(json.dumps({"id": i, "batch": batch, "payload": f"row-{i}"}) + "\n")
-    os.rename(tmp, os.path.join(input_dir, f"batch-{batch:05d}.json"))
+    path = os.path.join(input_dir, f"batch-{batch:05d}.json")
+    os.rename(tmp, path)
+    # Spark's file source takes files in modification-time order at millisecond resolution: files
+    # written within one millisecond would be taken in any order, so batch b gets b centiseconds more.
+    stamp = time.time() + batch / 100
+    os.utime(path, (stamp, stamp))
 
 
 class FaultyFileSink(FileSink):

@@ -99,13 +99,16 @@ class Job:
         for b in range(self.batches):
             write_input(str(self.input), b, range(b * ROWS_PER_BATCH, (b + 1) * ROWS_PER_BATCH))
 
+    def command(self, module: str, flags: tuple[str, ...]) -> list[str]:
+        return [sys.executable, "-m", module, "--zk", self.zk_hosts, "--root", self.root, "--app", APP,
+                "--input", str(self.input), "--output", str(self.output),
+                "--checkpoint", str(self.checkpoint), *flags]
+
     def start(self, *flags: str, module: str = "examples.file_sink_query",
               env: dict[str, str] | None = None) -> Run:
         label = f"run {len(self.runs) + 1}: {module} {' '.join(flags)}".strip()
         log = self.tmp / f"run-{len(self.runs) + 1}.log"
-        cmd = [sys.executable, "-m", module, "--zk", self.zk_hosts, "--root", self.root, "--app", APP,
-               "--input", str(self.input), "--output", str(self.output),
-               "--checkpoint", str(self.checkpoint), *flags]
+        cmd = self.command(module, flags)
         full_env = dict(os.environ)
         full_env.pop(POISON_ENV, None)
         full_env.update({

@@ -360,3 +360,36 @@ def test_confluent_consumers_starting_together_form_one_generation_with_the_dela
     finally:
         for c in consumers:
             c.close()
+
+
+def test_kafka_python_member_keeps_its_generation_across_a_broker_restart(broker_factory, tmp_path, topic):
+    from kafka import KafkaConsumer
+
+    data_dir = tmp_path / "restart-kp"
+    broker = broker_factory(data_dir=data_dir, group_initial_rebalance_delay_ms=0)
+    port = broker.port
+    create_topic(broker.bootstrap, topic, 2)
+    group = f"kp-restart-{uuid.uuid4().hex[:8]}"
+    c = KafkaConsumer(topic, bootstrap_servers=broker.bootstrap, group_id=group, auto_offset_reset="earliest",
+                      enable_auto_commit=False, session_timeout_ms=10_000, heartbeat_interval_ms=300)
+    try:
+        deadline = time.monotonic() + 30
+        while len(c.assignment()) < 2:
+            assert time.monotonic() < deadline
+            c.poll(100)
+        gen, members = generation(broker, group), broker.call(lambda: list(broker.groups.groups[group].members))
+        broker.stop()
+        broker = broker_factory(data_dir=data_dir, port=port, group_initial_rebalance_delay_ms=0)
+        produce(broker.bootstrap, topic, [b"a", b"b", b"c", b"d"], partitions=2)
+        seen = []
+        deadline = time.monotonic() + 30
+        while len(seen) < 4:
+            assert time.monotonic() < deadline, f"only {seen} after the restart"
+            for records in c.poll(100).values():
+                seen.extend(r.value for r in records)
+        c.commit()  # old member id and generation
+        assert generation(broker, group) == gen
+        assert broker.call(lambda: list(broker.groups.groups[group].members)) == members
+    finally:
+        c.close(autocommit=False)
+    assert sorted(seen) == [b"a", b"b", b"c", b"d"]

@@ -43,7 +43,7 @@ def test_idle_connection_is_closed_after_the_timeout(broker_factory):
     assert client.request(API_VERSIONS).error_code == ErrorCode.none
     answered = time.monotonic()
     assert client.is_closed()
-    assert time.monotonic() - answered >= 0.3
+    assert time.monotonic() - answered >= 0.25  # not before the timeout (less the answer's own latency)
     wait_for(lambda: broker.call(lambda: server(broker).connection_count) == 0, what="connection forgotten")
 
 

@@ -151,7 +151,9 @@ class Broker:
                 settings=self.config.transaction_settings(), failpoint=Failpoint.from_env())
             self.transactions.recover(int(time.time() * 1000))  # before any client can connect
             self._server = KafkaServer(Dispatcher(self), self.config.host, self.config.port,
-                                       self.config.max_request_bytes)
+                                       self.config.max_request_bytes,
+                                       idle_timeout_ms=self.config.connections_max_idle_ms,
+                                       max_queued_request_bytes=self.config.queued_max_request_bytes)
             await self._server.start()
         except BaseException:
             if self.transactions is not None:

@@ -3,7 +3,8 @@
     twophase broker --data-dir DIR [--host 127.0.0.1] [--port 9092] [--default-partitions N]
                     [--fsync always|<ms>] [--no-auto-create-topics] [--advertised-host HOST]
                     [--no-two-phase-commit] [--transaction-max-timeout-ms MS]
-                    [--transactional-id-expiration-ms MS]
+                    [--transactional-id-expiration-ms MS] [--connections-max-idle-ms MS]
+                    [--queued-max-request-bytes N] [--group-initial-rebalance-delay-ms MS]
 
 Wiring (twophase/cli.py)::
 
@@ -68,6 +69,14 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="largest transaction timeout a producer may ask for (default %(default)s)")
     p.add_argument("--transactional-id-expiration-ms", type=_positive, default=7 * 24 * 3600 * 1000,
                    help="forget transactional ids idle this long (default %(default)s, 7 days)")
+    p.add_argument("--connections-max-idle-ms", type=_positive, default=600_000,
+                   help="close connections without a request for this long (default %(default)s)")
+    p.add_argument("--queued-max-request-bytes", type=_positive, default=200 * 1024 * 1024,
+                   help="request bytes buffered across all connections before reading pauses "
+                        "(default %(default)s)")
+    p.add_argument("--group-initial-rebalance-delay-ms", type=int, default=3_000,
+                   help="how long a new consumer group waits for more members before its first "
+                        "rebalance (default %(default)s)")
     p.set_defaults(func=run_broker)
     return p
 
@@ -86,7 +95,10 @@ def _config(args) -> BrokerConfig:
                         fsync=args.fsync, max_request_bytes=args.max_request_bytes,
                         transaction_two_phase_commit=args.two_phase_commit,
                         transaction_max_timeout_ms=args.transaction_max_timeout_ms,
-                        transactional_id_expiration_ms=args.transactional_id_expiration_ms)
+                        transactional_id_expiration_ms=args.transactional_id_expiration_ms,
+                        connections_max_idle_ms=args.connections_max_idle_ms,
+                        queued_max_request_bytes=args.queued_max_request_bytes,
+                        group_initial_rebalance_delay_ms=args.group_initial_rebalance_delay_ms)
 
 
 async def _serve(args) -> None:

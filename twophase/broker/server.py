@@ -322,12 +322,8 @@ class KafkaServer:
 
     def __init__(self, dispatch: Callable[..., Awaitable[bytes | memoryview | None]], host: str = "127.0.0.1",
                  port: int = 0, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, *,
-                 idle_timeout_ms: int | None = None, max_queued_request_bytes: int | None = None) -> None:
-        config = getattr(getattr(dispatch, "broker", None), "config", None)
-        if idle_timeout_ms is None:
-            idle_timeout_ms = getattr(config, "connections_max_idle_ms", DEFAULT_IDLE_TIMEOUT_MS)
-        if max_queued_request_bytes is None:
-            max_queued_request_bytes = getattr(config, "queued_max_request_bytes", DEFAULT_MAX_QUEUED_REQUEST_BYTES)
+                 idle_timeout_ms: int = DEFAULT_IDLE_TIMEOUT_MS,
+                 max_queued_request_bytes: int = DEFAULT_MAX_QUEUED_REQUEST_BYTES) -> None:
         if max_request_bytes < MIN_REQUEST_BYTES:
             raise ValueError(f"max_request_bytes must be at least {MIN_REQUEST_BYTES}")
         if idle_timeout_ms <= 0:

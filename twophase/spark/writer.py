@@ -120,6 +120,7 @@ class TwoPhaseSink:
             return
         if error is not None:
             self.sink.abort(txn)
+            self._registry.drop_intent(self._ctx)  # cleaned up already: nothing for abort_unregistered
             return
         handle = self.sink.pre_commit(txn)
         try:

@@ -22,7 +22,8 @@ async def handle(broker, request):
     TopicResponse = nested(rt, "OffsetCommitResponseTopic")
     PartitionResponse = nested(rt, "OffsetCommitResponsePartition")
     groups = broker.groups
-    check = groups.commit_check(body.group_id, body.generation_id_or_member_epoch, body.member_id) \
+    check = groups.commit_check(body.group_id, body.generation_id_or_member_epoch, body.member_id,
+                                getattr(body, "group_instance_id", None)) \
         if body.group_id else ErrorCode.invalid_group_id.value
     topics_info = broker.topics()
     accepted = {}

@@ -1,0 +1,272 @@
+"""Exactly-once records on a Kafka log: a TwoPhaseCommitSink over KIP-939 prepared transactions.
+
+Each Spark task attempt writes its rows into a transaction of its own, under a
+transactional id derived from (app, query, run, epoch, partition, attempt), so
+no two live attempts ever fence each other. pre_commit flushes and *prepares*
+the transaction (KIP-939): the records are durable on the broker and invisible
+to read_committed consumers. The handle is plain data (the bootstrap servers
+and the PreparedTxn JSON: transactional id, producer id, producer epoch); the
+coordinator's process commits or aborts it with
+``Producer.complete_prepared``, which takes the prepared transaction over as a
+new producer instance (InitProducerId with keep_prepared_txn) and ends it.
+
+Usage::
+
+    from sinks.log import LogSink
+    from twophase.spark import TwoPhaseSink
+
+    sink = LogSink("127.0.0.1:9092", "orders-out", key="order_id", value=None,   # value: JSON of the row
+                   headers={"source": "orders"}, provenance=True)
+    (df.writeStream
+       .foreach(TwoPhaseSink(sink, app="orders", zk="127.0.0.1:2181"))
+       .option("checkpointLocation", "/data/orders-checkpoint")
+       .start())
+
+Any read_committed consumer (confluent-kafka ``isolation.level=read_committed``,
+the default there) then sees every row exactly once.
+
+Apache Kafka 4.1 or newer: the same code works against a real cluster whose
+brokers run with ``transaction.two.phase.commit.enable=true`` (and a principal
+allowed TWO_PHASE_COMMIT on the transactional ids). A 2PC transaction is never
+aborted by the broker's transaction timeout, so an epoch whose commit waits
+for a driver restart, a coordinator failover or an outage of the broker
+itself is still committable when the coordinator gets to it.
+
+Older Kafka (no KIP-939) cannot be used: the client refuses, naming the
+broker's InitProducerId version. What goes wrong there, and why this sink
+does not try: a sink can only flush an ordinary transaction and, in another
+process, send EndTxn with the stored producer id and epoch (what Flink's Kafka
+sink does through reflection). The broker aborts every transaction older than
+``transaction.timeout.ms`` (at most ``transaction.max.timeout.ms``, 15 minutes
+by default), pre-committed or not. If the coordinator has not committed an
+epoch by then (driver down longer than that, coordinator failover, a long
+ZooKeeper or broker outage), its records are aborted while Spark's checkpoint
+already says the epoch is done: the epoch is silently lost. That is the
+transaction timeout hole of Flink's Kafka sink; its only mitigation is a
+timeout above the worst-case recovery time, which also keeps read_committed
+consumers stalled that long behind a dead writer's open transaction.
+
+Attempts that died without closing (a SIGKILLed driver takes its tasks along)
+leave transactions open, and a 2PC transaction never times out: it would hold
+back the last stable offset, so read_committed consumers would stall behind it.
+The coordinator calls :meth:`LogSink.abort_unregistered` for each of them once
+their epoch is settled; a new instance of the attempt's transactional id
+aborts whatever it left open.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+from kio.schema.errors import ErrorCode
+
+from twophase.client import KafkaError, PreparedTxn, PreparedTxnLost, Producer
+from twophase.sink import CommitFailed, TwoPhaseCommitSink, TxnContext
+
+log = logging.getLogger("twophase.sinks.log")
+
+Extractor = Union[str, Callable[[Any], Any], None]
+Headers = Union[Mapping[str, Any], Iterable[tuple[str, Any]], Callable[[Any], Iterable[tuple[str, Any]]], None]
+
+MAX_TRANSACTIONAL_ID = 249   # like topic names; Kafka itself stores ids as int16-length strings
+_MAX_HEAD = 160              # prefix.app.query, leaving room for run, epoch, partition, attempt
+_PREFIX = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+@dataclass(frozen=True)
+class LogHandle:
+    """A prepared transaction: everything commit and abort need, in any process."""
+
+    bootstrap: str
+    transactional_id: str
+    prepared: str | None  # PreparedTxn.to_json(); None if the attempt wrote nothing
+    records: int
+
+
+@dataclass
+class LogTxn:
+    ctx: TxnContext
+    transactional_id: str
+    producer: Producer | None = None   # opened on the first row: empty partitions cost nothing
+    records: int = 0
+    provenance: list[tuple[str, bytes]] = field(default_factory=list)
+
+
+def transactional_id(prefix: str, ctx: TxnContext) -> str:
+    """``<prefix>.<app>.<query>.<run>.<epoch>.<partition>.<attempt>``, unique per attempt.
+
+    The query is part of it so that two queries of one app never share an id.
+    A head too long for Kafka's limits is replaced by a digest.
+    """
+    head = f"{prefix}.{ctx.app}.{ctx.query_id}"
+    if len(head) > _MAX_HEAD:
+        head = f"{prefix}.{hashlib.sha256(head.encode()).hexdigest()[:32]}"
+    tid = f"{head}.{ctx.run_id}.{ctx.epoch}.{ctx.partition}.{ctx.attempt}"
+    if len(tid) > MAX_TRANSACTIONAL_ID:
+        raise ValueError(f"transactional id {tid!r} is longer than {MAX_TRANSACTIONAL_ID}: run id too long")
+    return tid
+
+
+def _to_bytes(value: Any) -> bytes | None:
+    if value is None or isinstance(value, bytes):
+        return value
+    if isinstance(value, (bytearray, memoryview)):
+        return bytes(value)
+    if isinstance(value, str):
+        return value.encode("utf-8")
+    return json.dumps(value, default=str, separators=(",", ":")).encode("utf-8")
+
+
+def _row_dict(row: Any) -> Any:
+    if hasattr(row, "asDict"):
+        return row.asDict(recursive=True)
+    return row
+
+
+def _extract(extractor: Extractor, row: Any) -> Any:
+    if extractor is None:
+        return None
+    if callable(extractor):
+        return extractor(row)
+    return row[extractor]
+
+
+class LogSink(TwoPhaseCommitSink):
+    """Writes each row as one record to ``topic``; commits through KIP-939 prepared transactions.
+
+    Args:
+        bootstrap: the brokers, "host:port[,host:port...]".
+        topic: where the records go.
+        key: a column name or a callable on the row giving the record key (None: no key,
+            so the client's partitioner spreads records).
+        value: a column name or a callable; None means the whole row as JSON.
+        serializer: turns the extracted value into bytes; by default bytes stay, str is
+            UTF-8, anything else (dicts, Spark Rows as dicts, numbers) becomes JSON.
+            The key always goes through the default rule.
+        headers: static headers (a mapping or (name, value) pairs) or a callable on the row
+            returning pairs; values become bytes by the default rule.
+        provenance: add headers twophase.app / .run / .epoch / .partition / .attempt.
+        transactional_id_prefix: first part of every transactional id this sink makes.
+        producer: further twophase.client.Producer settings (linger_ms, batch_size, retries, ...).
+    """
+
+    commit_concurrency = 8  # each commit is its own producer instance and connection
+
+    def __init__(self, bootstrap: str, topic: str, *, key: Extractor = None, value: Extractor = None,
+                 serializer: Callable[[Any], bytes] | None = None, headers: Headers = None,
+                 provenance: bool = False, transactional_id_prefix: str = "twophase",
+                 producer: Mapping[str, Any] | None = None) -> None:
+        if not bootstrap:
+            raise ValueError("bootstrap servers are required")
+        if not topic:
+            raise ValueError("topic is required")
+        if not _PREFIX.match(transactional_id_prefix):
+            raise ValueError(f"transactional_id_prefix {transactional_id_prefix!r}: "
+                             "1-64 letters, digits, '_' or '-'")
+        for name, extractor in (("key", key), ("value", value)):
+            if extractor is not None and not (callable(extractor) or isinstance(extractor, str)):
+                raise TypeError(f"{name} must be a column name, a callable or None")
+        reserved = {"transactional_id", "enable_2pc"} & set(producer or {})
+        if reserved:
+            raise ValueError(f"producer settings {sorted(reserved)} are the sink's to choose")
+        self.bootstrap = bootstrap
+        self.topic = topic
+        self.key = key
+        self.value = value
+        self.serializer = serializer or _to_bytes
+        self.headers = headers
+        self.provenance = provenance
+        self.transactional_id_prefix = transactional_id_prefix
+        self.producer_settings = dict(producer or {})
+
+    # -- task side ------------------------------------------------------------
+
+    def begin_transaction(self, ctx: TxnContext) -> LogTxn:
+        txn = LogTxn(ctx, transactional_id(self.transactional_id_prefix, ctx))
+        if self.provenance:
+            txn.provenance = [(f"twophase.{name}", str(getattr(ctx, name)).encode())
+                              for name in ("app", "run_id", "epoch", "partition", "attempt")]
+        return txn
+
+    def write(self, txn: LogTxn, row: Any) -> None:
+        if txn.producer is None:
+            txn.producer = self._open_producer(txn.transactional_id)
+        value = _extract(self.value, row) if self.value is not None else _row_dict(row)
+        txn.producer.send(self.topic, value=self.serializer(value), key=_to_bytes(_extract(self.key, row)),
+                          headers=self._headers(row) + txn.provenance)
+        txn.records += 1
+
+    def pre_commit(self, txn: LogTxn) -> LogHandle:
+        prepared = None
+        if txn.producer is not None:
+            try:
+                prepared = txn.producer.prepare_transaction().to_json()
+            finally:
+                txn.producer.close()
+                txn.producer = None
+        return LogHandle(self.bootstrap, txn.transactional_id, prepared, txn.records)
+
+    def _open_producer(self, tid: str) -> Producer:
+        producer = Producer(self.bootstrap, transactional_id=tid, enable_2pc=True, **self.producer_settings)
+        try:
+            producer.init_transactions()
+            producer.begin_transaction()
+        except BaseException:
+            producer.close()
+            raise
+        return producer
+
+    def _headers(self, row: Any) -> list[tuple[str, bytes]]:
+        headers = self.headers
+        if headers is None:
+            return []
+        if callable(headers):
+            headers = headers(row)
+        elif isinstance(headers, Mapping):
+            headers = headers.items()
+        return [(name, _to_bytes(v)) for name, v in headers]
+
+    # -- coordinator side ----------------------------------------------------
+
+    def commit(self, handle: LogHandle) -> None:
+        if handle.prepared is not None:
+            try:
+                Producer.complete_prepared(handle.bootstrap, PreparedTxn.from_json(handle.prepared), commit=True)
+            except PreparedTxnLost as e:
+                raise CommitFailed(f"{handle.records} prepared records of {handle.transactional_id} "
+                                   f"are lost: {e}") from e
+
+    def abort(self, handle_or_txn: LogHandle | LogTxn) -> None:
+        if isinstance(handle_or_txn, LogTxn):
+            producer, handle_or_txn.producer = handle_or_txn.producer, None
+            if producer is not None:
+                try:
+                    producer.abort_transaction()
+                finally:
+                    producer.close()
+        elif handle_or_txn.prepared is not None:
+            try:
+                Producer.complete_prepared(handle_or_txn.bootstrap, PreparedTxn.from_json(handle_or_txn.prepared),
+                                           commit=False)
+            except PreparedTxnLost:
+                pass  # aborted or replaced already: gone either way
+            except KafkaError as e:
+                if e.code != ErrorCode.invalid_txn_state:
+                    raise
+                # Committed before: nothing can take it back, and retrying forever would not either.
+                log.warning("abort of %s ignored: it was committed already", handle_or_txn.transactional_id)
+
+    def abort_unregistered(self, ctx: TxnContext) -> None:
+        """Abort what a dead attempt left open: a new instance of its id without keep_prepared_txn does."""
+        producer = Producer(self.bootstrap, transactional_id=transactional_id(self.transactional_id_prefix, ctx),
+                            enable_2pc=True, **self.producer_settings)
+        try:
+            producer.init_transactions()
+        finally:
+            producer.close()
