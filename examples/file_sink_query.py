@@ -40,6 +40,12 @@ def write_input(input_dir: str, batch: int, ids: range) -> None:
     os.utime(path, (stamp, stamp))
 
 
+def fails_first_attempt(ctx, fail_rate: float) -> bool:
+    """Whether this attempt is one chosen to fail: a hash, so every worker chooses alike."""
+    key = f"{ctx.run_id}:{ctx.epoch}:{ctx.partition}".encode()
+    return ctx.attempt == 0 and zlib.crc32(key) % 1000 < fail_rate * 1000
+
+
 class FaultyFileSink(FileSink):
     """A FileSink whose first task attempts fail now and then, and which can be slow.
 
@@ -54,8 +60,7 @@ class FaultyFileSink(FileSink):
 
     def begin_transaction(self, ctx):
         txn = super().begin_transaction(ctx)
-        key = f"{ctx.run_id}:{ctx.epoch}:{ctx.partition}".encode()
-        txn.fail = ctx.attempt == 0 and zlib.crc32(key) % 1000 < self.fail_rate * 1000
+        txn.fail = fails_first_attempt(ctx, self.fail_rate)
         return txn
 
     def write(self, txn, row: Any) -> None:
@@ -90,24 +95,26 @@ def start_query(spark, writer, input_dir: str, checkpoint: str, partitions: int 
             .start())
 
 
-def main(argv: list[str] | None = None) -> int:
-    from twophase.spark import TwoPhaseSink
-
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def query_parser(description: str, app: str) -> argparse.ArgumentParser:
+    """The options of every example query; each example adds where its rows go."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--zk", required=True)
     parser.add_argument("--input", required=True)
-    parser.add_argument("--output", required=True)
     parser.add_argument("--checkpoint", required=True)
-    parser.add_argument("--app", default="file-sink-example")
+    parser.add_argument("--app", default=app)
     parser.add_argument("--root", default="/twophase")
     parser.add_argument("--partitions", type=int, default=4)
     parser.add_argument("--fail-rate", type=float, default=0.0)
     parser.add_argument("--slow-ms", type=int, default=0)
     parser.add_argument("--coordinator", choices=("embedded", "daemon"), default="embedded")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def run_query(sink, args: argparse.Namespace) -> int:
+    """Stream args.input through TwoPhaseSink(sink) until the input is used up and committed."""
+    from twophase.spark import TwoPhaseSink
 
     spark = build_spark()
-    sink = FaultyFileSink(args.output, fail_rate=args.fail_rate, slow_ms=args.slow_ms)
     writer = TwoPhaseSink(sink, app=args.app, zk=args.zk, root=args.root, coordinator=args.coordinator)
     query = start_query(spark, writer, args.input, args.checkpoint, args.partitions)
     query.awaitTermination()
@@ -115,6 +122,13 @@ def main(argv: list[str] | None = None) -> int:
         writer.await_committed(query, timeout=120)
     spark.stop()
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = query_parser(__doc__.splitlines()[0], app="file-sink-example")
+    parser.add_argument("--output", required=True)
+    args = parser.parse_args(argv)
+    return run_query(FaultyFileSink(args.output, fail_rate=args.fail_rate, slow_ms=args.slow_ms), args)
 
 
 if __name__ == "__main__":

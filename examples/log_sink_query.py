@@ -17,14 +17,12 @@ default) of what the query made visible.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 import uuid
-import zlib
 from typing import Any
 
-from examples.file_sink_query import build_spark, start_query
+from examples.file_sink_query import fails_first_attempt, query_parser, run_query
 from sinks.log import LogSink, LogTxn
 
 
@@ -42,8 +40,7 @@ class FaultyLogSink(LogSink):
 
     def begin_transaction(self, ctx) -> LogTxn:
         txn = super().begin_transaction(ctx)
-        key = f"{ctx.run_id}:{ctx.epoch}:{ctx.partition}".encode()
-        txn.fail = ctx.attempt == 0 and zlib.crc32(key) % 1000 < self.fail_rate * 1000
+        txn.fail = fails_first_attempt(ctx, self.fail_rate)
         return txn
 
     def write(self, txn: LogTxn, row: Any) -> None:
@@ -91,31 +88,11 @@ def read_topic(bootstrap: str, topic: str, isolation: str = "read_committed", ti
 
 
 def main(argv: list[str] | None = None) -> int:
-    from twophase.spark import TwoPhaseSink
-
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--zk", required=True)
+    parser = query_parser(__doc__.splitlines()[0], app="log-sink-example")
     parser.add_argument("--bootstrap", required=True)
     parser.add_argument("--topic", required=True)
-    parser.add_argument("--input", required=True)
-    parser.add_argument("--checkpoint", required=True)
-    parser.add_argument("--app", default="log-sink-example")
-    parser.add_argument("--root", default="/twophase")
-    parser.add_argument("--partitions", type=int, default=4)
-    parser.add_argument("--fail-rate", type=float, default=0.0)
-    parser.add_argument("--slow-ms", type=int, default=0)
-    parser.add_argument("--coordinator", choices=("embedded", "daemon"), default="embedded")
     args = parser.parse_args(argv)
-
-    spark = build_spark()
-    sink = FaultyLogSink(args.bootstrap, args.topic, fail_rate=args.fail_rate, slow_ms=args.slow_ms)
-    writer = TwoPhaseSink(sink, app=args.app, zk=args.zk, root=args.root, coordinator=args.coordinator)
-    query = start_query(spark, writer, args.input, args.checkpoint, args.partitions)
-    query.awaitTermination()
-    if args.coordinator == "embedded":
-        writer.await_committed(query, timeout=120)
-    spark.stop()
-    return 0
+    return run_query(FaultyLogSink(args.bootstrap, args.topic, fail_rate=args.fail_rate, slow_ms=args.slow_ms), args)
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ from typing import Literal
 
 from .groups import GroupCoordinator
 from .server import DEFAULT_MAX_REQUEST_BYTES, Dispatcher, KafkaServer
-from .storage import KafkaError, LogConfig, LogManager, TopicInfo, UnknownTopicOrPartitionError
+from .storage import LogConfig, LogManager, TopicInfo, UnknownTopicOrPartitionError
 from .txn import TXN_DIR, Failpoint, TransactionCoordinator, TxnSettings
 from twophase.durable import atomic_write
 

@@ -81,4 +81,5 @@ __all__ = [
     "parse_header",
     "set_base_offset",
     "validate_batch",
+    "validate_topic_name",
 ]

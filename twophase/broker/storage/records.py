@@ -196,10 +196,21 @@ class _RecordView:
     offset_delta: int
     key: bytes | None
     value: bytes | None
+    headers: tuple[tuple[str, bytes | None], ...]
     end: int
 
 
+def _read_bytes(buf: Buffer, pos: int, end: int) -> tuple[bytes | None, int]:
+    n, pos = decode_varint(buf, pos)
+    if n < 0:
+        return None, pos
+    if pos + n > end:
+        raise ValueError("record field out of bounds")
+    return bytes(buf[pos : pos + n]), pos + n
+
+
 def _read_record(buf: Buffer, pos: int) -> _RecordView:
+    """One v2 record starting at ``pos``; ValueError if it does not fit in ``buf``."""
     length, pos = decode_varint(buf, pos)
     end = pos + length
     if length < 0 or end > len(buf):
@@ -207,17 +218,15 @@ def _read_record(buf: Buffer, pos: int) -> _RecordView:
     pos += 1  # attributes, unused in v2
     ts_delta, pos = decode_varint(buf, pos)
     offset_delta, pos = decode_varint(buf, pos)
-    fields: list[bytes | None] = []
-    for _ in range(2):
-        n, pos = decode_varint(buf, pos)
-        if n < 0:
-            fields.append(None)
-        else:
-            if pos + n > end:
-                raise ValueError("record field out of bounds")
-            fields.append(bytes(buf[pos : pos + n]))
-            pos += n
-    return _RecordView(ts_delta, offset_delta, fields[0], fields[1], end)
+    key, pos = _read_bytes(buf, pos, end)
+    value, pos = _read_bytes(buf, pos, end)
+    count, pos = decode_varint(buf, pos)
+    headers = []
+    for _ in range(count):
+        name, pos = _read_bytes(buf, pos, end)
+        header_value, pos = _read_bytes(buf, pos, end)
+        headers.append(((name or b"").decode("utf-8", "replace"), header_value))
+    return _RecordView(ts_delta, offset_delta, key, value, tuple(headers), end)
 
 
 def parse_control_record(batch: Buffer) -> ControlRecord:
@@ -317,36 +326,13 @@ def record_batch(
     return bytes(buf)
 
 
-def _read_bytes(buf: Buffer, pos: int, end: int) -> tuple[bytes | None, int]:
-    n, pos = decode_varint(buf, pos)
-    if n < 0:
-        return None, pos
-    if pos + n > end:
-        raise ValueError("record field out of bounds")
-    return bytes(buf[pos : pos + n]), pos + n
-
-
 def _decode_records(body: Buffer, header: BatchHeader) -> Iterator[Record]:
     pos = 0
     for _ in range(header.record_count):
-        length, pos = decode_varint(body, pos)
-        end = pos + length
-        if length < 0 or end > len(body):
-            raise ValueError("record length out of bounds")
-        pos += 1  # attributes, unused in v2
-        ts_delta, pos = decode_varint(body, pos)
-        offset_delta, pos = decode_varint(body, pos)
-        key, pos = _read_bytes(body, pos, end)
-        value, pos = _read_bytes(body, pos, end)
-        count, pos = decode_varint(body, pos)
-        headers = []
-        for _ in range(count):
-            name, pos = _read_bytes(body, pos, end)
-            header_value, pos = _read_bytes(body, pos, end)
-            headers.append(((name or b"").decode("utf-8", "replace"), header_value))
-        timestamp = header.max_timestamp if header.has_log_append_time else header.base_timestamp + ts_delta
-        yield Record(header.base_offset + offset_delta, timestamp, key, value, tuple(headers))
-        pos = end
+        record = _read_record(body, pos)
+        timestamp = header.max_timestamp if header.has_log_append_time else header.base_timestamp + record.timestamp_delta
+        yield Record(header.base_offset + record.offset_delta, timestamp, record.key, record.value, record.headers)
+        pos = record.end
 
 
 def decode_batch_records(batch: Buffer) -> list[Record]:
