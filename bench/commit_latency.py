@@ -11,7 +11,7 @@ For each size it starts nothing but a private ZooKeeper (``ZooKeeperServer``) an
 ``FileSink`` in a temp dir, and for every epoch:
 
 1. *task side*: for each partition, what ``TwoPhaseSink`` does in a Spark task:
-   ``PrecommitRegistry.winner`` (the lookup in ``open()``), ``begin_transaction``,
+   ``PrecommitRegistry.winner`` and ``intend`` (``open()``), ``begin_transaction``,
    10 ``write``s, ``pre_commit``, ``PrecommitRegistry.register``;
 2. *GC pass*: one ``AppCoordinator.reconcile()`` before the barrier. The embedded
    coordinator does this when its ChildrenWatch sees the new epoch node; it
@@ -205,6 +205,7 @@ def bench_size(server: ZooKeeperServer, packets: Packets, workdir: Path, partiti
             ctx = TxnContext(app, query_id, run_id, epoch, partition, attempt=0)
             before = tasks.snapshot()
             assert registry.winner(ctx) is None
+            registry.intend(ctx)
             lookups += sum(since(tasks, before).values())
             txn = task_sink.begin_transaction(ctx)
             for i in range(rows):
