@@ -90,6 +90,7 @@ class AppCoordinator:
         self._sink_version: int | None = None
         self._sink_checked = False  # per pass: the stored sink is read at most once
         self._watched: set[str] = set()
+        self._unclean: set[tuple[str, int]] = set()  # committed epochs whose dead attempts await cleanup
 
     def acquire(self) -> None:
         token = self.fence.acquire(self.owner)
@@ -154,6 +155,7 @@ class AppCoordinator:
         epochs = sorted(int(n) for n in names)
         watermark = read_json(self.client, qp.watermark, {"epoch": -1})["epoch"]
         if not options.dry_run:
+            self._retry_cleanups(qid, qp, options)
             self._collect_garbage(qp, [n for n in epochs if n <= watermark], options)
         pending = [n for n in epochs if n > watermark]
         if not pending:
@@ -220,7 +222,8 @@ class AppCoordinator:
         recovering = options.recovering or record.state is not EpochState.OPEN
         if not options.dry_run:
             # A deposed owner must not touch the external system. Past this check, the fenced
-            # delete after each commit stops it after at most one (idempotent, decided) commit.
+            # delete after each commit stops it after at most commit_concurrency (idempotent,
+            # decided) commits: those in flight when the first delete is refused.
             self.fence.check()
         if record.state is EpochState.OPEN:
             run = registry.latest_run(attempts)
@@ -231,9 +234,8 @@ class AppCoordinator:
                 return False
         if not self._finish_all(qp, epoch, [(a, a.name in record.winners) for a in attempts], recovering, options):
             return False
-        if not self._abort_unregistered(epoch, attempts, options, registry):
-            return False
         if options.dry_run:
+            self._abort_unregistered(epoch, attempts, options, registry)
             options.actions.append(f"epoch {epoch}: would commit {len(record.winners)} pre-commit(s) of run {record.run}")
             return True
         txn = self.fence.transaction()
@@ -243,6 +245,10 @@ class AppCoordinator:
         self.fence.commit(txn)
         log.info("app %s query %s: epoch %d committed (%d partitions from run %s)",
                  self.app, qid, epoch, len(record.winners), record.run)
+        # After the commit: cleaning up after dead attempts must not hold back the epoch's
+        # visible data or later epochs. A failure is retried on later passes (and by GC).
+        if not self._abort_unregistered(epoch, attempts, options, registry):
+            self._unclean.add((qid, epoch))
         options.actions.append(f"epoch {epoch}: committed {len(record.winners)} pre-commit(s) of run {record.run}")
         return True
 
@@ -251,8 +257,8 @@ class AppCoordinator:
         """Commit or abort each (attempt, commit?) pair; False if any failed.
 
         Up to the sink's ``commit_concurrency`` run at once: an epoch of hundreds of partitions
-        would otherwise pay every external round trip in sequence. Sequentially, the first
-        failure stops the rest, as they would fail the same way.
+        would otherwise pay every external round trip in sequence. The first failure stops
+        those not yet started, as they would fail the same way.
         """
         if not work:
             return True
@@ -260,9 +266,25 @@ class AppCoordinator:
                                                 len(work))
         if threads <= 1:
             return all(self._finish(qp, epoch, attempt, commit, recovering, options) for attempt, commit in work)
+        # Once one call finds us fenced (or fails), the rest are not started: a deposed owner makes at
+        # most ``threads`` more (idempotent, decided) sink calls, the ones already in flight.
+        stop = threading.Event()
+
+        def finish(item: tuple[Attempt, bool]) -> bool:
+            if stop.is_set():
+                return False
+            try:
+                done = self._finish(qp, epoch, item[0], item[1], recovering, options)
+            except BaseException:
+                stop.set()
+                raise
+            if not done:
+                stop.set()
+            return done
+
         with ThreadPoolExecutor(threads, thread_name_prefix=f"twophase-commit-{self.app}") as pool:
-            done = list(pool.map(lambda w: self._finish(qp, epoch, w[0], w[1], recovering, options), work))
-        return all(done)
+            results = list(pool.map(finish, work))
+        return all(results)
 
     def _finish(self, qp: QueryPaths, epoch: int, attempt: Attempt, commit: bool,
                 recovering: bool, options: PassOptions) -> bool:
@@ -349,6 +371,12 @@ class AppCoordinator:
             pass
         txn.set_data(path, dump(failure))
         self.fence.commit(txn)
+
+    def _retry_cleanups(self, qid: str, qp: QueryPaths, options: PassOptions) -> None:
+        registry = PrecommitRegistry(self.client, qp, self.signer)
+        for q, epoch in sorted(self._unclean):
+            if q == qid and self._abort_unregistered(epoch, registry.load(epoch), options, registry):
+                self._unclean.discard((q, epoch))
 
     def _collect_garbage(self, qp: QueryPaths, committed: list[int], options: PassOptions) -> None:
         """Drop committed epoch records beyond the retention bound, aborting any late leftovers."""

@@ -258,6 +258,64 @@ def test_an_unregistered_attempt_that_began_after_the_commit_is_cleaned_up_by_gc
     assert not pipe.zk.exists(pipe.qp.epoch(0))
 
 
+DEPOSED = {"calls": 0, "on_first_commit": None}
+
+
+class DeposingSink(FileSink):
+    """Counts commits; the first one lets the test depose the committing coordinator."""
+
+    commit_concurrency = 2
+
+    def commit(self, handle):
+        DEPOSED["calls"] += 1
+        if DEPOSED["calls"] == 1:
+            DEPOSED["on_first_commit"]()
+        super().commit(handle)
+
+
+def test_a_coordinator_deposed_mid_epoch_stops_committing_concurrently(zk, zk_root, tmp_path):
+    pipe = Pipeline(zk, zk_root, DeposingSink(str(tmp_path / "out")))
+    for partition in range(16):
+        pipe.task("r1", 0, partition, range(partition * 10, partition * 10 + 10))
+    pipe.barrier(0, "r1")
+    old = pipe.coordinator("old")
+    DEPOSED.update(calls=0, on_first_commit=lambda: pipe.coordinator("new"))
+    with pytest.raises(Fenced):
+        old.reconcile()
+    assert DEPOSED["calls"] <= 3  # the first commit and at most the ones in flight beside it
+    DEPOSED["on_first_commit"] = lambda: None
+    successor = pipe.coordinator("successor")
+    successor.reconcile()
+    assert count_rows(range(160), ids_out(pipe)).exact and pipe.watermark() == 0
+
+
+class CleanupFailsSink(FileSink):
+    cleanup_works = False
+
+    def abort_unregistered(self, ctx):
+        if not self.cleanup_works:
+            raise ConnectionError("injected cleanup failure")
+        super().abort_unregistered(ctx)
+
+
+def test_a_failing_cleanup_of_a_dead_attempt_does_not_hold_back_the_epoch(zk, zk_root, tmp_path):
+    pipe = Pipeline(zk, zk_root, CleanupFailsSink(str(tmp_path / "out")))
+    dead = TxnContext("app", QUERY, "r1", 0, 1, 0)
+    pipe.registry.intend(dead)
+    pipe.sink.pre_commit(stage(pipe.sink, dead, [{"id": 999}]))
+    pipe.task("r1", 0, 0, range(10))
+    pipe.task("r1", 0, 1, range(10, 20), attempt=1)
+    pipe.task("r1", 1, 0, range(20, 30))
+    pipe.barrier(1, "r1")
+    app = pipe.coordinator(attempts=1)
+    app.reconcile()
+    assert pipe.watermark() == 1 and count_rows(range(30), ids_out(pipe)).exact
+    assert pending_files(pipe) == ["r1.0.1.0.jsonl"]  # still there, and retried on the next passes
+    app.sink().cleanup_works = True
+    assert "epoch 0: aborted unregistered attempt r1.0.1.0" in app.reconcile()
+    assert pending_files(pipe) == []
+
+
 def test_committed_epochs_are_garbage_collected_beyond_retention(pipe):
     for epoch in range(6):
         pipe.task("r1", epoch, 0, range(epoch * 10, epoch * 10 + 10))

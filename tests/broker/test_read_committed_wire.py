@@ -1,5 +1,6 @@
-"""read_committed over the wire: hand-built transactional batches through Produce, markers written on
-the partition directly (the coordinator's job), then raw Fetch/ListOffsets and real consumers
+"""read_committed over the wire: hand-built transactional batches and their markers appended to the
+partition directly (so the test controls the interleaving the coordinator would otherwise decide;
+test_txn_interop.py goes through the coordinator), then raw Fetch/ListOffsets and real consumers
 (confluent-kafka, kafka-python, aiokafka) in both isolation levels."""
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from kafka import KafkaConsumer
 from kafka import TopicPartition as KpTopicPartition
 
 from .batches import batch, decode
-from .conftest import MS, WireClient, fetch_request, only_partition, produce_request, req, sub
+from .conftest import MS, WireClient, fetch_request, only_partition, req, sub
 
 READ_UNCOMMITTED, READ_COMMITTED = 0, 1
 
@@ -35,10 +36,15 @@ class TxnWriter:
     def send(self, *values: bytes, transactional: bool = True) -> int:
         records = batch(list(values), producer_id=self.pid, producer_epoch=self.epoch, base_sequence=self.seq,
                         transactional=transactional)
-        response = only_partition(self.client.request(produce_request(self.topic, records)))
-        assert response.error_code == 0, response
+
+        def append() -> int:
+            result = self.broker.partition_log(self.topic, 0, create=True).append(records, int(time.time() * 1000))
+            self.broker.data_arrived(self.topic, 0)
+            return result.base_offset
+
+        base_offset = self.broker.call(append)
         self.seq += len(values)
-        return response.base_offset
+        return base_offset
 
     def end(self, commit: bool) -> int:
         def write_marker() -> int:

@@ -19,6 +19,7 @@ from twophase.broker.txn.coordinator import (
     CONCURRENT_TRANSACTIONS, INVALID_PRODUCER_EPOCH, INVALID_PRODUCER_ID_MAPPING, INVALID_TRANSACTION_TIMEOUT,
     INVALID_TXN_STATE, NONE, PRODUCER_FENCED, TRANSACTIONAL_ID_AUTHORIZATION_FAILED)
 from twophase.broker.txn.log import LOG_FILE
+from twophase.broker.txn.metadata import MAX_EPOCH
 
 T0 = 1_700_000_000_000
 
@@ -106,7 +107,7 @@ def test_every_transition_not_listed_fails_loudly():
 def test_metadata_round_trips_through_its_log_form():
     meta = TxnMetadata("x", 5, 3, 1000, state=TxnState.ONGOING, two_phase=True, txn_producer_id=5,
                        txn_producer_epoch=2, partitions={("a", 1), ("b", 0)}, groups={"g"}, start_ms=7,
-                       last_update_ms=9)
+                       last_update_ms=9, previous_producer_id=4, previous_producer_epoch=32766)
     assert TxnMetadata.from_dict("x", meta.to_dict()) == meta
 
 
@@ -134,12 +135,125 @@ def test_two_phase_can_be_forbidden(tmp_path):
     h.txns.close()
 
 
+def reinit(h, pid, epoch, tid="app", now=T0, **kw):
+    """InitProducerId from an instance holding (pid, epoch) (KIP-360): (error, producer id, epoch)."""
+    r = h.txns.init_producer_id(tid, 10_000, producer_id=pid, producer_epoch=epoch, now_ms=now, **kw)
+    return r.error, r.producer_id, r.producer_epoch
+
+
+def log_size(h):
+    return os.path.getsize(h.tmp_path / "txn" / LOG_FILE)
+
+
 def test_kip360_only_the_current_instance_may_bump_its_epoch(h):
     pid, epoch = init(h)
-    assert h.txns.init_producer_id("app", 1000, producer_id=pid, producer_epoch=epoch, now_ms=T0).producer_epoch == 1
-    assert h.txns.init_producer_id("app", 1000, producer_id=pid, producer_epoch=0, now_ms=T0).error == PRODUCER_FENCED
+    assert reinit(h, pid, epoch) == (NONE, pid, 1)
+    assert reinit(h, pid, 1) == (NONE, pid, 2)
+    assert reinit(h, pid, 0)[0] == PRODUCER_FENCED  # older than the previous epoch
+    assert reinit(h, pid + 1, 2)[0] == PRODUCER_FENCED
     assert h.txns.init_producer_id("new", 1000, producer_id=5, producer_epoch=0, now_ms=T0).error == \
         INVALID_PRODUCER_ID_MAPPING
+
+
+def test_a_retry_with_the_previous_epoch_gets_the_current_one_again(h):
+    pid, epoch = init(h)
+    assert reinit(h, pid, epoch) == (NONE, pid, epoch + 1)
+    size = log_size(h)
+    assert reinit(h, pid, epoch) == (NONE, pid, epoch + 1)  # the answer was lost: no second bump
+    assert log_size(h) == size
+    h.restart()  # the previous epoch is in the log
+    assert reinit(h, pid, epoch) == (NONE, pid, epoch + 1)
+    assert h.txns.add_partitions("app", pid, epoch + 1, [("a", 0)], T0) == NONE
+
+
+def test_a_new_instance_or_a_timeout_forgets_the_previous_epoch(h):
+    pid, epoch = init(h)
+    reinit(h, pid, epoch)
+    assert init(h) == (pid, epoch + 2)  # a new instance: the one that asked for epoch + 1 is fenced
+    assert reinit(h, pid, epoch)[0] == PRODUCER_FENCED
+    assert reinit(h, pid, epoch + 1)[0] == PRODUCER_FENCED
+    assert reinit(h, pid, epoch + 2) == (NONE, pid, epoch + 3)
+    h.txns.add_partitions("app", pid, epoch + 3, [("a", 0)], T0)
+    h.txns.check(T0 + 10_001)  # timed out: aborted with epoch + 4, which nobody holds
+    assert state(h) == "CompleteAbort"
+    assert reinit(h, pid, epoch + 2)[0] == PRODUCER_FENCED
+    assert reinit(h, pid, epoch + 3)[0] == PRODUCER_FENCED
+
+
+def test_the_previous_epoch_after_new_work_bumps_again(h):
+    pid, epoch = init(h)
+    reinit(h, pid, epoch)
+    h.txns.add_partitions("app", pid, epoch + 1, [("a", 0)], T0)
+    # Not a lost answer (the instance used it); the only one that can send this pair holds the
+    # current epoch, so it is treated as that instance: its transaction is aborted, the epoch bumped.
+    assert reinit(h, pid, epoch) == (NONE, pid, epoch + 3)
+    assert h.markers == [("a-0", pid, epoch + 2, False)]
+
+
+def test_an_abort_that_must_be_retried_still_accepts_the_retried_request(h):
+    pid, epoch = init(h)
+    h.txns.add_partitions("app", pid, epoch, [("a", 0)], T0)
+    h.partitions[("a", 0)].fail = True
+    assert reinit(h, pid, epoch)[0] == CONCURRENT_TRANSACTIONS  # abort logged, its marker not written
+    assert state(h) == "PrepareAbort"
+    h.partitions[("a", 0)].fail = False
+    assert reinit(h, pid, epoch) == (NONE, pid, epoch + 2)
+    assert h.markers == [("a-0", pid, epoch + 1, False)]
+    assert reinit(h, pid, epoch) == (NONE, pid, epoch + 2)
+
+
+def write_epoch(h, epoch, tid="app"):
+    """Set the logged epoch of ``tid`` while the coordinator is down (no test waits 32766 bumps)."""
+    h.txns.close()
+    log = TransactionLog(str(h.tmp_path / "txn"))
+    meta = TxnMetadata.from_dict(tid, log.open()[tid])
+    meta.producer_epoch = epoch
+    log.append(tid, meta.to_dict())
+    log.close()
+    h.restart()
+
+
+def test_an_exhausted_epoch_gets_a_new_producer_id(h):
+    pid, _ = init(h)
+    write_epoch(h, MAX_EPOCH - 1)
+    assert reinit(h, pid, MAX_EPOCH - 2)[0] == PRODUCER_FENCED
+    assert reinit(h, pid, MAX_EPOCH - 1) == (NONE, pid + 1, 0)
+    assert reinit(h, pid, MAX_EPOCH - 1) == (NONE, pid + 1, 0)  # retried: the same new id, no third one
+    h.restart()
+    assert reinit(h, pid, MAX_EPOCH - 1) == (NONE, pid + 1, 0)
+    assert reinit(h, pid + 1, 0) == (NONE, pid + 1, 1)
+    assert reinit(h, pid, MAX_EPOCH - 1)[0] == PRODUCER_FENCED
+
+
+def test_an_exhausted_epoch_without_a_producer_id_in_the_request(h):
+    pid, _ = init(h)
+    write_epoch(h, MAX_EPOCH - 1)
+    assert init(h) == (pid + 1, 0)
+
+
+def test_an_exhausted_epoch_with_an_open_transaction(h):
+    pid, _ = init(h)
+    write_epoch(h, MAX_EPOCH - 1)
+    h.txns.add_partitions("app", pid, MAX_EPOCH - 1, [("a", 0)], T0)
+    assert reinit(h, pid, MAX_EPOCH - 1) == (NONE, pid + 1, 1)
+    # The old id's data is aborted with the one epoch left to it.
+    assert h.markers == [("a-0", pid, MAX_EPOCH, False)]
+    assert reinit(h, pid, MAX_EPOCH - 1) == (NONE, pid + 1, 1)
+
+
+def test_records_logged_before_the_previous_epoch_existed_replay(h):
+    pid, epoch = init(h)
+    reinit(h, pid, epoch)
+    h.txns.close()
+    log = TransactionLog(str(h.tmp_path / "txn"))
+    old_form = {k: v for k, v in log.open()["app"].items() if k not in ("prev_pid", "prev_epoch")}
+    log.append("app", old_form)
+    log.close()
+    h.restart()
+    d = h.txns.describe("app")
+    assert (d.producer_id, d.producer_epoch, d.state) == (pid, epoch + 1, "Empty")
+    assert reinit(h, pid, epoch)[0] == PRODUCER_FENCED  # no previous pair known: as before
+    assert reinit(h, pid, epoch + 1) == (NONE, pid, epoch + 2)
 
 
 def test_reinit_aborts_the_open_transaction_and_fences_the_old_instance(h):
@@ -297,6 +411,39 @@ def test_keep_prepared_without_a_transaction_reports_none_ongoing(h):
     assert (r.error, r.ongoing_producer_id, r.ongoing_producer_epoch) == (NONE, -1, -1)
 
 
+def test_a_take_over_after_the_commit_keeps_the_outcome_describable(h):
+    """A second completer of one prepared transaction arrives after the first committed it."""
+    pid, epoch = init(h, enable_two_phase=True)
+    h.txns.add_partitions("app", pid, epoch, [("a", 0)], T0)
+    first = h.txns.init_producer_id("app", 1_000, enable_two_phase=True, keep_prepared=True, now_ms=T0)
+    assert h.txns.end_txn("app", pid, first.producer_epoch, True, T0) == NONE
+    second = h.txns.init_producer_id("app", 1_000, enable_two_phase=True, keep_prepared=True, now_ms=T0)
+    assert (second.ongoing_producer_id, second.ongoing_producer_epoch) == (-1, -1)
+    assert state(h) == "CompleteCommit" and h.txns.describe("app").producer_id == pid
+    h.restart(now_ms=T0)
+    assert state(h) == "CompleteCommit"
+    # An ordinary new instance starts afresh.
+    init(h, enable_two_phase=True)
+    assert state(h) == "Empty"
+
+
+def test_a_retried_take_over_gets_the_same_answer(h):
+    pid, epoch = init(h, enable_two_phase=True)
+    h.txns.add_partitions("app", pid, epoch, [("a", 0)], T0)
+    take_over = {"enable_two_phase": True, "keep_prepared": True}
+    first = h.txns.init_producer_id("app", 1_000, producer_id=pid, producer_epoch=epoch, now_ms=T0, **take_over)
+    again = h.txns.init_producer_id("app", 1_000, producer_id=pid, producer_epoch=epoch, now_ms=T0, **take_over)
+    assert first == again
+    assert (again.producer_epoch, again.ongoing_producer_id, again.ongoing_producer_epoch) == (epoch + 1, pid, epoch)
+    # A take-over by a new instance (no producer id) fences the one that asked before.
+    fresh = h.txns.init_producer_id("app", 1_000, now_ms=T0, **take_over)
+    assert (fresh.producer_epoch, fresh.ongoing_producer_epoch) == (epoch + 2, epoch)
+    assert reinit(h, pid, epoch, **take_over)[0] == PRODUCER_FENCED
+    assert reinit(h, pid, epoch + 1, **take_over)[0] == PRODUCER_FENCED
+    assert h.txns.end_txn("app", pid, epoch + 2, True, T0) == NONE
+    assert h.markers == [("a-0", pid, epoch + 2, True)]
+
+
 def test_init_without_keep_prepared_aborts_a_prepared_transaction(h):
     pid, epoch = init(h, enable_two_phase=True)
     h.txns.add_partitions("app", pid, epoch, [("a", 0)], T0)
@@ -331,6 +478,7 @@ def test_list_filters(h):
     assert h.txns.list_transactions(producer_ids=[pid], now_ms=T0)[2] == [("app-1", pid, "Ongoing")]
     assert h.txns.list_transactions(pattern="app-[2]", now_ms=T0)[2][0][0] == "app-2"
     assert h.txns.list_transactions(pattern="(", now_ms=T0)[0] == 128
+    assert h.txns.list_transactions(pattern="(" * 5_000 + ")" * 5_000, now_ms=T0)[0] == 128  # too long/deep
     assert h.txns.list_transactions(states=["Ongoing"], min_duration_ms=10, now_ms=T0 + 5)[2] == []
     assert len(h.txns.list_transactions(states=["Ongoing"], min_duration_ms=10, now_ms=T0 + 11)[2]) == 1
 

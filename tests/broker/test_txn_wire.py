@@ -1,14 +1,18 @@
 """The transactional APIs at the wire level (kio request objects over a socket): versions, error
-codes per version, produce checks, require_stable, list/describe, and a KIP-939 prepared
-transaction that survives a broker restart and a long idle period, then is committed by a fresh
-connection."""
+codes per version, a retried InitProducerId and an exhausted epoch (KIP-360), produce checks,
+require_stable, list/describe, and a KIP-939 prepared transaction that survives a broker restart and
+a long idle period, then is committed by a fresh connection."""
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 
 from kio.schema.errors import ErrorCode
+
+from twophase.broker.txn import TXN_DIR, TransactionLog, TxnMetadata
+from twophase.broker.txn.metadata import MAX_EPOCH
 
 from .batches import batch
 from .conftest import MS, WireClient, produce_request, req, sub
@@ -97,6 +101,64 @@ def test_fencing_is_spelled_per_version(broker, wire, topic):
     assert init_pid(w, "f", version=4, **retry).error_code == ErrorCode.producer_fenced
 
 
+def test_init_retried_after_a_lost_answer_gets_the_same_epoch(broker_factory, tmp_path):
+    data_dir = tmp_path / "d"
+    b = broker_factory(data_dir=data_dir)
+    w = WireClient(b.port)
+    first = init_pid(w, "r")
+    pid, epoch = first.producer_id, first.producer_epoch
+    bumped = init_pid(w, "r", version=4, producer_id=pid, producer_epoch=epoch)
+    assert (bumped.error_code, bumped.producer_id, bumped.producer_epoch) == (ErrorCode.none, pid, epoch + 1)
+    w.close()
+    b.stop()  # the answer "was lost"; the retry reaches a restarted broker
+    b = broker_factory(data_dir=data_dir)
+    w = WireClient(b.port)
+    try:
+        retried = init_pid(w, "r", version=4, producer_id=pid, producer_epoch=epoch)
+        assert (retried.error_code, retried.producer_id, retried.producer_epoch) == (ErrorCode.none, pid, epoch + 1)
+        assert init_pid(w, "r", version=4, producer_id=pid, producer_epoch=epoch + 1).producer_epoch == epoch + 2
+        older = init_pid(w, "r", version=4, producer_id=pid, producer_epoch=epoch)  # older than the previous
+        assert (older.error_code, older.producer_id, older.producer_epoch) == (ErrorCode.producer_fenced, -1, -1)
+    finally:
+        w.close()
+
+
+def test_an_exhausted_epoch_gets_a_new_producer_id(broker_factory, tmp_path, topic):
+    data_dir = tmp_path / "d"
+    b = broker_factory(data_dir=data_dir)
+    w = WireClient(b.port)
+    old_pid = init_pid(w, "x").producer_id
+    w.close()
+    b.stop()
+    log = TransactionLog(os.path.join(data_dir, TXN_DIR))  # no test waits for 32766 bumps
+    meta = TxnMetadata.from_dict("x", log.open()["x"])
+    meta.producer_epoch = MAX_EPOCH - 1
+    log.append("x", meta.to_dict())
+    log.close()
+    b = broker_factory(data_dir=data_dir)
+    create_topics(b.bootstrap, topic)
+    w = WireClient(b.port)
+    try:
+        rotated = init_pid(w, "x", version=4, producer_id=old_pid, producer_epoch=MAX_EPOCH - 1)
+        assert rotated.error_code == ErrorCode.none
+        new_pid = rotated.producer_id
+        assert new_pid != old_pid and rotated.producer_epoch == 0
+        retried = init_pid(w, "x", version=4, producer_id=old_pid, producer_epoch=MAX_EPOCH - 1)
+        assert (retried.error_code, retried.producer_id, retried.producer_epoch) == (ErrorCode.none, new_pid, 0)
+        assert init_pid(w, "x", version=4, producer_id=old_pid, producer_epoch=MAX_EPOCH - 2).error_code == \
+            ErrorCode.producer_fenced
+        # The new id works for a transaction; the old one is refused.
+        assert add_partitions(w, "x", old_pid, MAX_EPOCH - 1, {topic: [0]}) == {
+            (topic, 0): ErrorCode.invalid_producer_id_mapping}
+        assert add_partitions(w, "x", new_pid, 0, {topic: [0]}) == {(topic, 0): ErrorCode.none}
+        assert produce_txn(w, "x", topic, 0, new_pid, 0, 0, (b"after-rotation",)) == ErrorCode.none
+        assert end_txn(w, "x", new_pid, 0, True) == ErrorCode.none
+    finally:
+        w.close()
+    write_end_markers(b.bootstrap, [topic])
+    assert read_confluent(b.bootstrap, [topic], "read_committed") == [b"after-rotation"]
+
+
 def test_add_partitions_names_the_unknown_ones(broker, wire, topic):
     create_topics(broker.bootstrap, topic)
     w = wire()
@@ -122,6 +184,18 @@ def test_produce_only_into_the_open_transaction(broker, wire, topic):
     assert end_txn(w, "p", pid, epoch, True) == ErrorCode.none  # retried
     assert end_txn(w, "p", pid, epoch, False) == ErrorCode.invalid_txn_state
     assert produce_txn(w, "p", topic, 0, pid, epoch, 1) == ErrorCode.invalid_txn_state  # late, after the end
+
+
+def test_a_transactional_batch_without_a_transactional_id_is_refused(broker, wire, topic):
+    """Otherwise it would open a transaction no coordinator knows of: the LSO would stay there forever."""
+    create_topics(broker.bootstrap, topic)
+    w = wire()
+    pid = init_pid(w, None, version=4).producer_id
+    records = batch([b"stray"], producer_id=pid, producer_epoch=0, base_sequence=0, transactional=True)
+    [partition] = w.request(produce_request(topic, records)).responses[0].partition_responses
+    assert partition.error_code == ErrorCode.invalid_record
+    plog = broker.partition_log(topic, 0)
+    assert broker.call(lambda: (plog.high_watermark, plog.last_stable_offset)) == (0, 0)
 
 
 def test_offset_fetch_require_stable_waits_for_the_transaction(broker, wire, topic):

@@ -6,6 +6,9 @@ counter persisted in the data directory, so they are never reused across restart
 transactional id the transaction coordinator answers: the id's producer id with a bumped epoch
 (fencing older instances, aborting what they left open), or, with v6 keep_prepared_txn
 (KIP-939), the bumped epoch plus the (producer id, epoch) of the prepared transaction it keeps.
+From v3 the request may carry the producer's own (id, epoch) (KIP-360): only the current pair may
+bump, and the pair before it gets the current answer again (a retry whose response was lost); a
+new producer id with epoch 0 once the epoch is exhausted.
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ idempotent-producer sequence), assigns offsets and never decodes individual reco
 idempotent batch is acknowledged with its original offset. acks must be 0, 1 or -1; with acks=0
 no response is sent. Unknown topics are created when the broker auto-creates topics.
 
-A request with a transactional id must carry transactional batches (INVALID_RECORD otherwise)
+A transactional batch needs the request's transactional id (INVALID_RECORD without one), and a
+request with a transactional id must carry transactional batches (INVALID_RECORD otherwise)
 of the transaction's current producer id and epoch (INVALID_PRODUCER_EPOCH for a fenced one),
 for a partition added to the open transaction (INVALID_TXN_STATE otherwise): data the
 coordinator does not know about would hold back the last stable offset forever.
@@ -50,11 +51,10 @@ async def handle(broker, request):
             if not part.records:
                 partitions.append(partition_response(part.index, ErrorCode.invalid_record, message="no records"))
                 continue
-            if body.transactional_id is not None:
-                refusal = _transaction_check(broker, body.transactional_id, topic.name, part.index, part.records)
-                if refusal is not None:
-                    partitions.append(partition_response(part.index, refusal[0], message=refusal[1]))
-                    continue
+            refusal = _transaction_check(broker, body.transactional_id, topic.name, part.index, part.records)
+            if refusal is not None:
+                partitions.append(partition_response(part.index, refusal[0], message=refusal[1]))
+                continue
             try:
                 plog = broker.partition_log(topic.name, part.index, create=True)
                 result = plog.append(part.records, now_ms)
@@ -73,13 +73,17 @@ async def handle(broker, request):
     return build(rt, responses=tuple(topics), throttle_time=NO_THROTTLE)
 
 
-def _transaction_check(broker, transactional_id: str, topic: str, partition: int, records: bytes):
-    """(error, message) if these batches may not be appended to the transaction, else None."""
+def _transaction_check(broker, transactional_id: str | None, topic: str, partition: int, records: bytes):
+    """(error, message) if these batches may not be appended (to the transaction), else None."""
     try:
         headers = [header for _, header in iter_batches(records, validate=False)]
     except CorruptRecordError:
         return None  # storage rejects it with the precise error
     for header in headers:
+        if transactional_id is None:
+            if header.is_transactional:
+                return ErrorCode.invalid_record, "a transactional batch without a transactional id"
+            continue
         if not header.is_transactional:
             return ErrorCode.invalid_record, "a transactional producer sent a non-transactional batch"
         code = broker.transactions.check_produce(transactional_id, header.producer_id, header.producer_epoch,

@@ -50,6 +50,7 @@ TRANSACTIONAL_ID_NOT_FOUND = 105
 INVALID_REGULAR_EXPRESSION = 128
 
 COORDINATOR_EPOCH = 0  # one broker, never re-elected
+MAX_PATTERN_LENGTH = 1_000  # ListTransactions patterns run on the event loop: keep them small
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,36 +167,54 @@ class TransactionCoordinator:
         if not enable_two_phase and not 0 < timeout_ms <= self.settings.max_timeout_ms:
             return InitResult(INVALID_TRANSACTION_TIMEOUT)
         meta = self._txns.get(transactional_id)
+        requested_by = (producer_id, producer_epoch) if producer_id != -1 else None
         if meta is None:
-            if producer_id != -1:
+            if requested_by:
                 return InitResult(INVALID_PRODUCER_ID_MAPPING)
             meta = TxnMetadata(transactional_id, self._allocate(), 0, timeout_ms, two_phase=enable_two_phase)
             self._txns[transactional_id] = meta
             self._persist(meta, now_ms)
-            return InitResult(NONE, meta.producer_id, meta.producer_epoch)
-        if producer_id != -1 and (producer_id, producer_epoch) != (meta.producer_id, meta.producer_epoch):
+            return self._granted(meta)
+        if requested_by and requested_by not in (meta.current, meta.previous):
             return InitResult(PRODUCER_FENCED)  # KIP-360: only the current instance may bump its own epoch
+        if requested_by == meta.previous and (meta.state is TxnState.EMPTY or (keep_prepared and meta.taken_over)):
+            # Nothing happened since the bump this instance asked for: a retry whose answer was lost.
+            log.info("InitProducerId for %r retried with the previous producer %d epoch %d: answering %d epoch %d",
+                     transactional_id, producer_id, producer_epoch, meta.producer_id, meta.producer_epoch)
+            return self._granted(meta)
         if meta.state.completing:
             self._complete(meta, now_ms)
             if meta.state.completing:
                 return InitResult(CONCURRENT_TRANSACTIONS)
         if meta.state is TxnState.ONGOING and keep_prepared:
-            meta.bump_epoch(self._allocate)
+            meta.bump_epoch(self._allocate, requested_by)
             meta.two_phase = meta.two_phase or enable_two_phase
             self._persist(meta, now_ms)
-            return InitResult(NONE, meta.producer_id, meta.producer_epoch,
-                              meta.txn_producer_id, meta.txn_producer_epoch)
+            return self._granted(meta)
         if meta.state is TxnState.ONGOING:
             log.info("InitProducerId for %r aborts its open transaction (producer %d epoch %d)",
                      transactional_id, meta.txn_producer_id, meta.txn_producer_epoch)
-            meta.bump_epoch(self._allocate)
+            # requested_by is kept through the abort: if it has to be retried (CONCURRENT_TRANSACTIONS),
+            # the retry presents the same pair, now the previous one
+            meta.bump_epoch(self._allocate, requested_by)
             if not self._prepare_and_complete(meta, commit=False, now_ms=now_ms):
                 return InitResult(CONCURRENT_TRANSACTIONS)
-        meta.bump_epoch(self._allocate)
-        meta.transition(TxnState.EMPTY)
+        meta.bump_epoch(self._allocate, requested_by)
+        if not (keep_prepared and meta.state in (TxnState.COMPLETE_COMMIT, TxnState.COMPLETE_ABORT)):
+            # A take-over that finds the transaction already ended keeps the outcome describable: a
+            # second completer of the same prepared transaction must learn it was committed, not "gone".
+            meta.transition(TxnState.EMPTY)
         meta.timeout_ms = timeout_ms
         meta.two_phase = enable_two_phase
         self._persist(meta, now_ms)
+        return self._granted(meta)
+
+    @staticmethod
+    def _granted(meta: TxnMetadata) -> InitResult:
+        """The current pair, plus the kept transaction's pair after a KIP-939 take-over."""
+        if meta.taken_over:
+            return InitResult(NONE, meta.producer_id, meta.producer_epoch,
+                              meta.txn_producer_id, meta.txn_producer_epoch)
         return InitResult(NONE, meta.producer_id, meta.producer_epoch)
 
     # -- adding partitions, groups and offsets ---------------------------------------------------
@@ -339,8 +358,10 @@ class TransactionCoordinator:
         known = {s.value for s in TxnState} - {TxnState.DEAD.value}
         states, producer_ids = set(states), set(producer_ids)
         try:
+            if pattern and len(pattern) > MAX_PATTERN_LENGTH:
+                raise re.error(f"longer than {MAX_PATTERN_LENGTH} characters")
             regex = re.compile(pattern) if pattern else None
-        except re.error:
+        except (re.error, RecursionError, OverflowError):
             return INVALID_REGULAR_EXPRESSION, [], []
         found = []
         for tid, meta in sorted(self._txns.items()):
@@ -355,5 +376,6 @@ class TransactionCoordinator:
         meta = self._txns.get(transactional_id)
         if meta is None:
             return None
+        partitions = () if meta.state.idle else tuple(sorted(meta.partitions))  # Kafka clears them on completion
         return TxnDescription(transactional_id, meta.state.value, meta.producer_id, meta.producer_epoch,
-                              meta.timeout_ms, meta.start_ms, tuple(sorted(meta.partitions)))
+                              meta.timeout_ms, meta.start_ms, partitions)

@@ -6,6 +6,12 @@ open transaction was begun with. They differ only after a new instance took over
 transaction (InitProducerId with keep_prepared_txn), which bumps the epoch but leaves the
 transaction alone.
 
+A third pair, ``previous_producer_id``/``previous_producer_epoch`` (Kafka's lastProducerEpoch,
+KIP-360), is what the instance that asked for the latest epoch bump held before it. A retry of that
+InitProducerId, whose response was lost, presents this pair and gets the current one back instead
+of PRODUCER_FENCED. Only the instance holding the current epoch can know the previous pair, so every
+bump nobody asked for with its own pair (a new instance, a timeout) clears it.
+
 Example::
 
     meta = TxnMetadata("app-1", producer_id=7, producer_epoch=0, timeout_ms=60_000)
@@ -16,6 +22,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 from .state import TxnState
 
@@ -36,6 +43,8 @@ class TxnMetadata:
     groups: set[str] = dataclasses.field(default_factory=set)
     start_ms: int = -1  # when the current (or last) transaction began
     last_update_ms: int = -1
+    previous_producer_id: int = -1
+    previous_producer_epoch: int = -1
 
     def transition(self, target: TxnState) -> None:
         self.state.check(target)
@@ -61,8 +70,20 @@ class TxnMetadata:
         self.groups = set()
         self.start_ms = now_ms
 
-    def bump_epoch(self, allocate_producer_id) -> None:
-        """Fence older instances: the next epoch, or a new producer id once the epoch runs out."""
+    @property
+    def current(self) -> tuple[int, int]:
+        return self.producer_id, self.producer_epoch
+
+    @property
+    def previous(self) -> tuple[int, int]:
+        return self.previous_producer_id, self.previous_producer_epoch
+
+    def bump_epoch(self, allocate_producer_id: Callable[[], int], requested_by: tuple[int, int] | None = None) -> None:
+        """Fence older instances: the next epoch, or a new producer id once the epoch runs out (like
+        Kafka, the last epoch a client may hold is MAX_EPOCH - 1, so a fencing bump always fits).
+        ``requested_by`` is the (id, epoch) of the instance asking for the bump, which becomes the
+        previous pair; None (a new instance, a timeout) clears it."""
+        self.previous_producer_id, self.previous_producer_epoch = requested_by or (-1, -1)
         if self.producer_epoch >= MAX_EPOCH - 1:
             self.producer_id, self.producer_epoch = allocate_producer_id(), 0
         else:
@@ -75,6 +96,7 @@ class TxnMetadata:
             "txn_pid": self.txn_producer_id, "txn_epoch": self.txn_producer_epoch,
             "partitions": sorted([t, p] for t, p in self.partitions), "groups": sorted(self.groups),
             "start_ms": self.start_ms, "last_update_ms": self.last_update_ms,
+            "prev_pid": self.previous_producer_id, "prev_epoch": self.previous_producer_epoch,
         }
 
     @classmethod
@@ -83,4 +105,7 @@ class TxnMetadata:
                    timeout_ms=int(d["timeout_ms"]), state=TxnState(d["state"]), two_phase=bool(d["two_phase"]),
                    txn_producer_id=int(d["txn_pid"]), txn_producer_epoch=int(d["txn_epoch"]),
                    partitions={(str(t), int(p)) for t, p in d["partitions"]}, groups=set(d["groups"]),
-                   start_ms=int(d["start_ms"]), last_update_ms=int(d["last_update_ms"]))
+                   start_ms=int(d["start_ms"]), last_update_ms=int(d["last_update_ms"]),
+                   # records logged before the previous pair existed have none: a retry then is fenced
+                   previous_producer_id=int(d.get("prev_pid", -1)),
+                   previous_producer_epoch=int(d.get("prev_epoch", -1)))
