@@ -66,7 +66,7 @@ from typing import Any, Union
 
 from kio.schema.errors import ErrorCode
 
-from twophase.client import KafkaError, PreparedTxn, PreparedTxnLost, Producer
+from twophase.client import Admin, KafkaError, PreparedTxn, PreparedTxnLost, Producer
 from twophase.sink import CommitFailed, TwoPhaseCommitSink, TxnContext
 
 log = logging.getLogger("twophase.sinks.log")
@@ -263,10 +263,18 @@ class LogSink(TwoPhaseCommitSink):
                 log.warning("abort of %s ignored: it was committed already", handle_or_txn.transactional_id)
 
     def abort_unregistered(self, ctx: TxnContext) -> None:
-        """Abort what a dead attempt left open: a new instance of its id without keep_prepared_txn does."""
-        producer = Producer(self.bootstrap, transactional_id=transactional_id(self.transactional_id_prefix, ctx),
-                            enable_2pc=True, **self.producer_settings)
-        try:
-            producer.init_transactions()
-        finally:
-            producer.close()
+        """Abort what a dead attempt left open (a new instance of its id without keep_prepared_txn).
+
+        An id the broker never saw (the attempt died before its first row) or one with nothing open
+        is left alone, so cleaning up does not create transactional ids of its own.
+        """
+        tid = transactional_id(self.transactional_id_prefix, ctx)
+        with Admin(self.bootstrap) as admin:
+            try:
+                [described] = admin.describe_transactions([tid])
+            except KafkaError as e:
+                if e.code == ErrorCode.transactional_id_not_found:
+                    return
+                raise
+            if described.state == "Ongoing":
+                admin.abort_transaction(tid)

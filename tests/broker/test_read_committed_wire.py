@@ -33,9 +33,9 @@ class TxnWriter:
         assert response.error_code == 0
         self.pid, self.epoch, self.seq = response.producer_id, response.producer_epoch, 0
 
-    def send(self, *values: bytes, transactional: bool = True) -> int:
+    def send(self, *values: bytes, transactional: bool = True, timestamp: int = 1_000) -> int:
         records = batch(list(values), producer_id=self.pid, producer_epoch=self.epoch, base_sequence=self.seq,
-                        transactional=transactional)
+                        transactional=transactional, timestamp=timestamp)
 
         def append() -> int:
             result = self.broker.partition_log(self.topic, 0, create=True).append(records, int(time.time() * 1000))
@@ -189,6 +189,15 @@ def _consume_aiokafka(bootstrap: str, topic: str, isolation: str, until: bytes) 
         return values
 
     return asyncio.run(run())
+
+
+def test_max_timestamp_lookup_honours_the_isolation_level(broker, wire, topic):
+    client = wire()
+    a, b = TxnWriter(broker, client, topic), TxnWriter(broker, client, topic)
+    a.send(b"old", transactional=False, timestamp=1_000)
+    newest = b.send(b"newest, still open", timestamp=5_000)
+    assert list_offsets(client, topic, -3, READ_UNCOMMITTED) == newest
+    assert list_offsets(client, topic, -3, READ_COMMITTED) == -1  # not readable there yet
 
 
 @pytest.mark.parametrize("consume", [_consume_confluent, _consume_kafka_python, _consume_aiokafka])

@@ -23,6 +23,7 @@ from .cluster import Cluster, CoordinatorType
 from .connection import MS, ApiKey, Connection, message, part
 from .errors import KafkaError, check
 from .retry import retry
+from .transactions import init_producer_id
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,17 +152,14 @@ class Admin:
         also aborts a 2PC transaction. Where the broker forbids 2PC (it answers
         TRANSACTIONAL_ID_AUTHORIZATION_FAILED, as Kafka 4.1 does) no 2PC transaction can be open,
         and a plain InitProducerId is enough."""
-        def init(conn: Connection, two_phase: bool):
-            v = conn.version(ApiKey.INIT_PRODUCER_ID, 6)
-            return conn.request(message(
-                ApiKey.INIT_PRODUCER_ID, v, transactional_id=transactional_id, transaction_timeout=60_000 * MS,
-                producer_id=-1, producer_epoch=-1, enable2_pc=two_phase and v >= 6, keep_prepared_txn=False))
-
         def call(conn: Connection) -> None:
-            response = init(conn, True)
-            if response.error_code == ErrorCode.transactional_id_authorization_failed:
-                response = init(conn, False)
-            check(response.error_code, f"InitProducerId({transactional_id!r})")
+            two_phase = conn.version(ApiKey.INIT_PRODUCER_ID, 6) >= 6
+            try:
+                init_producer_id(conn, transactional_id, 60_000, enable_2pc=two_phase)
+            except KafkaError as e:
+                if not two_phase or e.code != ErrorCode.transactional_id_authorization_failed:
+                    raise
+                init_producer_id(conn, transactional_id, 60_000)
 
         self.cluster.coordinator_call(transactional_id, CoordinatorType.TRANSACTION, call, self.request_timeout_s,
                                        f"aborting {transactional_id!r}")

@@ -27,10 +27,10 @@ from kio.schema.errors import ErrorCode
 
 from .admin import Admin, TransactionDescription
 from .cluster import CoordinatorType
-from .connection import MS, ApiKey, Connection, message
+from .connection import ApiKey, Connection, message
 from .errors import KafkaError, PreparedTxnLost, ProducerFenced, RetriableError, check
 from .retry import retry
-from .transactions import PreparedTxn
+from .transactions import PreparedTxn, init_producer_id
 
 log = logging.getLogger("twophase.client")
 
@@ -101,14 +101,7 @@ def _take_over_and_end(admin: Admin, handle: PreparedTxn, commit: bool) -> None:
     cluster = admin.cluster
 
     def init(conn: Connection):
-        v = conn.version(ApiKey.INIT_PRODUCER_ID, 6)
-        if v < 6:
-            raise KafkaError(f"{conn} does not support two-phase commit (InitProducerId v{v} < 6)")
-        response = conn.request(message(ApiKey.INIT_PRODUCER_ID, v, transactional_id=tid,
-                                        transaction_timeout=60_000 * MS, producer_id=-1, producer_epoch=-1,
-                                        enable2_pc=True, keep_prepared_txn=True))
-        check(response.error_code, f"InitProducerId({tid!r}, keep_prepared_txn)")
-        return response
+        return init_producer_id(conn, tid, 60_000, enable_2pc=True, keep_prepared=True)
 
     taken = cluster.coordinator_call(tid, CoordinatorType.TRANSACTION, init, admin.request_timeout_s,
                                      f"InitProducerId({tid!r})")

@@ -34,7 +34,7 @@ from .errors import KafkaError, KafkaTimeout, ProducerFenced, TransactionStateEr
 from .partitioner import StickyPartitions, partition_for_key
 from .prepared import complete_prepared
 from .retry import retry
-from .transactions import PreparedTxn, TxnState, TxnStateMachine
+from .transactions import PreparedTxn, TxnState, TxnStateMachine, init_producer_id
 
 log = logging.getLogger("twophase.client")
 
@@ -293,15 +293,8 @@ class Producer:
     def _init_producer_id(self):
         """InitProducerId: a new id (idempotent) or the transactional id's next epoch (fencing older ones)."""
         def call(conn: Connection):
-            v = conn.version(ApiKey.INIT_PRODUCER_ID, 6)
-            if self.enable_2pc and v < 6:
-                raise KafkaError(f"{conn} does not support two-phase commit (InitProducerId v{v} < 6)")
-            response = conn.request(message(
-                ApiKey.INIT_PRODUCER_ID, v, transactional_id=self.transactional_id,
-                transaction_timeout=self.transaction_timeout_ms * MS, producer_id=-1, producer_epoch=-1,
-                enable2_pc=self.enable_2pc, keep_prepared_txn=False))
-            check(response.error_code, f"InitProducerId({self.transactional_id!r})")
-            return response
+            return init_producer_id(conn, self.transactional_id, self.transaction_timeout_ms,
+                                    enable_2pc=self.enable_2pc)
 
         if self.transactional_id is None:
             response = self._retry_any(call, "InitProducerId")

@@ -16,8 +16,10 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
+from typing import Any
 
-from .errors import TransactionStateError
+from .connection import MS, ApiKey, Connection, message
+from .errors import KafkaError, TransactionStateError, check
 
 
 class TxnState(enum.Enum):
@@ -80,3 +82,20 @@ class PreparedTxn:
             return cls(str(data["transactional_id"]), int(data["producer_id"]), int(data["producer_epoch"]))
         except (ValueError, KeyError, TypeError) as exc:
             raise ValueError(f"not a PreparedTxn handle: {text!r} ({exc})") from None
+
+
+def init_producer_id(conn: Connection, transactional_id: str | None, timeout_ms: int, *,
+                     enable_2pc: bool = False, keep_prepared: bool = False) -> Any:
+    """InitProducerId at the highest version both sides speak; KafkaError for an error code.
+
+    enable_2pc and keep_prepared (KIP-939) need v6: an older broker gets a clear error, not a
+    transaction that its timeout would silently abort.
+    """
+    v = conn.version(ApiKey.INIT_PRODUCER_ID, 6)
+    if (enable_2pc or keep_prepared) and v < 6:
+        raise KafkaError(f"{conn} does not support two-phase commit (InitProducerId v{v} < 6)")
+    response = conn.request(message(
+        ApiKey.INIT_PRODUCER_ID, v, transactional_id=transactional_id, transaction_timeout=timeout_ms * MS,
+        producer_id=-1, producer_epoch=-1, enable2_pc=enable_2pc, keep_prepared_txn=keep_prepared))
+    check(response.error_code, f"InitProducerId({transactional_id!r})")
+    return response

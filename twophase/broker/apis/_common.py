@@ -10,6 +10,7 @@ from ..storage import InvalidTopicError, validate_topic_name
 
 NO_THROTTLE = datetime.timedelta(0)
 NONE = ErrorCode.none
+READ_UNCOMMITTED, READ_COMMITTED = 0, 1  # Fetch and ListOffsets isolation levels
 # "Authorized operations were not requested" (Kafka's Integer.MIN_VALUE sentinel).
 OPERATIONS_OMITTED = -(2**31)
 

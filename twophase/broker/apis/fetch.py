@@ -26,9 +26,8 @@ from kio.schema.errors import ErrorCode
 
 from ..codec import build, nested
 from ..storage import KafkaError, OffsetOutOfRangeError
-from ._common import NO_THROTTLE, NONE, error
+from ._common import NO_THROTTLE, NONE, READ_COMMITTED, error
 
-READ_UNCOMMITTED, READ_COMMITTED = 0, 1
 
 
 def _read(broker, body, rt) -> tuple[tuple, int, bool]:

@@ -12,10 +12,9 @@ from kio.schema.errors import ErrorCode
 
 from ..codec import build, nested
 from ..storage import KafkaError
-from ._common import NO_THROTTLE, NONE, error
+from ._common import NO_THROTTLE, NONE, READ_COMMITTED, error
 
 LATEST, EARLIEST, MAX_TIMESTAMP = -1, -2, -3
-READ_COMMITTED = 1
 
 
 def _lookup(plog, timestamp: int, isolation_level: int) -> tuple[int, int]:
@@ -25,12 +24,9 @@ def _lookup(plog, timestamp: int, isolation_level: int) -> tuple[int, int]:
     last_fetchable = plog.last_stable_offset if isolation_level == READ_COMMITTED else plog.high_watermark
     if timestamp == LATEST:
         return last_fetchable, -1
-    if timestamp == MAX_TIMESTAMP:
-        found = plog.offset_of_max_timestamp()
-    else:
-        found = plog.timestamp_lookup(timestamp)
-        if found is not None and found.offset >= last_fetchable:
-            found = None
+    found = plog.offset_of_max_timestamp() if timestamp == MAX_TIMESTAMP else plog.timestamp_lookup(timestamp)
+    if found is not None and found.offset >= last_fetchable:
+        found = None  # not readable at this isolation level (yet)
     return (found.offset, found.timestamp) if found is not None else (-1, -1)
 
 

@@ -16,7 +16,7 @@ Example::
 
     meta = TxnMetadata("app-1", producer_id=7, producer_epoch=0, timeout_ms=60_000)
     meta.transition(TxnState.ONGOING)          # IllegalTransition if not allowed
-    TxnMetadata.from_dict(meta.to_dict()) == meta
+    TxnMetadata.from_dict("app-1", meta.to_dict()) == meta
 """
 
 from __future__ import annotations
