@@ -173,14 +173,14 @@ def test_initial_delay_waits_for_members_and_extends_while_they_arrive(tmp_path)
         loop = asyncio.get_running_loop()
         try:
             start = loop.time()
-            first = asyncio.create_task(join(coord, delay_ms=400))
-            await asyncio.sleep(0.3)
+            first = asyncio.create_task(join(coord, delay_ms=1_000, rebalance_ms=5_000))
+            await asyncio.sleep(0.3)  # well inside the delay, even on a loaded host
             assert not first.done()
-            second = asyncio.create_task(join(coord, delay_ms=400))  # extends the delay by another 400 ms
+            second = asyncio.create_task(join(coord, delay_ms=1_000, rebalance_ms=5_000))  # extends it by 1 s
             a, b = await first, await second
             elapsed = loop.time() - start
             assert a.generation == b.generation == 1 and len(a.members or b.members) == 2
-            assert 0.75 < elapsed < 5
+            assert 1.25 < elapsed < 10
             # Only the first rebalance of an empty group is delayed.
             await coord.sync("g", 1, a.leader, None, None, {})
             start = loop.time()

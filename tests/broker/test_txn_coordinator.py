@@ -18,7 +18,7 @@ from twophase.broker.txn import (
 from twophase.broker.txn.coordinator import (
     CONCURRENT_TRANSACTIONS, INVALID_PRODUCER_EPOCH, INVALID_PRODUCER_ID_MAPPING, INVALID_TRANSACTION_TIMEOUT,
     INVALID_TXN_STATE, NONE, PRODUCER_FENCED, TRANSACTIONAL_ID_AUTHORIZATION_FAILED)
-from twophase.broker.txn.log import LOG_FILE
+from twophase.broker.txn.log import LOG_FILE, TransactionLogFailed
 from twophase.broker.txn.metadata import MAX_EPOCH
 
 T0 = 1_700_000_000_000
@@ -533,3 +533,24 @@ def test_a_corrupt_record_ends_the_replay(tmp_path):
     assert reopened.open() == {"x": {"v": 1}}
     reopened.close()
     assert os.path.getsize(tmp_path / LOG_FILE) < len(data)
+
+
+def test_a_failed_log_write_takes_the_coordinator_offline_until_a_restart(h, monkeypatch):
+    """Memory may already be ahead of the log (PrepareCommit in memory, Ongoing on disk): refuse everything."""
+    pid, epoch = init(h)
+    h.txns.add_partitions("app", pid, epoch, [("a", 0)], T0)
+
+    def disk_full(fd):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", disk_full)
+    with pytest.raises(TransactionLogFailed):
+        h.txns.end_txn("app", pid, epoch, True, T0)
+    monkeypatch.undo()
+    assert h.txns.end_txn("app", pid, epoch, True, T0) == 15  # COORDINATOR_NOT_AVAILABLE
+    assert h.txns.init_producer_id("other", 1_000, now_ms=T0).error == 15
+    h.txns.check(T0 + 10**9)
+    assert h.markers == []  # nothing acted on the undurable decision
+    h.restart()  # the record reached the file (only its fsync failed): recovery finishes the decision
+    assert state(h) == "CompleteCommit" and h.markers == [("a-0", pid, epoch, True)]
+    assert h.txns.end_txn("app", pid, epoch, True, T0) == NONE  # the producer's retry

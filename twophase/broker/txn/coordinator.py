@@ -38,6 +38,7 @@ from .state import TxnState
 log = logging.getLogger("twophase.broker.txn")
 
 NONE = 0
+COORDINATOR_NOT_AVAILABLE = 15
 INVALID_REQUEST = 42
 INVALID_PRODUCER_EPOCH = 47
 INVALID_TXN_STATE = 48
@@ -141,6 +142,8 @@ class TransactionCoordinator:
                 log.exception("transaction timeout/expiration check failed")
 
     def check(self, now_ms: int) -> None:
+        if self._log.failed:
+            return
         for meta in list(self._txns.values()):
             if meta.state.completing:
                 self._complete(meta, now_ms)  # a marker write failed earlier: retry
@@ -162,6 +165,8 @@ class TransactionCoordinator:
     def init_producer_id(self, transactional_id: str, timeout_ms: int, *, producer_id: int = -1,
                          producer_epoch: int = -1, enable_two_phase: bool = False, keep_prepared: bool = False,
                          now_ms: int) -> InitResult:
+        if self._log.failed:
+            return InitResult(COORDINATOR_NOT_AVAILABLE)  # memory may be ahead of the log: until a restart
         if enable_two_phase and not self.settings.allow_two_phase:
             return InitResult(TRANSACTIONAL_ID_AUTHORIZATION_FAILED)  # what Kafka 4.1 answers
         if not enable_two_phase and not 0 < timeout_ms <= self.settings.max_timeout_ms:
@@ -221,6 +226,8 @@ class TransactionCoordinator:
 
     def _current(self, transactional_id: str, producer_id: int, producer_epoch: int) -> tuple[int, TxnMetadata | None]:
         """The metadata if (producer id, epoch) is the current instance's, else the error."""
+        if self._log.failed:
+            return COORDINATOR_NOT_AVAILABLE, None
         meta = self._txns.get(transactional_id)
         if meta is None or meta.producer_id != producer_id:
             return INVALID_PRODUCER_ID_MAPPING, None

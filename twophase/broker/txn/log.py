@@ -6,6 +6,10 @@ acts on it. On open the file is replayed, the last record of each id wins; a tor
 tail (a crash mid-write) is truncated with a warning. When the file holds many more records than
 live ids it is rewritten atomically with one record per live id, so expired ids vanish.
 
+A failed write (a full disk, an I/O error) fails the log for good: ``failed`` is set and every
+later append raises, like a Kafka log directory going offline, because the coordinator's memory may
+already be ahead of what is durable. Restarting replays what is.
+
 Example::
 
     log = TransactionLog("/data/transactions")
@@ -22,6 +26,7 @@ import os
 import struct
 import zlib
 
+from twophase.broker.storage.errors import KafkaError
 from twophase.durable import atomic_write, fsync_dir
 
 log = logging.getLogger("twophase.broker.txn")
@@ -37,6 +42,12 @@ def encode_record(transactional_id: str, value: dict | None) -> bytes:
     return _HEAD.pack(len(payload), zlib.crc32(payload)) + payload
 
 
+class TransactionLogFailed(KafkaError):
+    """The transaction log cannot be written: transactional requests get COORDINATOR_NOT_AVAILABLE."""
+
+    code = 15
+
+
 class TransactionLog:
     """Append-only, fsynced, CRC-checked records of transaction metadata (dicts) per transactional id."""
 
@@ -47,6 +58,7 @@ class TransactionLog:
         self._latest: dict[str, dict] = {}
         self._records = 0
         self._file = None
+        self.failed: OSError | None = None
 
     def open(self) -> dict[str, dict]:
         """Replay the file (truncating a bad tail) and open it for appends; the live records."""
@@ -100,12 +112,19 @@ class TransactionLog:
         """Durably record ``value`` (None: forget the id) before returning."""
         if self._file is None:
             raise RuntimeError("transaction log is not open")
-        self._file.write(encode_record(transactional_id, value))
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        self._apply(transactional_id, value)
-        if self._records > max(self.compact_min_records, 2 * len(self._latest)):
-            self.compact()
+        if self.failed is not None:
+            raise TransactionLogFailed(f"{self.path} failed earlier: {self.failed}")
+        try:
+            self._file.write(encode_record(transactional_id, value))
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            self._apply(transactional_id, value)
+            if self._records > max(self.compact_min_records, 2 * len(self._latest)):
+                self.compact()
+        except OSError as exc:
+            self.failed = exc
+            log.error("%s: write failed, transactions are unavailable until the broker restarts: %s", self.path, exc)
+            raise TransactionLogFailed(f"{self.path}: {exc}") from exc
 
     def compact(self) -> None:
         """Rewrite the file with one record per live id (atomically: old or new file, never torn)."""
