@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import logging
 import os
+import struct
 
 import pytest
 
+import twophase.broker.storage.segment as segment_module
 from twophase.broker.storage import (
     CorruptRecordError,
     InvalidRecordError,
@@ -72,6 +74,86 @@ def test_multi_batch_append_assigns_consecutive_offsets(tmp_path):
     assert (result.base_offset, result.last_offset) == (1, 5)
     assert batch_offsets(log.read(1, 1 << 20)) == [(1, 2), (3, 3), (4, 5)]
     assert [v for _, _, _, v in decode(log.read(0, 1 << 20))] == [b"x", b"a", b"b", b"c", b"d" * 300, b"d" * 300]
+
+
+def stamped(data: bytes, base_offset: int, leader_epoch: int) -> bytes:
+    """``data`` as the log must store it: per batch, baseOffset and partitionLeaderEpoch rewritten, nothing else."""
+    out = bytearray()
+    pos = 0
+    while pos < len(data):
+        (length,) = struct.unpack_from(">i", data, pos + 8)
+        (last_offset_delta,) = struct.unpack_from(">i", data, pos + 23)
+        out += struct.pack(">q", base_offset) + data[pos + 8 : pos + 12] + struct.pack(">i", leader_epoch)
+        out += data[pos + 16 : pos + 12 + length]
+        base_offset += last_offset_delta + 1
+        pos += 12 + length
+    return bytes(out)
+
+
+@pytest.mark.parametrize("kind", ["bytes", "bytearray", "memoryview"])
+def test_append_rewrites_only_offsets_and_epoch_and_leaves_the_callers_buffer_alone(tmp_path, kind):
+    path = str(tmp_path / "t-0")
+    log = PartitionLog(path, leader_epoch=7)
+    first = batch([b"x"], base_offset=1234)  # whatever base offset a client sends is replaced
+    request = batch([b"a", b"b"], base_offset=99) + kafka_batch([b"d" * 300] * 3, compression=1) + batch([b"c"])
+    # A memoryview in the middle of a larger buffer, like a slice of a received request frame.
+    frame = bytearray(b"\x00" * 5 + request + b"\xff" * 3)
+    frame_before = bytes(frame)
+    arg = {"bytes": request, "bytearray": frame[5:-3], "memoryview": memoryview(frame)[5:-3]}[kind]
+    arg_before = bytes(arg)
+    assert log.append(first, 0).base_offset == 0
+    result = log.append(arg, 0)
+    assert (result.base_offset, result.last_offset) == (1, 6)
+    assert bytes(arg) == arg_before and bytes(frame) == frame_before
+
+    expected = stamped(first, 0, 7) + stamped(request, 1, 7)
+    data = log.read(0, 1 << 20)
+    assert data == expected
+    assert [(h.base_offset, h.last_offset, h.leader_epoch) for _, h in iter_batches(data)] == [
+        (0, 0, 7), (1, 2, 7), (3, 5, 7), (6, 6, 7)]  # iter_batches also checks every CRC
+    assert [v for _, _, _, v in decode(data)] == [b"x", b"a", b"b", b"d" * 300, b"d" * 300, b"d" * 300, b"c"]
+    log.close()
+    assert PartitionLog(path).read(0, 1 << 20) == expected  # recovery re-checks CRCs and offsets
+
+
+@pytest.mark.parametrize("iov_max", [3, None])
+def test_append_of_more_batches_than_one_writev_takes(tmp_path, monkeypatch, iov_max):
+    if iov_max is not None:  # 3 buffers per call: a batch's head and rest land in different calls
+        monkeypatch.setattr(segment_module, "_IOV_MAX", iov_max)
+    count = segment_module._IOV_MAX // 2 + 3  # two buffers per batch
+    request = b"".join(batch([b"v%d" % i]) for i in range(count))
+    log = PartitionLog(str(tmp_path / "t-0"), SMALL)
+    log.append(batch([b"first"]), 0)
+    result = log.append(request, 0)
+    assert (result.base_offset, result.last_offset) == (1, count)
+    assert log.read_range(1, 1 << 30)[0] == stamped(request, 1, -1)
+
+
+def test_short_write_leaves_the_segment_as_it_was(tmp_path, monkeypatch):
+    path = str(tmp_path / "t-0")
+    log = PartitionLog(path)
+    first = batch([b"kept"])
+    log.append(first, 0)
+    size_before = os.path.getsize(log.segments[0].path)
+    monkeypatch.setattr(segment_module, "_IOV_MAX", 4)
+    real_writev = os.writev
+    calls = []
+
+    def short_second_writev(fd, buffers):
+        calls.append(len(buffers))
+        if len(calls) == 2:
+            return real_writev(fd, buffers[:1])  # the kernel wrote only part of the second group
+        return real_writev(fd, buffers)
+
+    monkeypatch.setattr(os, "writev", short_second_writev)
+    with pytest.raises(KafkaStorageError, match="short write"):
+        log.append(b"".join(batch([b"lost%d" % i]) for i in range(4)), 0)
+    assert calls == [4, 4]
+    assert os.path.getsize(log.segments[0].path) == size_before  # the first group was truncated away too
+    monkeypatch.undo()
+    reopened = PartitionLog(path)
+    assert reopened.high_watermark == 1
+    assert reopened.read(0, 1 << 20) == stamped(first, 0, -1)
 
 
 def test_read_starts_at_containing_batch_and_returns_at_least_one(tmp_path):
@@ -176,7 +258,6 @@ def test_invalid_appends(tmp_path, records, error):
 
 def test_inconsistent_record_count_rejected(tmp_path):
     import crc32c
-    import struct
 
     data = bytearray(batch([b"a", b"b"]))
     struct.pack_into(">i", data, 57, 5)  # recordCount no longer matches lastOffsetDelta

@@ -32,6 +32,8 @@ import time
 from bisect import bisect_right
 from collections.abc import Iterator
 
+from twophase.durable import fsync_dir, unlink_quietly
+
 from .config import LogConfig
 from .errors import (
     CorruptRecordError,
@@ -40,7 +42,6 @@ from .errors import (
     MessageTooLargeError,
     OffsetOutOfRangeError,
 )
-from twophase.durable import fsync_dir, unlink_quietly
 from .producers import ProducerStateManager
 from .records import (
     INT32_MAX,
@@ -50,7 +51,6 @@ from .records import (
     control_batch,
     iter_batches,
     parse_control_record,
-    set_base_offset,
 )
 from .results import AppendResult, TimestampOffset
 from .segment import Segment
@@ -203,8 +203,9 @@ class PartitionLog:
         idempotent batch returns its original offsets with ``duplicate=True`` and is not stored again.
         """
         self._check_usable()
-        buf = bytearray(records)
-        batches = list(iter_batches(buf))
+        # Not copied: the segment writes each batch's new offset and epoch beside a view of the rest.
+        view = memoryview(records)
+        batches = list(iter_batches(view))
         if not batches:
             raise InvalidRecordError("no record batches")
         next_offset = self.high_watermark
@@ -216,24 +217,21 @@ class PartitionLog:
                     f"batch of {header.size} bytes exceeds max_message_bytes {self.config.max_message_bytes}")
             _check_batch(header, from_client)
             is_marker = header.is_control
-            markers.append(parse_control_record(memoryview(buf)[pos : pos + header.size]) if is_marker else None)
+            markers.append(parse_control_record(view[pos : pos + header.size]) if is_marker else None)
             header = dataclasses.replace(header, base_offset=next_offset, leader_epoch=self.leader_epoch)
             assigned.append((pos, header))
             next_offset = header.last_offset + 1
         prepared = self.producers.prepare([h for _, h in assigned], markers, now_ms, from_client=from_client)
         if prepared.duplicate is not None:
             return prepared.duplicate
-        for pos, header in assigned:
-            set_base_offset(buf, pos, header.base_offset, self.leader_epoch)
-
         try:
             active = self._segments[-1]
             if not active.is_empty and (
-                active.size + len(buf) > self.config.segment_bytes or next_offset - 1 - active.base_offset > INT32_MAX
+                active.size + len(view) > self.config.segment_bytes or next_offset - 1 - active.base_offset > INT32_MAX
             ):
                 self._roll()
                 self.enforce_retention(now_ms)
-            self._segments[-1].append(buf, assigned)
+            self._segments[-1].append(view, assigned)
             for txn in prepared.aborted:
                 self._segments[-1].txn_index.append(txn)
                 self._last_abort_marker = txn.last_offset
