@@ -127,6 +127,18 @@ def test_marker_without_open_transaction_is_harmless(tmp_path):
     log.close()
 
 
+def test_markers_are_fsynced_even_with_an_interval_flush_policy(tmp_path, monkeypatch):
+    log = PartitionLog(str(tmp_path / "t-0"), LogConfig(flush=60_000))
+    flushed = []
+    monkeypatch.setattr(type(log.segments[-1]), "flush", lambda segment: flushed.append(segment.base_offset))
+    log.append(batch([b"v"], producer_id=5, producer_epoch=0, base_sequence=0, transactional=True), now_ms=0)
+    assert flushed == []  # data waits for the interval
+    log.append_marker(5, 0, commit=True, coordinator_epoch=0, now_ms=0)
+    assert flushed == [0]
+    monkeypatch.undo()
+    log.close()
+
+
 def test_marker_epoch_bump_fences_older_epochs(tmp_path):
     log = PartitionLog(str(tmp_path / "t-0"))
     w = Producers(log)

@@ -254,9 +254,16 @@ class PartitionLog:
         producer with no open transaction is stored and changes nothing else. Like Kafka, a marker with
         an epoch older than the producer's raises InvalidProducerEpochError and one from an older
         coordinator epoch TransactionCoordinatorFencedError.
+
+        A marker is fsynced whatever the flush policy: the coordinator logs the transaction complete
+        right after, and nothing would rewrite a marker lost in a crash; the transaction would stay
+        open here and hold back the LSO forever.
         """
         marker = control_batch(producer_id, producer_epoch, commit, coordinator_epoch, now_ms)
-        return self.append(marker, now_ms, from_client=False).base_offset
+        offset = self.append(marker, now_ms, from_client=False).base_offset
+        if self.config.flush != "always":
+            self.flush()
+        return offset
 
     def _roll(self) -> None:
         old = self._segments[-1]
