@@ -74,6 +74,18 @@ def fdatasync(fd: int) -> None:
     (getattr(os, "fdatasync", None) or os.fsync)(fd)
 
 
+def stop_process(proc: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL if it has not exited within 30 s."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=30)
+
+
 class BrokerRunner:
     """The broker on a fresh data directory: a ``twophase broker`` subprocess, or embedded in a thread."""
 
@@ -110,12 +122,7 @@ class BrokerRunner:
         if self.embedded is not None:
             self.embedded.stop()
         if self.proc is not None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=30)
+            stop_process(self.proc)
             self.proc.stdout.close()
             self.log.close()
 
@@ -151,13 +158,8 @@ class TansuRunner:
         return self
 
     def __exit__(self, *exc) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=30)
+        if self.proc is not None:
+            stop_process(self.proc)
 
 
 def produce(bootstrap: str, topic: str, records: int, size: int) -> float:
