@@ -234,8 +234,12 @@ class AppCoordinator:
                 return False
         if not self._finish_all(qp, epoch, [(a, a.name in record.winners) for a in attempts], recovering, options):
             return False
+        # Before the watermark moves, so that an epoch seen committed has no dead attempt's
+        # transaction left open (a log sink's would hold back read_committed readers); but a
+        # failing cleanup must not hold back the epoch: it is retried on later passes (and by GC).
+        if not self._abort_unregistered(epoch, attempts, options, registry):
+            self._unclean.add((qid, epoch))
         if options.dry_run:
-            self._abort_unregistered(epoch, attempts, options, registry)
             options.actions.append(f"epoch {epoch}: would commit {len(record.winners)} pre-commit(s) of run {record.run}")
             return True
         txn = self.fence.transaction()
@@ -245,10 +249,6 @@ class AppCoordinator:
         self.fence.commit(txn)
         log.info("app %s query %s: epoch %d committed (%d partitions from run %s)",
                  self.app, qid, epoch, len(record.winners), record.run)
-        # After the commit: cleaning up after dead attempts must not hold back the epoch's
-        # visible data or later epochs. A failure is retried on later passes (and by GC).
-        if not self._abort_unregistered(epoch, attempts, options, registry):
-            self._unclean.add((qid, epoch))
         options.actions.append(f"epoch {epoch}: committed {len(record.winners)} pre-commit(s) of run {record.run}")
         return True
 

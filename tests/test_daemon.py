@@ -6,28 +6,17 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
 from sinks.files import read_committed_rows
-from tests.harness import Pipeline, ids_out
+from tests.harness import Pipeline, ids_out, wait_until
 from tests.slow_sinks import SlowCommitFileSink
 from twophase.verify import count_rows
 
 pytestmark = pytest.mark.chaos
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PARTITIONS = 8
-
-
-def wait_until(predicate, timeout=60.0, interval=0.05, what="condition"):
-    """Poll a cheap predicate with a deadline (the state lives in other processes)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(interval)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 class Daemon:

@@ -90,7 +90,7 @@ def test_a_task_killed_before_registering_leaves_nothing_behind(spark, zk_server
     expected = run_pipeline(spark, zk_server, zk_root, tmp_path, FaultyFileSink(out),
                             writer_cls=DiesBeforeRegistering)
     assert count_rows(expected, [r["id"] for r in read_committed_rows(out)]).exact
-    assert os.listdir(os.path.join(out, "_pending")) == []  # the killed attempts' pre-commits were cleaned up
+    assert os.listdir(os.path.join(out, "_pending")) == []  # cleaned up before the epochs count as committed
     partition_1 = [n for n in os.listdir(out) if n.endswith(".jsonl") and "-00001-" in n]
     assert partition_1 and all(n.endswith("-1.jsonl") for n in partition_1)  # the retries' data
 
