@@ -215,20 +215,21 @@ def produce(bootstrap: str, topic: str, records: int, size: int) -> float:
     return seconds
 
 
-def consume(bootstrap: str, topic: str, records: int) -> float:
-    """Seconds to read ``records`` records from offset 1 (after the warm-up record) of partition 0."""
+def consume(bootstrap: str, topic: str, records: int, *, start: int = 1,
+            isolation: str = "read_uncommitted") -> float:
+    """Seconds to read ``records`` records of partition 0 from offset ``start`` (1: after the warm-up record)."""
     consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"bench-{uuid.uuid4().hex[:8]}",
-                         "enable.auto.commit": False, "enable.partition.eof": False,
+                         "enable.auto.commit": False, "enable.partition.eof": False, "isolation.level": isolation,
                          "fetch.queue.backoff.ms": 10})  # see the module docstring
     try:
         consumer.get_watermark_offsets(TopicPartition(topic, 0), timeout=10)  # connection and metadata first
         t = time.perf_counter()
-        consumer.assign([TopicPartition(topic, 0, 1)])
+        consumer.assign([TopicPartition(topic, 0, start)])
         seen = 0
         deadline = time.monotonic() + 300
         while seen < records:
             if time.monotonic() > deadline:
-                raise RuntimeError(f"consume: {seen} of {records} records after 300 s")
+                raise RuntimeError(f"consume {isolation}: {seen} of {records} records after 300 s")
             # Never ask for more than is left: consume() waits out its timeout for a short batch.
             for msg in consumer.consume(min(10_000, records - seen), timeout=1.0):
                 if msg.error():

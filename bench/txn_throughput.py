@@ -45,8 +45,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from broker_throughput import BrokerRunner  # noqa: E402  (bench/ is on sys.path when run as a script)
-from confluent_kafka import Consumer, Producer, TopicPartition  # noqa: E402
+from broker_throughput import BrokerRunner, consume  # noqa: E402  (bench/ is on sys.path when run as a script)
+from confluent_kafka import Producer  # noqa: E402
 from confluent_kafka.admin import AdminClient, NewTopic  # noqa: E402
 
 from twophase.client import Producer as TwophaseProducer  # noqa: E402
@@ -170,27 +170,6 @@ def transactional(client_type, bootstrap: str, pool: list[bytes], records: int,
         client.close()
 
 
-def consume(bootstrap: str, topic: str, records: int, isolation: str) -> float:
-    """Seconds to read the ``records`` records after the warm-up one."""
-    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"bench-{uuid.uuid4().hex[:8]}",
-                         "enable.auto.commit": False, "isolation.level": isolation})
-    try:
-        consumer.get_watermark_offsets(TopicPartition(topic, 0), timeout=10)
-        t = time.perf_counter()
-        consumer.assign([TopicPartition(topic, 0, 0)])
-        seen, deadline = 0, time.monotonic() + 300
-        while seen < records + 1:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"consume {isolation}: {seen} of {records + 1} records after 300 s")
-            for msg in consumer.consume(min(10_000, records + 1 - seen), timeout=1.0):
-                if msg.error():
-                    raise RuntimeError(f"consume: {msg.error()}")
-                seen += 1
-        return time.perf_counter() - t
-    finally:
-        consumer.close()
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--records", type=int, default=100_000)
@@ -221,8 +200,11 @@ def main(argv: list[str] | None = None) -> int:
                         rates.setdefault((client.name, f"{ms} ms"), []).append(rate)
                         ratios.setdefault((client.name, f"{ms} ms"), []).append(rate / base)
                         per_txn.setdefault((client.name, ms), []).append(n)
-                uncommitted = args.records / consume(broker.bootstrap, topic, args.records, "read_uncommitted")
-                committed = args.records / consume(broker.bootstrap, topic, args.records, "read_committed")
+                # From offset 0: the warm-up record is read too, as it always was here.
+                uncommitted = args.records / consume(broker.bootstrap, topic, args.records + 1, start=0,
+                                                     isolation="read_uncommitted")
+                committed = args.records / consume(broker.bootstrap, topic, args.records + 1, start=0,
+                                                   isolation="read_committed")
                 rates.setdefault(("consume", "read_uncommitted"), []).append(uncommitted)
                 rates.setdefault(("consume", "read_committed"), []).append(committed)
                 ratios.setdefault(("consume", "read_committed"), []).append(committed / uncommitted)

@@ -9,6 +9,20 @@ from __future__ import annotations
 import time
 
 from tests.broker.conftest import broker, broker_factory, topic  # noqa: F401  (fixtures)
+from twophase.client import KafkaConnectionError
+from twophase.client.connection import Connection
+
+
+def refuse_requests(monkeypatch, api_key: int, message: str) -> None:
+    """From now on (until ``monkeypatch.undo()``), every request of ``api_key`` fails like a lost network."""
+    original = Connection.request
+
+    def refusing(self, request, timeout_s=None):
+        if request.__api_key__ == api_key:
+            raise KafkaConnectionError(message)
+        return original(self, request, timeout_s)
+
+    monkeypatch.setattr(Connection, "request", refusing)
 
 
 def wait_for(predicate, timeout_s: float = 10.0, interval_s: float = 0.05, what: str = "condition"):

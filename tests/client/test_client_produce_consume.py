@@ -16,7 +16,7 @@ from tests.broker.conftest import fetch_request
 from twophase.client import Admin, Consumer, KafkaConnectionError, KafkaError, Producer
 from twophase.client.connection import ApiKey, Connection
 
-from .conftest import confluent_drain, drain
+from .conftest import confluent_drain, drain, refuse_requests
 
 
 def _all_partitions(consumer: Consumer, topic: str, n: int) -> Consumer:
@@ -179,17 +179,10 @@ def test_linger_sends_without_flush_and_batch_size_splits_batches(broker, topic)
 
 
 def test_a_send_that_keeps_failing_is_reported_by_flush(broker, topic, monkeypatch):
-    original = Connection.request
-
-    def refusing(self, request, timeout_s=None):
-        if request.__api_key__ == ApiKey.PRODUCE:
-            raise KafkaConnectionError("network down (test)")
-        return original(self, request, timeout_s)
-
     with Producer(broker.bootstrap, retries=2) as p:
         p.send(topic, value=b"ok", partition=0)
         p.flush()
-        monkeypatch.setattr(Connection, "request", refusing)
+        refuse_requests(monkeypatch, ApiKey.PRODUCE, "network down (test)")
         p.send(topic, value=b"lost", partition=0)
         with pytest.raises(KafkaConnectionError, match="network down"):
             p.flush()

@@ -17,9 +17,9 @@ from confluent_kafka import TopicPartition
 
 from twophase.client import (Admin, Consumer, KafkaConnectionError, KafkaTimeout, PreparedTxn, PreparedTxnLost,
                              Producer, ProducerFenced, TransactionStateError)
-from twophase.client.connection import ApiKey, Connection
+from twophase.client.connection import ApiKey
 
-from .conftest import confluent_drain, drain
+from .conftest import confluent_drain, drain, refuse_requests
 
 
 def _confluent_values(broker, topics: list[str], isolation: str, expected: int) -> list[bytes]:
@@ -182,19 +182,12 @@ def test_read_committed_waits_for_the_open_transaction(broker, topic):
 
 
 def test_a_failed_send_makes_the_transaction_abort_only(broker, topic, monkeypatch):
-    original = Connection.request
-
-    def refusing(self, request, timeout_s=None):
-        if request.__api_key__ == ApiKey.PRODUCE:
-            raise KafkaConnectionError("network down (test)")
-        return original(self, request, timeout_s)
-
     with Producer(broker.bootstrap, transactional_id=f"tx-{topic}", retries=1) as p:
         p.init_transactions()
         p.begin_transaction()
         p.send(topic, value=b"ok", partition=0)
         p.flush()
-        monkeypatch.setattr(Connection, "request", refusing)
+        refuse_requests(monkeypatch, ApiKey.PRODUCE, "network down (test)")
         p.send(topic, value=b"lost", partition=0)
         with pytest.raises(KafkaConnectionError):
             p.commit_transaction()
@@ -243,18 +236,11 @@ def test_a_newer_instances_transaction_is_never_committed_from_an_old_handle(bro
 
 
 def test_a_commit_that_timed_out_can_be_retried(broker, topic, monkeypatch):
-    original = Connection.request
-
-    def coordinator_unreachable(self, request, timeout_s=None):
-        if request.__api_key__ == ApiKey.END_TXN:
-            raise KafkaConnectionError("coordinator unreachable (test)")
-        return original(self, request, timeout_s)
-
     with Producer(broker.bootstrap, transactional_id=f"tx-{topic}", request_timeout_ms=1_000) as p:
         p.init_transactions()
         p.begin_transaction()
         p.send(topic, value=b"v", partition=0)
-        monkeypatch.setattr(Connection, "request", coordinator_unreachable)
+        refuse_requests(monkeypatch, ApiKey.END_TXN, "coordinator unreachable (test)")
         with pytest.raises(KafkaTimeout, match="EndTxn"):
             p.commit_transaction()
         monkeypatch.undo()

@@ -122,7 +122,10 @@ class Producer:
             if partition is None:
                 partition = self._sticky.partition(topic, len(partitions))
             queue = self._queues.setdefault((topic, partition), collections.deque())
-            if not queue or queue[-1].closed or queue[-1].size + size > self.batch_size:
+            # The sender only needs waking when a batch starts (its linger clock) or fills up,
+            # not for every record.
+            wake = not queue or queue[-1].closed or queue[-1].size + size > self.batch_size
+            if wake:
                 if queue and not queue[-1].closed:
                     queue[-1].closed = True
                 queue.append(_Batch(topic, partition, time.monotonic()))
@@ -130,8 +133,9 @@ class Producer:
             batch.records.append((timestamp, key, value, headers))
             batch.size += size
             if batch.size >= self.batch_size:
-                batch.closed = True
-            self._cond.notify_all()
+                batch.closed = wake = True
+            if wake:
+                self._cond.notify_all()
 
     def flush(self, timeout_s: float | None = None) -> None:
         """Send everything queued and wait for it; raises the first error of a failed send."""
