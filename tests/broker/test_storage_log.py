@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import struct
@@ -367,21 +368,56 @@ def test_retention_by_time(tmp_path):
 
 def test_flush_policy_interval(tmp_path, monkeypatch):
     calls = []
-    import twophase.broker.storage.segment as segment_module
-
     monkeypatch.setattr(segment_module, "_fdatasync", lambda fd: calls.append(fd))
     log = PartitionLog(str(tmp_path / "t-0"), LogConfig(flush=1000), now_ms=0)
     log.append(batch([b"a"]), 0)
     assert calls == []
-    assert log.maybe_flush(0) and len(calls) == 1  # the first call sets the clock's baseline
+    sync = log.flush_due(0)  # the first call sets the clock's baseline
+    assert sync is not None and calls == []  # detached: nothing is synced until it runs
+    sync()
+    assert len(calls) == 1
     log.append(batch([b"b"]), 0)
-    assert not log.maybe_flush(500)
-    assert log.maybe_flush(1000) and len(calls) == 2
-    assert not log.maybe_flush(1500)
+    assert log.flush_due(500) is None
+    log.flush_due(1000)()
+    assert len(calls) == 2
+    assert log.flush_due(2000) is None  # nothing appended since
     always = PartitionLog(str(tmp_path / "t-1"), LogConfig(flush="always"))
     always.append(batch([b"a"]), 0)
     assert len(calls) == 3
-    assert not always.maybe_flush(10**12)
+    assert always.flush_due(10**12) is None
+
+
+def test_a_detached_fsync_survives_a_roll_and_close_and_close_still_syncs(tmp_path, monkeypatch):
+    synced = []
+    monkeypatch.setattr(segment_module, "_fdatasync", lambda fd: synced.append(os.fstat(fd).st_ino))
+    log = PartitionLog(str(tmp_path / "t-0"), LogConfig(flush=1000), now_ms=0)
+    log.append(batch([b"a"]), 0)
+    first_segment = os.stat(os.path.join(log.directory, "00000000000000000000.log")).st_ino
+    sync = log.flush_due(0)
+    log.roll()
+    log.append(batch([b"b"]), 0)
+    log.close()  # seals and syncs on its own: it does not count on the detached fsync having run
+    before = list(synced)
+    sync()  # its descriptor is a duplicate, still valid after the close
+    assert synced == before + [first_segment]
+    assert first_segment in before
+
+
+def test_a_failed_detached_fsync_takes_the_log_offline(tmp_path, monkeypatch):
+    log = PartitionLog(str(tmp_path / "t-0"), LogConfig(flush=1000), now_ms=0)
+    log.append(batch([b"a"]), 0)
+
+    def fail(fd):
+        raise OSError(errno.EIO, "injected")
+
+    monkeypatch.setattr(segment_module, "_fdatasync", fail)
+    sync = log.flush_due(0)
+    with pytest.raises(OSError):
+        sync()
+    log.flush_failed(OSError(errno.EIO, "injected"))
+    with pytest.raises(KafkaStorageError):
+        log.append(batch([b"b"]), 0)
+    assert log.flush_due(10**12) is None
 
 
 def test_offset_for_timestamp(tmp_path):

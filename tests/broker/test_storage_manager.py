@@ -18,6 +18,7 @@ from twophase.broker.storage import (
     TopicAlreadyExistsError,
     TopicInfo,
     UnknownTopicOrPartitionError,
+    run_flushes,
 )
 
 from .batches import batch, decode
@@ -150,8 +151,10 @@ def test_flush_due_and_retention(data_dir):
     manager.create_topic("t", 2)
     for i in range(30):
         manager.partition("t", i % 2).append(batch([b"x" * 50], timestamp=0), 0)
-    assert manager.flush_due(now_ms=10_000) == 2
-    assert manager.flush_due(now_ms=10_001) == 0
+    due = manager.flush_due(now_ms=10_000)
+    assert len(due) == 2
+    assert run_flushes(due) == []
+    assert manager.flush_due(now_ms=10_001) == []
     assert manager.enforce_retention(now_ms=10_000) > 0
     assert manager.partition("t", 0).log_start_offset == manager.partition("t", 0).high_watermark == 15
 

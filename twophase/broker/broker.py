@@ -37,7 +37,7 @@ from typing import Literal
 
 from .groups import GroupCoordinator
 from .server import DEFAULT_MAX_REQUEST_BYTES, Dispatcher, KafkaServer
-from .storage import LogConfig, LogManager, TopicInfo, UnknownTopicOrPartitionError
+from .storage import LogConfig, LogManager, TopicInfo, UnknownTopicOrPartitionError, run_flushes
 from .txn import TXN_DIR, Failpoint, TransactionCoordinator, TxnSettings
 from twophase.durable import atomic_write
 
@@ -211,8 +211,10 @@ class Broker:
             await asyncio.sleep(tick)
             now_ms = int(time.time() * 1000)
             try:
-                if flush_ms is not None:
-                    self.logs.flush_due(now_ms)
+                if flush_ms is not None and (due := self.logs.flush_due(now_ms)):
+                    # fsync in a worker thread: produce and fetch go on meanwhile, as with Kafka's log flusher.
+                    for partition_log, exc in await asyncio.to_thread(run_flushes, due):
+                        partition_log.flush_failed(exc)
                 if time.monotonic() >= next_retention:
                     next_retention = time.monotonic() + self.config.retention_check_interval_ms / 1000
                     self.logs.enforce_retention(now_ms)

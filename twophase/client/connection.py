@@ -67,6 +67,35 @@ def part(api_key: int, version: int, class_name: str, /, **fields: Any) -> Any:
     return build(nested(load_request_schema(api_key, version), class_name), **fields)
 
 
+def read_exactly(sock: socket.socket, n: int) -> memoryview:
+    """``n`` bytes from ``sock``, received straight into one buffer (a read-only view, as kio wants)."""
+    buf = bytearray(n)
+    view = memoryview(buf)
+    pos = 0
+    while pos < n:
+        got = sock.recv_into(view[pos:], min(n - pos, 1 << 20))
+        if not got:
+            raise ConnectionError("closed by the broker")
+        pos += got
+    return view.toreadonly()
+
+
+def decode_response(frame: bytes | memoryview, request: Any, correlation_id: int) -> Any:
+    """The decoded response to ``request`` in ``frame`` (without its size prefix).
+
+    Raises ConnectionError if it does not decode or answers another correlation id.
+    """
+    response_type = load_response_schema(request.__api_key__, request.__version__)
+    try:
+        header, size = entity_reader(response_type.__header_schema__)(frame, 0)
+        body, _ = entity_reader(response_type)(frame, size)
+    except Exception as exc:  # kio raises assorted errors on undecodable bytes
+        raise ConnectionError(f"undecodable {response_type.__name__}: {exc}") from None
+    if header.correlation_id != correlation_id:
+        raise ConnectionError(f"correlation id {header.correlation_id}, expected {correlation_id}")
+    return body
+
+
 class Connection:
     """One TCP connection to a broker; thread-safe (requests are serialized)."""
 
@@ -122,29 +151,16 @@ class Connection:
             except (OSError, ConnectionError) as exc:
                 self.close()
                 raise KafkaConnectionError(f"{self}: {type(exc).__name__}: {exc}") from None
-        response_type = load_response_schema(request.__api_key__, request.__version__)
         try:
-            header, size = entity_reader(response_type.__header_schema__)(frame, 0)
-            body, _ = entity_reader(response_type)(frame, size)
-        except Exception as exc:  # kio raises assorted errors on undecodable bytes
+            return decode_response(frame, request, correlation_id)
+        except ConnectionError as exc:
             self.close()
-            raise KafkaConnectionError(f"{self}: undecodable {response_type.__name__}: {exc}") from None
-        if header.correlation_id != correlation_id:
-            self.close()
-            raise KafkaConnectionError(f"{self}: correlation id {header.correlation_id}, expected {correlation_id}")
-        return body
+            raise KafkaConnectionError(f"{self}: {exc}") from None
 
-    def _read_exactly(self, n: int) -> bytes:
-        chunks = []
-        while n:
-            chunk = self._sock.recv(min(n, 1 << 20))
-            if not chunk:
-                raise ConnectionError("closed by the broker")
-            chunks.append(chunk)
-            n -= len(chunk)
-        return b"".join(chunks)
+    def _read_exactly(self, n: int) -> memoryview:
+        return read_exactly(self._sock, n)
 
-    def _read_frame(self) -> bytes:
+    def _read_frame(self) -> memoryview:
         (size,) = _SIZE.unpack(self._read_exactly(4))
         if not 0 < size <= MAX_RESPONSE_BYTES:  # e.g. not a Kafka broker at this address
             raise ConnectionError(f"response size {size} is not plausible")

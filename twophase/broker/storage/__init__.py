@@ -32,7 +32,7 @@ from .errors import (
     UnknownTopicOrPartitionError,
 )
 from .log import PartitionLog
-from .manager import LogManager, TopicInfo, validate_topic_name
+from .manager import LogManager, TopicInfo, run_flushes, validate_topic_name
 from .producers import ProducerStateManager
 from .records import (
     BatchHeader,
@@ -79,6 +79,7 @@ __all__ = [
     "iter_batches",
     "parse_control_record",
     "parse_header",
+    "run_flushes",
     "set_base_offset",
     "validate_batch",
     "validate_topic_name",

@@ -6,7 +6,8 @@ Example::
     result = log.append(produce_records, now_ms)    # validates every batch; all or nothing
     data = log.read(result.base_offset, max_bytes=1 << 20)
     log.high_watermark, log.log_start_offset
-    log.maybe_flush(now_ms)                         # with an fsync interval instead of "always"
+    sync = log.flush_due(now_ms)                    # with an fsync interval instead of "always":
+    sync()                                          # in a worker thread; log.flush_failed(exc) if it raised
     log.enforce_retention(now_ms)
     log.close()
 
@@ -30,7 +31,7 @@ import logging
 import os
 import time
 from bisect import bisect_right
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from twophase.durable import fsync_dir, unlink_quietly
 
@@ -238,9 +239,7 @@ class PartitionLog:
             if self.config.flush == "always":
                 self._segments[-1].flush()
         except OSError as exc:
-            # Like Kafka taking a log dir offline: refuse further work until reopened (recovery repairs it).
-            self._failed = exc
-            log.error("%s: write failed, log is offline until reopened: %s", self.directory, exc)
+            self._take_offline(exc, "write")
             raise KafkaStorageError(f"write failed: {exc}") from exc
         self.producers.commit(prepared)
         return AppendResult(assigned[0][1].base_offset, next_offset - 1)
@@ -286,16 +285,29 @@ class PartitionLog:
         self._check_usable()
         self._segments[-1].flush()
 
-    def maybe_flush(self, now_ms: int) -> bool:
-        """Fsync if the flush interval has elapsed since the last one; returns whether it did."""
+    def flush_due(self, now_ms: int) -> Callable[[], None] | None:
+        """If the flush interval has elapsed and something is unsynced: an fsync of it, to run in any thread.
+
+        The broker runs it in a worker thread, so that a slow fsync does not stall the event loop (Kafka's
+        log flusher is a background thread too). A roll, close or retention meanwhile does no harm (see
+        ``Segment.detach_flush``). If it raises, pass the error to ``flush_failed``.
+        """
         interval = self.config.flush_interval_ms
         if interval is None or self._closed or self._failed:
-            return False
+            return None
         if self._last_flush_ms is not None and now_ms - self._last_flush_ms < interval:
-            return False
-        self._segments[-1].flush()
+            return None
         self._last_flush_ms = now_ms
-        return True
+        return self._segments[-1].detach_flush()
+
+    def flush_failed(self, exc: OSError) -> None:
+        """A detached fsync failed: the kernel may have dropped the unsynced pages, so the log goes offline."""
+        self._take_offline(exc, "fsync")
+
+    def _take_offline(self, exc: OSError, what: str) -> None:
+        # Like Kafka taking a log dir offline: refuse further work until reopened (recovery repairs it).
+        self._failed = exc
+        log.error("%s: %s failed, log is offline until reopened: %s", self.directory, what, exc)
 
     def enforce_retention(self, now_ms: int) -> int:
         """Delete whole old segments beyond retention_ms / retention_bytes; returns how many were deleted."""

@@ -9,7 +9,9 @@ Example::
     manager.create_topic("orders", partitions=3, config={"retention.ms": "3600000"})
     manager.partition("orders", 0).append(records, now_ms)
     manager.topics()["orders"].topic_id
-    manager.flush_due(now_ms); manager.enforce_retention(now_ms)   # from a periodic task
+    due = manager.flush_due(now_ms)                                # from a periodic task, then
+    for plog, exc in run_flushes(due): plog.flush_failed(exc)      # run_flushes in a worker thread
+    manager.enforce_retention(now_ms)
     manager.close()
 
 All methods are synchronous and quick; the broker calls them from its single asyncio event-loop thread,
@@ -25,7 +27,7 @@ import os
 import re
 import shutil
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -212,9 +214,9 @@ class LogManager:
 
     # -- periodic work and shutdown ----------------------------------------------------------------
 
-    def flush_due(self, now_ms: int) -> int:
-        """Fsync every log whose flush interval has elapsed; returns how many were flushed."""
-        return sum(partition_log.maybe_flush(now_ms) for partition_log in self._logs.values())
+    def flush_due(self, now_ms: int) -> list[tuple[PartitionLog, Callable[[], None]]]:
+        """Every log whose flush interval has elapsed, with its detached fsync: pass them to ``run_flushes``."""
+        return [(plog, sync) for plog in self._logs.values() if (sync := plog.flush_due(now_ms)) is not None]
 
     def enforce_retention(self, now_ms: int) -> int:
         """Apply retention to every log; returns the number of segments deleted."""
@@ -237,3 +239,17 @@ class LogManager:
         if self._lock_fd >= 0:
             os.close(self._lock_fd)
             self._lock_fd = -1
+
+
+def run_flushes(due: list[tuple[PartitionLog, Callable[[], None]]]) -> list[tuple[PartitionLog, OSError]]:
+    """Run the fsyncs from ``LogManager.flush_due`` (in any thread); returns the logs whose fsync failed.
+
+    Storage is not thread-safe, so the caller takes those logs offline (``flush_failed``) on the event loop.
+    """
+    failed = []
+    for plog, sync in due:
+        try:
+            sync()
+        except OSError as exc:
+            failed.append((plog, exc))
+    return failed

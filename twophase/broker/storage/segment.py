@@ -24,7 +24,7 @@ import os
 import struct
 from array import array
 from bisect import bisect_left, bisect_right
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from .errors import CorruptRecordError
 from .records import (
@@ -95,7 +95,8 @@ class Segment:
         self._positions = array("i")
         self._ts_before = array("q")
         self._bytes_since_index = 0
-        self._dirty = False
+        self._dirty = False  # appended to since the last fsync started
+        self._detached_sync = False  # an fsync was handed to another thread (detach_flush)
         self.txn_index = TransactionIndex(txn_index_path(directory, base_offset), base_offset)
 
     # -- opening ---------------------------------------------------------------------------------
@@ -250,9 +251,30 @@ class Segment:
         self._dirty = True
 
     def flush(self) -> None:
-        if self._dirty:
+        if self._dirty or self._detached_sync:
             _fdatasync(self._fd)
-            self._dirty = False
+            self._dirty = self._detached_sync = False
+
+    def detach_flush(self) -> Callable[[], None] | None:
+        """An fsync of everything appended so far, to run in another thread; None if nothing is unsynced.
+
+        It works on a duplicate of the descriptor, so closing or deleting the segment meanwhile does no
+        harm. Once one was handed out, ``flush()`` (so ``seal()`` and ``close()``) fsyncs again rather
+        than trust that it finished.
+        """
+        if not self._dirty:
+            return None
+        fd = os.dup(self._fd)
+        self._dirty = False
+        self._detached_sync = True
+
+        def sync() -> None:
+            try:
+                _fdatasync(fd)
+            finally:
+                os.close(fd)
+
+        return sync
 
     def seal(self) -> None:
         """Make the segment durable before it stops being the active one: fsync the log and both indexes."""
