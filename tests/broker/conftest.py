@@ -111,6 +111,12 @@ class WireClient:
     def close(self) -> None:
         self.sock.close()
 
+    def __enter__(self) -> WireClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
 
 @pytest.fixture
 def wire(broker) -> Iterator:

@@ -37,6 +37,7 @@ from typing import Literal
 
 from .groups import GroupCoordinator
 from .server import DEFAULT_MAX_REQUEST_BYTES, Dispatcher, KafkaServer
+from .group_commit import GroupCommit
 from .storage import LogConfig, LogManager, TopicInfo, UnknownTopicOrPartitionError, run_flushes
 from .txn import TXN_DIR, Failpoint, TransactionCoordinator, TxnSettings
 from twophase.durable import atomic_write
@@ -108,6 +109,7 @@ class Broker:
         self.logs: LogManager | None = None
         self.groups: GroupCoordinator | None = None
         self.transactions: TransactionCoordinator | None = None
+        self.group_commit = GroupCommit()
         self._server: KafkaServer | None = None
         self._waiters: dict[tuple[str, int], set[asyncio.Future]] = {}
         self._tasks: list[asyncio.Task] = []

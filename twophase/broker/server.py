@@ -79,7 +79,7 @@ class _Connection(asyncio.BufferedProtocol):
         self.task: asyncio.Task | None = None
         self.peer = ""
         self.last_active = loop.time()  # when the last request was answered (or the connection made)
-        self.busy = False  # a request is being handled or is waiting for request bytes
+        self.busy = 0  # requests being handled or waiting for the request byte budget
         self.close_reason: str | None = None
         self.gone: asyncio.Future = loop.create_future()
         self.closed: asyncio.Future = loop.create_future()
@@ -405,38 +405,59 @@ class KafkaServer:
             log.debug("connection from %s closed: %s", conn.peer, reason)
 
     async def _request_loop(self, conn: _Connection) -> str:
-        peer, budget, clock = conn.peer, self.budget, asyncio.get_running_loop().time
-        while True:
-            try:
-                prefix = await conn.read(4)
-            except asyncio.IncompleteReadError as exc:
-                return "closed by client" if not exc.partial else "closed mid size prefix"
-            (size,) = _SIZE.unpack(prefix)
-            if not MIN_REQUEST_BYTES <= size <= self.max_request_bytes:
-                log.info("closing connection from %s: request size %d outside [%d, %d]",
-                         peer, size, MIN_REQUEST_BYTES, self.max_request_bytes)
-                return f"bad request size {size}"
-            conn.busy = True  # waiting for request bytes is the broker's doing, not idleness
-            held = await budget.acquire(size)
-            frame = b""
-            try:
-                conn.busy = False  # a client that stalls mid-request is idle
+        clock = asyncio.get_running_loop().time
+        next_request = asyncio.ensure_future(self._read_request(conn))
+        try:
+            while True:
+                got = await next_request
+                if isinstance(got, str):
+                    return got
+                frame, held = got
+                # Receive the next request while this one is handled (say, while its fsync runs in a
+                # worker thread). Requests are still handled and answered one at a time, in order.
+                next_request = asyncio.ensure_future(self._read_request(conn))
+                conn.busy += 1
                 try:
-                    frame = await conn.read(size)
-                except asyncio.IncompleteReadError as exc:
-                    log.info("closing connection from %s: truncated request (%d of %d bytes)",
-                             peer, len(exc.partial), size)
-                    return "truncated request"
-                conn.busy = True
-                try:
-                    response = await self.dispatch(frame, peer, conn.gone)
+                    response = await self.dispatch(frame, conn.peer, conn.gone)
                 except CloseConnection as exc:
-                    log.info("closing connection from %s: %s", peer, exc)
+                    log.info("closing connection from %s: %s", conn.peer, exc)
                     return str(exc)
-            finally:
-                frame = b""  # not kept while the connection waits for its next request
-                budget.release(held)
-            conn.busy = False
-            conn.last_active = clock()
-            if response is not None:
-                await conn.write(response)
+                finally:
+                    conn.busy -= 1
+                    frame = b""  # not kept while the connection waits for its next request
+                    self.budget.release(held)
+                conn.last_active = clock()
+                if response is not None:
+                    await conn.write(response)
+        finally:
+            if not next_request.done():
+                next_request.cancel()
+            elif not next_request.cancelled() and isinstance(next_request.result(), tuple):
+                self.budget.release(next_request.result()[1])  # received, never handled
+
+    async def _read_request(self, conn: _Connection) -> tuple[bytes | memoryview, int] | str:
+        """The next request frame and the request bytes it holds in the budget, or why the connection ends."""
+        try:
+            prefix = await conn.read(4)
+        except asyncio.IncompleteReadError as exc:
+            return "closed by client" if not exc.partial else "closed mid size prefix"
+        (size,) = _SIZE.unpack(prefix)
+        if not MIN_REQUEST_BYTES <= size <= self.max_request_bytes:
+            log.info("closing connection from %s: request size %d outside [%d, %d]",
+                     conn.peer, size, MIN_REQUEST_BYTES, self.max_request_bytes)
+            return f"bad request size {size}"
+        conn.busy += 1  # waiting for the byte budget is the broker's doing, not idleness
+        try:
+            held = await self.budget.acquire(size)
+        finally:
+            conn.busy -= 1
+        try:
+            return await conn.read(size), held  # a client that stalls mid-request is idle
+        except asyncio.IncompleteReadError as exc:
+            log.info("closing connection from %s: truncated request (%d of %d bytes)",
+                     conn.peer, len(exc.partial), size)
+            self.budget.release(held)
+            return "truncated request"
+        except BaseException:
+            self.budget.release(held)
+            raise

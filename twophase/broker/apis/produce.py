@@ -3,7 +3,9 @@
 The records are handed to storage as they are: it validates each batch (CRC-32C, magic,
 idempotent-producer sequence), assigns offsets and never decodes individual records. A retried
 idempotent batch is acknowledged with its original offset. acks must be 0, 1 or -1; with acks=0
-no response is sent. Unknown topics are created when the broker auto-creates topics.
+no response is sent. Unknown topics are created when the broker auto-creates topics. Under fsync
+"always" a response waits until its batches are fsynced; that fsync runs off the event loop and is
+shared with every other append made before it started (twophase.broker.group_commit).
 
 A transactional batch needs the request's transactional id (INVALID_RECORD without one), and a
 request with a transactional id must carry transactional batches (INVALID_RECORD otherwise)
@@ -14,6 +16,7 @@ coordinator does not know about would hold back the last stable offset forever.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from datetime import datetime, timezone
@@ -41,6 +44,16 @@ async def handle(broker, request):
                                       if append_time >= 0 else None),
                      log_start_offset=log_start, record_errors=(), error_message=message)
 
+    async def appended(topic: str, index: int, plog, result):
+        """The response for batches appended (or found to be a retry): sent once they are durable."""
+        try:
+            await broker.group_commit.durable(plog, result.last_offset + 1)
+        except KafkaError as exc:
+            return partition_response(index, error(exc.code), message=str(exc)[:200])
+        if not result.duplicate:
+            broker.data_arrived(topic, index)
+        return partition_response(index, NONE, result.base_offset, result.log_append_time, plog.log_start_offset)
+
     topics = []
     for topic in body.topic_data:
         partitions = []
@@ -57,17 +70,20 @@ async def handle(broker, request):
                 continue
             try:
                 plog = broker.partition_log(topic.name, part.index, create=True)
-                result = plog.append(part.records, now_ms)
+                # Under fsync "always" the fsync is shared with other requests (group commit); acks=0
+                # has no response to hold back, so it syncs inline.
+                result = plog.append(part.records, now_ms, defer_fsync=acks != 0)
             except KafkaError as exc:
                 if exc.code not in (3, 45, 47):  # routine for clients; the rest is worth a look
                     log.info("produce to %s-%d from %s refused: %s", topic.name, part.index, request.peer, exc)
                 partitions.append(partition_response(part.index, error(exc.code), message=str(exc)[:200]))
                 continue
-            if not result.duplicate:
-                broker.data_arrived(topic.name, part.index)
-            partitions.append(partition_response(part.index, NONE, result.base_offset, result.log_append_time,
-                                                 plog.log_start_offset))
-        topics.append(build(TopicResponse, name=topic.name, partition_responses=tuple(partitions)))
+            partitions.append(appended(topic.name, part.index, plog, result))
+        topics.append((topic.name, partitions))
+    pending = [p for _, partitions in topics for p in partitions if asyncio.iscoroutine(p)]
+    done = iter(await asyncio.gather(*pending))
+    topics = [build(TopicResponse, name=name, partition_responses=tuple(
+        next(done) if asyncio.iscoroutine(p) else p for p in partitions)) for name, partitions in topics]
     if acks == 0:
         return None
     return build(rt, responses=tuple(topics), throttle_time=NO_THROTTLE)

@@ -85,6 +85,7 @@ class PartitionLog:
         now = _now_ms() if now_ms is None else now_ms
         os.makedirs(directory, exist_ok=True)
         self._segments = self._open_segments()
+        self._durable_end = self.log_end_offset  # recovery kept what is on disk
         self.producers = ProducerStateManager(directory)
         self._last_abort_marker = -1  # offset of the newest ABORT marker in the index, -1 if none
         self._recover_producers(now)
@@ -161,8 +162,9 @@ class PartitionLog:
 
     @property
     def high_watermark(self) -> int:
-        """The next offset to be assigned (single replica: the log end offset is the high watermark)."""
-        return self._segments[-1].next_offset
+        """The end of what readers see. A single replica has nothing to wait for but the disk: under fsync
+        "always" it is the end of what is fsynced (see ``append(defer_fsync=True)``), else the log end."""
+        return self._durable_end if self.config.flush == "always" else self._segments[-1].next_offset
 
     @property
     def log_end_offset(self) -> int:
@@ -196,12 +198,17 @@ class PartitionLog:
     # -- appending ---------------------------------------------------------------------------------
 
     def append(
-        self, records: bytes | bytearray | memoryview, now_ms: int, *, from_client: bool = True
+        self, records: bytes | bytearray | memoryview, now_ms: int, *, from_client: bool = True,
+        defer_fsync: bool = False,
     ) -> AppendResult:
         """Validate and append every batch in ``records`` (all or none) and assign their offsets.
 
         ``from_client=False`` is for the transaction coordinator's control batches (markers). A retried
         idempotent batch returns its original offsets with ``duplicate=True`` and is not stored again.
+
+        Under fsync "always" the batches are fsynced before this returns, unless ``defer_fsync``: then
+        they stay invisible to readers until an fsync covers them (``begin_fsync``/``fsync_done``, or any
+        later inline one), so many appends can share one fsync (group commit).
         """
         self._check_usable()
         # Not copied: the segment writes each batch's new offset and epoch beside a view of the rest.
@@ -209,7 +216,7 @@ class PartitionLog:
         batches = list(iter_batches(view))
         if not batches:
             raise InvalidRecordError("no record batches")
-        next_offset = self.high_watermark
+        next_offset = self.log_end_offset
         assigned: list[tuple[int, BatchHeader]] = []
         markers: list[ControlRecord | None] = []
         for pos, header in batches:
@@ -236,8 +243,9 @@ class PartitionLog:
             for txn in prepared.aborted:
                 self._segments[-1].txn_index.append(txn)
                 self._last_abort_marker = txn.last_offset
-            if self.config.flush == "always":
+            if self.config.flush == "always" and not defer_fsync:
                 self._segments[-1].flush()
+                self._durable_end = next_offset
         except OSError as exc:
             self._take_offline(exc, "write")
             raise KafkaStorageError(f"write failed: {exc}") from exc
@@ -267,6 +275,7 @@ class PartitionLog:
     def _roll(self) -> None:
         old = self._segments[-1]
         old.seal()
+        self._durable_end = old.next_offset
         self.producers.write_snapshot(old.next_offset)
         segment = Segment.create(self.directory, old.next_offset, self.config.index_interval_bytes)
         fsync_dir(self.directory)
@@ -284,6 +293,26 @@ class PartitionLog:
     def flush(self) -> None:
         self._check_usable()
         self._segments[-1].flush()
+        self._durable_end = self.log_end_offset
+
+    def begin_fsync(self) -> tuple[int, Callable[[], None]] | None:
+        """For group commit under fsync "always": (offset, sync) where ``sync`` fsyncs every offset below
+        ``offset`` and may run in any thread; None if all is fsynced already. Report success with
+        ``fsync_done(offset)`` and a failure with ``flush_failed``. One at a time per log.
+        """
+        self._check_usable()
+        end = self.log_end_offset
+        if self._durable_end >= end:
+            return None
+        sync = self._segments[-1].detach_flush()
+        if sync is None:  # a roll or an inline flush synced it meanwhile
+            self._durable_end = end
+            return None
+        return end, sync
+
+    def fsync_done(self, offset: int) -> None:
+        """A sync from ``begin_fsync`` finished: offsets below ``offset`` are durable, so readers see them."""
+        self._durable_end = max(self._durable_end, offset)
 
     def flush_due(self, now_ms: int) -> Callable[[], None] | None:
         """If the flush interval has elapsed and something is unsynced: an fsync of it, to run in any thread.
@@ -351,9 +380,11 @@ class PartitionLog:
     def read_range(self, offset: int, max_bytes: int, upper_offset: int | None = None) -> tuple[bytes, int]:
         """Like read(), plus the offset after the last batch returned (``offset`` when none is)."""
         self._check_usable()
-        if not self.log_start_offset <= offset <= self.high_watermark:
-            raise OffsetOutOfRangeError(
-                f"offset {offset} outside [{self.log_start_offset}, {self.high_watermark}]")
+        high_watermark = self.high_watermark
+        if not self.log_start_offset <= offset <= high_watermark:
+            raise OffsetOutOfRangeError(f"offset {offset} outside [{self.log_start_offset}, {high_watermark}]")
+        if high_watermark < self.log_end_offset and (upper_offset is None or upper_offset > high_watermark):
+            upper_offset = high_watermark  # appended but not yet fsynced: not for readers
         chunks: list[bytes] = []
         remaining = max_bytes
         end = offset
@@ -427,6 +458,7 @@ class PartitionLog:
         self._closed = True
         if self._failed is None:
             self._segments[-1].seal()
+            self._durable_end = self.log_end_offset
             self.producers.write_snapshot(self.high_watermark)
         for segment in self._segments:
             segment.close()

@@ -1,0 +1,113 @@
+"""Group commit under fsync "always": fsyncs off the event loop, shared by concurrent produce requests,
+an acknowledgement only after the fsync, and nothing visible to readers before it.
+
+The disk is the real one; only ``_fdatasync`` is wrapped, to count calls or to hold one back at a gate.
+"""
+
+from __future__ import annotations
+
+import errno
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+import twophase.broker.storage.segment as segment_module
+from twophase.broker.storage.records import iter_batches
+
+from ..harness import wait_until
+from .batches import batch
+from .conftest import WireClient, fetch_request, only_partition, produce_request
+
+KAFKA_STORAGE_ERROR = 56
+
+
+class GatedSync:
+    """Wraps the real fdatasync: counts calls and, while closed, holds each one until opened."""
+
+    def __init__(self, real) -> None:
+        self.real = real
+        self.calls = 0
+        self.entered = threading.Event()
+        self.gate = threading.Event()
+        self.gate.set()
+        self.fail = False
+
+    def __call__(self, fd: int) -> None:
+        self.calls += 1
+        self.entered.set()
+        assert self.gate.wait(30), "gate never opened"
+        if self.fail:
+            raise OSError(errno.EIO, "injected fsync failure")
+        self.real(fd)
+
+
+@pytest.fixture
+def gated(monkeypatch) -> GatedSync:
+    sync = GatedSync(segment_module._fdatasync)
+    monkeypatch.setattr(segment_module, "_fdatasync", sync)
+    return sync
+
+
+def produce(port: int, topic: str, value: bytes):
+    with WireClient(port, timeout=30) as client:
+        return only_partition(client.request(produce_request(topic, batch([value]))))
+
+
+def fetched_values(port: int, topic: str) -> tuple[int, int]:
+    """(high watermark, records) a read_uncommitted fetch from offset 0 returns."""
+    with WireClient(port) as client:
+        partition = only_partition(client.request(fetch_request(topic, 0)))
+    assert partition.error_code == 0, partition.error_code
+    records = sum(header.record_count for _, header in iter_batches(partition.records or b""))
+    return partition.high_watermark, records
+
+
+def test_an_unsynced_batch_is_neither_acknowledged_nor_visible(broker_factory, gated, topic):
+    broker = broker_factory(fsync="always")
+    assert produce(broker.port, topic, b"first").error_code == 0
+    gated.gate.clear()
+    gated.entered.clear()
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(produce, broker.port, topic, b"second")
+        assert gated.entered.wait(30)  # appended, its fsync running in a worker thread
+        # The event loop is free meanwhile, and readers still see only the first record.
+        assert fetched_values(broker.port, topic) == (1, 1)
+        assert not pending.done()
+        gated.gate.set()
+        assert pending.result(30).error_code == 0
+    assert fetched_values(broker.port, topic) == (2, 2)
+
+
+def test_concurrent_produce_requests_share_fsyncs(broker_factory, gated, topic):
+    broker = broker_factory(fsync="always")
+    assert produce(broker.port, topic, b"warm-up").error_code == 0
+    gated.calls = 0
+    gated.gate.clear()
+    gated.entered.clear()
+    requests = 12
+    with ThreadPoolExecutor(requests) as pool:
+        first = pool.submit(produce, broker.port, topic, b"v0")
+        assert gated.entered.wait(30)  # the first fsync is held: the others append meanwhile
+        rest = [pool.submit(produce, broker.port, topic, b"v%d" % i) for i in range(1, requests)]
+        plog = broker.call(broker.partition_log, topic, 0)
+        wait_until(lambda: broker.call(lambda: plog.log_end_offset) == 1 + requests, 30, 0.01,
+                   "every request appended behind the held fsync")
+        assert not first.done()
+        gated.gate.set()
+        results = [first.result(30)] + [f.result(30) for f in rest]
+    assert all(r.error_code == 0 for r in results)
+    assert sorted(r.base_offset for r in results) == list(range(1, 1 + requests))
+    assert gated.calls == 2, f"{requests} requests took {gated.calls} fsyncs"  # the held one, then one for all
+    assert fetched_values(broker.port, topic) == (1 + requests, 1 + requests)
+
+
+def test_a_failed_fsync_is_an_error_to_the_producer_and_takes_only_that_log_offline(broker_factory, gated, topic):
+    broker = broker_factory(fsync="always")
+    assert produce(broker.port, topic, b"kept").error_code == 0
+    gated.fail = True
+    assert produce(broker.port, topic, b"lost").error_code == KAFKA_STORAGE_ERROR
+    with WireClient(broker.port) as client:  # the log is offline, the broker is not
+        assert only_partition(client.request(fetch_request(topic, 0))).error_code == KAFKA_STORAGE_ERROR
+    gated.fail = False
+    assert produce(broker.port, f"{topic}-other", b"elsewhere").error_code == 0

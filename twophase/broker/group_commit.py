@@ -1,0 +1,50 @@
+"""Group commit: under fsync "always", produce requests share fsyncs that run in a worker thread.
+
+An fsync costs ~1 ms whatever it covers. Done inline, it would stall the event loop for every
+produce request: no other connection is served meanwhile, and N producers pay N fsyncs in a row.
+Instead a produce request appends with ``defer_fsync=True`` and awaits ``durable()``: one fsync per
+log runs at a time, off the event loop, and covers every append made before it started; appends
+made meanwhile wait for the next one. A request is acknowledged only once its batches are on disk,
+and readers see nothing before that (the log's high watermark is the fsynced end).
+
+Example::
+
+    result = plog.append(records, now_ms, defer_fsync=True)
+    await group_commit.durable(plog, result.last_offset + 1)   # KafkaStorageError if the fsync failed
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from .storage import KafkaStorageError, PartitionLog
+
+
+class GroupCommit:
+    """The fsync in flight for each partition log, shared by everyone waiting on that log."""
+
+    def __init__(self) -> None:
+        self._in_flight: dict[PartitionLog, asyncio.Future] = {}
+
+    async def durable(self, plog: PartitionLog, end_offset: int) -> None:
+        """Return once every offset below ``end_offset`` of ``plog`` is fsynced."""
+        while plog.high_watermark < end_offset:
+            fsync = self._in_flight.get(plog)
+            if fsync is None:
+                fsync = self._in_flight[plog] = asyncio.ensure_future(self._fsync(plog))
+            await asyncio.shield(fsync)  # a cancelled waiter must not cancel the others' fsync
+
+    async def _fsync(self, plog: PartitionLog) -> None:
+        try:
+            started = plog.begin_fsync()
+            if started is None:
+                return
+            offset, sync = started
+            try:
+                await asyncio.to_thread(sync)
+            except OSError as exc:
+                plog.flush_failed(exc)
+                raise KafkaStorageError(f"fsync failed: {exc}") from exc
+            plog.fsync_done(offset)
+        finally:
+            del self._in_flight[plog]
