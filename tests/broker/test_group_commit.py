@@ -17,7 +17,7 @@ from twophase.broker.storage.records import iter_batches
 
 from ..harness import wait_until
 from .batches import batch
-from .conftest import WireClient, fetch_request, only_partition, produce_request
+from .conftest import WireClient, fetch_request, metadata_request, only_partition, produce_request
 
 KAFKA_STORAGE_ERROR = 56
 
@@ -111,3 +111,27 @@ def test_a_failed_fsync_is_an_error_to_the_producer_and_takes_only_that_log_offl
         assert only_partition(client.request(fetch_request(topic, 0))).error_code == KAFKA_STORAGE_ERROR
     gated.fail = False
     assert produce(broker.port, f"{topic}-other", b"elsewhere").error_code == 0
+
+
+def test_a_connections_in_flight_produce_requests_share_an_fsync_and_are_answered_in_order(
+        broker_factory, gated, topic):
+    broker = broker_factory(fsync="always")
+    assert produce(broker.port, topic, b"warm-up").error_code == 0
+    plog = broker.call(broker.partition_log, topic, 0)
+    gated.calls = 0
+    gated.gate.clear()
+    with WireClient(broker.port, timeout=30) as client:
+        # Five Produce requests back to back, as a client with max.in.flight 5 sends them, then
+        # a request of another kind, which must wait for all five.
+        produces = [produce_request(topic, batch([b"v%d" % i])) for i in range(5)]
+        ids = [client.send(request) for request in produces]
+        metadata_id = client.send(metadata_request(12, [topic]))
+        wait_until(lambda: broker.call(lambda: plog.log_end_offset) == 6, 30, 0.01,
+                   "all five appended while the first fsync is held")
+        gated.gate.set()
+        # recv() checks the correlation id: the answers come in request order.
+        answers = [only_partition(client.recv(type(request), cid)) for request, cid in zip(produces, ids)]
+        assert client.recv(type(metadata_request(12, [topic])), metadata_id).topics[0].name == topic
+    assert [a.error_code for a in answers] == [0] * 5
+    assert [a.base_offset for a in answers] == [1, 2, 3, 4, 5]
+    assert gated.calls == 2  # the held one, then one for the other four

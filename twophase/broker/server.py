@@ -53,7 +53,11 @@ DEFAULT_IDLE_TIMEOUT_MS = 600_000  # Kafka's connections.max.idle.ms
 # this per connection.
 READ_AHEAD_BYTES = 64 * 1024
 MIN_REQUEST_BYTES = 10  # api key, version, correlation id, client id length
+# Produce requests a connection handles at once: a client's in-flight batches share an fsync.
+PIPELINED_PRODUCE = 5
+_PIPELINED_APIS = frozenset({0})  # Produce
 _SIZE = struct.Struct(">i")
+_API_KEY = struct.Struct(">h")
 
 
 class CloseConnection(Exception):
@@ -405,31 +409,59 @@ class KafkaServer:
             log.debug("connection from %s closed: %s", conn.peer, reason)
 
     async def _request_loop(self, conn: _Connection) -> str:
+        """Read, handle and answer requests until the connection ends; returns why it ended.
+
+        The next request is received while the current one is handled. Produce requests in a row are
+        also handled concurrently (up to ``PIPELINED_PRODUCE``), so that a client's in-flight batches
+        share one fsync; they are appended in arrival order (each handler appends before it first
+        waits) and answered in that order. Any other request waits until those are answered, and is
+        handled alone, as Kafka does.
+        """
         clock = asyncio.get_running_loop().time
-        next_request = asyncio.ensure_future(self._read_request(conn))
+        pipeline: collections.deque[tuple[asyncio.Task, int]] = collections.deque()  # handling, in order
+        next_request: asyncio.Future = asyncio.ensure_future(self._read_request(conn))
+
+        async def answer_head() -> None:
+            task, held = pipeline[0]
+            try:
+                response = await task
+            finally:
+                pipeline.popleft()
+                conn.busy -= 1
+                self.budget.release(held)
+            conn.last_active = clock()
+            if response is not None:
+                await conn.write(response)
+
         try:
             while True:
+                if pipeline and (pipeline[0][0].done() or len(pipeline) == PIPELINED_PRODUCE):
+                    await answer_head()
+                    continue
+                if pipeline and not next_request.done():
+                    await asyncio.wait((pipeline[0][0], next_request), return_when=asyncio.FIRST_COMPLETED)
+                    continue
                 got = await next_request
-                if isinstance(got, str):
-                    return got
+                pipelined = not isinstance(got, str) and _API_KEY.unpack_from(got[0])[0] in _PIPELINED_APIS
+                if not pipelined:
+                    while pipeline:  # answer what came before, in order
+                        await answer_head()
+                    if isinstance(got, str):
+                        return got
                 frame, held = got
-                # Receive the next request while this one is handled (say, while its fsync runs in a
-                # worker thread). Requests are still handled and answered one at a time, in order.
                 next_request = asyncio.ensure_future(self._read_request(conn))
                 conn.busy += 1
-                try:
-                    response = await self.dispatch(frame, conn.peer, conn.gone)
-                except CloseConnection as exc:
-                    log.info("closing connection from %s: %s", conn.peer, exc)
-                    return str(exc)
-                finally:
-                    conn.busy -= 1
-                    frame = b""  # not kept while the connection waits for its next request
-                    self.budget.release(held)
-                conn.last_active = clock()
-                if response is not None:
-                    await conn.write(response)
+                pipeline.append((asyncio.ensure_future(self.dispatch(frame, conn.peer, conn.gone)), held))
+                del frame, got  # only the task holds the request, and only while it is handled
+                if not pipelined:
+                    await answer_head()
+        except CloseConnection as exc:
+            log.info("closing connection from %s: %s", conn.peer, exc)
+            return str(exc)
         finally:
+            for task, held in pipeline:
+                task.cancel()
+                self.budget.release(held)
             if not next_request.done():
                 next_request.cancel()
             elif not next_request.cancelled() and isinstance(next_request.result(), tuple):
