@@ -39,9 +39,10 @@ _CORRELATION_AT = 8  # in a frame: size (4), api key (2), api version (2), then 
 
 
 class WireLoad:
-    """One connection that replays Produce requests and reads a partition with Fetch requests."""
+    """One connection that replays Produce requests to one partition and reads it with Fetch requests."""
 
-    def __init__(self, bootstrap: str) -> None:
+    def __init__(self, bootstrap: str, partition: int = 0) -> None:
+        self.partition = partition
         host, port = bootstrap.rsplit(":", 1)
         self._sock = socket.create_connection((host, int(port)), timeout=60)
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -69,30 +70,33 @@ class WireLoad:
         (size,) = _SIZE.unpack(read_exactly(self._sock, 4))
         return decode_response(read_exactly(self._sock, size), request, correlation_id)
 
-    def produce(self, topic: str, batches: Sequence[bytes], repeat: int = 1) -> float:
-        """Seconds to produce ``batches``, ``repeat`` times over, to partition 0 of ``topic`` (acks=all).
+    def produce(self, topic: str, batches: Sequence[bytes], repeat: int = 1, in_flight: int = IN_FLIGHT) -> float:
+        """Seconds to produce ``batches``, ``repeat`` times over, to the partition of ``topic`` (acks=all).
 
-        One batch per request, as a client with one partition sends them; raises if any is refused.
+        One batch per request, as a client with one partition sends them, at most ``in_flight`` unanswered;
+        raises if any is refused.
         """
-        requests = [_produce_request(topic, batch) for batch in batches]
+        requests = [_produce_request(topic, self.partition, batch) for batch in batches]
         frames = [encode_request(0, request, "wire-load") for request in requests]
         total = len(frames) * repeat
-        in_flight: deque[tuple[object, int]] = deque()
+        pending: deque[tuple[object, int]] = deque()
         sent = 0
         t = time.perf_counter()
         for _ in range(total):
-            while sent < total and len(in_flight) < IN_FLIGHT:
-                in_flight.append((requests[sent % len(frames)], self._send(frames[sent % len(frames)])))
+            while sent < total and len(pending) < in_flight:
+                pending.append((requests[sent % len(frames)], self._send(frames[sent % len(frames)])))
                 sent += 1
-            _check_produced(self._receive(*in_flight.popleft()))
+            _check_produced(self._receive(*pending.popleft()))
         return time.perf_counter() - t
 
     def fetch_all(self, topic: str, end_offset: int, isolation_level: int = 0) -> tuple[float, int]:
-        """(seconds, records) to read partition 0 of ``topic`` from offset 0 up to ``end_offset``."""
+        """(seconds, records) to read the partition of ``topic`` from offset 0 up to ``end_offset``."""
         offset = records = 0
         t = time.perf_counter()
         while offset < end_offset:
-            request = _fetch_request(topic, offset, isolation_level)
+            if time.perf_counter() - t > 300:
+                raise RuntimeError(f"Fetch: offset {offset} of {end_offset} after 300 s")
+            request = _fetch_request(topic, self.partition, offset, isolation_level)
             response = self._receive(request, self._send(encode_request(0, request, "wire-load")))
             partition = response.responses[0].partitions[0]
             if response.error_code or partition.error_code:
@@ -109,14 +113,14 @@ class WireLoad:
         return time.perf_counter() - t, records
 
 
-def _produce_request(topic: str, batch: bytes):
+def _produce_request(topic: str, partition: int, batch: bytes):
     wire = bytearray(batch)
     set_base_offset(wire, 0, 0, -1)  # as the client sent it: the broker assigns both
-    partition = part(ApiKey.PRODUCE, PRODUCE_VERSION, "PartitionProduceData", index=0, records=bytes(wire))
+    data = part(ApiKey.PRODUCE, PRODUCE_VERSION, "PartitionProduceData", index=partition, records=bytes(wire))
     return message(ApiKey.PRODUCE, PRODUCE_VERSION, transactional_id=None, acks=-1,
                    timeout=datetime.timedelta(seconds=30),
                    topic_data=(part(ApiKey.PRODUCE, PRODUCE_VERSION, "TopicProduceData", name=topic,
-                                    partition_data=(partition,)),))
+                                    partition_data=(data,)),))
 
 
 def _check_produced(response) -> None:
@@ -126,10 +130,10 @@ def _check_produced(response) -> None:
                 raise RuntimeError(f"Produce to {topic.name}-{partition.index}: error {partition.error_code}")
 
 
-def _fetch_request(topic: str, offset: int, isolation_level: int):
-    partition = part(ApiKey.FETCH, FETCH_VERSION, "FetchPartition", partition=0, current_leader_epoch=-1,
+def _fetch_request(topic: str, partition: int, offset: int, isolation_level: int):
+    wanted = part(ApiKey.FETCH, FETCH_VERSION, "FetchPartition", partition=partition, current_leader_epoch=-1,
                      fetch_offset=offset, log_start_offset=-1, partition_max_bytes=PARTITION_MAX_BYTES)
     return message(ApiKey.FETCH, FETCH_VERSION, replica_id=-1, max_wait=datetime.timedelta(milliseconds=500),
                    min_bytes=1, max_bytes=FETCH_MAX_BYTES, isolation_level=isolation_level, session_id=0,
                    session_epoch=-1, rack_id="", forgotten_topics_data=(),
-                   topics=(part(ApiKey.FETCH, FETCH_VERSION, "FetchTopic", topic=topic, partitions=(partition,)),))
+                   topics=(part(ApiKey.FETCH, FETCH_VERSION, "FetchTopic", topic=topic, partitions=(wanted,)),))

@@ -1,11 +1,13 @@
-"""Group commit under fsync "always": fsyncs off the event loop, shared by concurrent produce requests,
-an acknowledgement only after the fsync, and nothing visible to readers before it.
+"""The broker's fsyncs: group commit under fsync "always" (off the event loop, shared by concurrent
+produce requests, an acknowledgement only after the fsync, nothing visible to readers before it),
+its failures, and a topic's own flush interval.
 
 The disk is the real one; only ``_fdatasync`` is wrapped, to count calls or to hold one back at a gate.
 """
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -13,11 +15,20 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 import twophase.broker.storage.segment as segment_module
+from twophase.broker.group_commit import GroupCommit
+from twophase.broker.storage import KafkaStorageError, LogConfig, PartitionLog
 from twophase.broker.storage.records import iter_batches
 
 from ..harness import wait_until
 from .batches import batch
-from .conftest import WireClient, fetch_request, metadata_request, only_partition, produce_request
+from .conftest import (
+    WireClient,
+    create_topics_request,
+    fetch_request,
+    metadata_request,
+    only_partition,
+    produce_request,
+)
 
 KAFKA_STORAGE_ERROR = 56
 
@@ -135,3 +146,54 @@ def test_a_connections_in_flight_produce_requests_share_an_fsync_and_are_answere
     assert [a.error_code for a in answers] == [0] * 5
     assert [a.base_offset for a in answers] == [1, 2, 3, 4, 5]
     assert gated.calls == 2  # the held one, then one for the other four
+
+
+# -- GroupCommit on its own, over a real PartitionLog ----------------------------------------------
+
+
+def durable_after_append(tmp_path, value: bytes = b"v"):
+    """Append under fsync "always" with the fsync deferred, then await GroupCommit.durable()."""
+    plog = PartitionLog(str(tmp_path / "t-0"), LogConfig(flush="always"))
+    result = plog.append(batch([value]), 0, defer_fsync=True)
+    assert plog.high_watermark == result.base_offset  # appended, not yet visible
+    asyncio.run(GroupCommit().durable(plog, result.last_offset + 1))
+    return plog
+
+
+def test_durable_moves_the_high_watermark_after_the_fsync(tmp_path, gated):
+    plog = durable_after_append(tmp_path)
+    assert (plog.high_watermark, gated.calls) == (1, 1)
+
+
+def test_any_failure_of_the_worker_takes_the_log_offline(tmp_path, monkeypatch):
+    def broken(fd):
+        raise RuntimeError("executor gone")
+
+    monkeypatch.setattr(segment_module, "_fdatasync", broken)
+    plog = PartitionLog(str(tmp_path / "t-0"), LogConfig(flush="always"))
+    result = plog.append(batch([b"v"]), 0, defer_fsync=True)
+    with pytest.raises(KafkaStorageError):
+        asyncio.run(GroupCommit().durable(plog, result.last_offset + 1))
+    # Offline: neither visible nor acknowledged on a retry, which would otherwise find it "synced".
+    assert plog.high_watermark == 0
+    with pytest.raises(KafkaStorageError):
+        plog.append(batch([b"v"]), 0, defer_fsync=True)
+
+
+def test_without_a_spare_descriptor_the_fsync_runs_on_the_event_loop(tmp_path, gated, monkeypatch):
+    def no_descriptors(fd):
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    monkeypatch.setattr(segment_module.os, "dup", no_descriptors)
+    plog = durable_after_append(tmp_path)
+    assert (plog.high_watermark, gated.calls) == (1, 1)
+
+
+def test_a_topic_flush_interval_is_kept_under_a_broker_that_fsyncs_always(broker_factory, gated, topic):
+    broker = broker_factory(fsync="always")
+    with WireClient(broker.port) as client:
+        created = client.request(create_topics_request((topic, 1, 1, {"flush.ms": "100"})))
+        assert created.topics[0].error_code == 0
+    gated.calls = 0
+    assert produce(broker.port, topic, b"v").error_code == 0  # answered without waiting for an fsync
+    wait_until(lambda: gated.calls >= 1, 10, 0.01, "the topic's periodic fsync")

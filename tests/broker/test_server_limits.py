@@ -210,3 +210,23 @@ def test_a_client_leaving_mid_way_through_a_large_request_returns_its_bytes(brok
     assert_serving = WireClient(broker.port)
     assert assert_serving.request(API_VERSIONS).error_code == ErrorCode.none
     assert_serving.close()
+
+
+def test_a_request_read_ahead_never_queues_for_the_budget_behind_its_own_connection(broker_factory, topic):
+    # A parks a Fetch, then sends a Produce larger than the free budget. Queued for the budget, that
+    # Produce would wait for A's own Fetch to end, and every other connection would wait behind it.
+    broker = broker_factory(queued_max_request_bytes=64 * 1024)
+    with WireClient(broker.port) as setup:
+        assert only_partition(setup.request(produce_request(topic, batch([b"x"])))).error_code == 0
+    a = WireClient(broker.port, timeout=30)
+    a.send(fetch_request(topic, 1, max_wait_ms=5000))
+    a.send(produce_request(topic, batch([b"y" * (80 * 1024)])))
+    # Its size prefix was read: the rest waits, the read-ahead fills and reading pauses.
+    wait_for(lambda: broker.call(lambda: any(c._reading_paused for c in server(broker)._connections)),
+             what="A's Produce waiting for bytes")
+    started = time.monotonic()
+    with WireClient(broker.port) as b:
+        assert b.request(API_VERSIONS).error_code == ErrorCode.none
+    assert time.monotonic() - started < 2.5, "another connection waited for A's parked Fetch"
+    assert broker.call(lambda: server(broker).budget.waiting) == 0
+    a.close()

@@ -474,3 +474,33 @@ def test_write_failure_takes_log_offline_until_reopen(tmp_path, monkeypatch):
     monkeypatch.undo()
     reopened = PartitionLog(log.directory)
     assert reopened.high_watermark in (1, 2)
+
+
+def test_recovery_fsyncs_the_active_segment(tmp_path, monkeypatch):
+    # Data a crash left unsynced in the page cache counts as written after a restart (a producer's
+    # retry of it is a duplicate), so recovery makes it durable first.
+    log = PartitionLog(str(tmp_path / "t-0"), LogConfig(flush="always"))
+    log.append(batch([b"appended, never fsynced"]), 0, defer_fsync=True)
+    synced = []
+    monkeypatch.setattr(segment_module, "_fdatasync", lambda fd: synced.append(os.fstat(fd).st_ino))
+    reopened = PartitionLog(log.directory, LogConfig(flush="always"))  # no close(): a crash
+    assert reopened.high_watermark == 1
+    assert os.stat(os.path.join(log.directory, "00000000000000000000.log")).st_ino in synced
+
+
+def test_a_failed_detached_fsync_fails_the_next_inline_one_too(tmp_path, monkeypatch):
+    # The duplicate shares the open file's writeback-error state: once the worker saw the error, an
+    # fsync on the original descriptor may succeed although the pages are lost.
+    log = PartitionLog(str(tmp_path / "t-0"), LogConfig(flush=1000), now_ms=0)
+    log.append(batch([b"a"]), 0)
+    errors = [OSError(errno.EIO, "injected")]
+
+    def sync_once_failing(fd):
+        if errors:
+            raise errors.pop()
+
+    monkeypatch.setattr(segment_module, "_fdatasync", sync_once_failing)
+    with pytest.raises(OSError):
+        log.flush_due(0)()
+    with pytest.raises(OSError):
+        log.flush()  # the device would now say "fine"; the segment remembers it was not

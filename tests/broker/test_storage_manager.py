@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import uuid
@@ -157,6 +158,23 @@ def test_flush_due_and_retention(data_dir):
     assert manager.flush_due(now_ms=10_001) == []
     assert manager.enforce_retention(now_ms=10_000) > 0
     assert manager.partition("t", 0).log_start_offset == manager.partition("t", 0).high_watermark == 15
+
+
+def test_a_log_without_a_spare_descriptor_stays_unsynced_and_is_flushed_later(data_dir, monkeypatch):
+    manager = LogManager(data_dir, LogConfig(flush=100))
+    manager.create_topic("t", 2)
+    for p in range(2):
+        manager.partition("t", p).append(batch([b"x"]), 0)
+
+    def no_descriptors(fd):
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "dup", no_descriptors)
+        assert manager.flush_due(now_ms=10_000) == []  # postponed, nothing handed out, nothing leaked
+    due = manager.flush_due(now_ms=10_100)
+    assert len(due) == 2 and run_flushes(due) == []
+    manager.close()
 
 
 def test_default_config():

@@ -193,6 +193,7 @@ class Broker:
                 if not fut.done():
                     fut.cancel()
         self._waiters.clear()
+        await self.group_commit.drain()
         if self.logs is not None:
             self.logs.close()
             self.logs = None
@@ -206,14 +207,14 @@ class Broker:
         await self.stop_async()
 
     async def _periodic(self) -> None:
-        flush_ms = None if self.config.fsync == "always" else self.config.fsync
-        tick = 1.0 if flush_ms is None else max(0.01, min(flush_ms, 1000) / 1000)
         next_retention = time.monotonic() + self.config.retention_check_interval_ms / 1000
         while True:
-            await asyncio.sleep(tick)
+            # Every log keeps its own interval (a topic's flush.ms may differ from the broker's --fsync).
+            shortest = self.logs.shortest_flush_interval_ms()
+            await asyncio.sleep(1.0 if shortest is None else max(0.01, min(shortest, 1000) / 1000))
             now_ms = int(time.time() * 1000)
             try:
-                if flush_ms is not None and (due := self.logs.flush_due(now_ms)):
+                if due := self.logs.flush_due(now_ms):
                     # fsync in a worker thread: produce and fetch go on meanwhile, as with Kafka's log flusher.
                     for partition_log, exc in await asyncio.to_thread(run_flushes, due):
                         partition_log.flush_failed(exc)

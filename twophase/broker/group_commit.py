@@ -16,8 +16,12 @@ Example::
 from __future__ import annotations
 
 import asyncio
+import errno
+import logging
 
-from .storage import KafkaStorageError, PartitionLog
+from .storage import KafkaError, KafkaStorageError, PartitionLog
+
+log = logging.getLogger("twophase.broker")
 
 
 class GroupCommit:
@@ -34,17 +38,33 @@ class GroupCommit:
                 fsync = self._in_flight[plog] = asyncio.ensure_future(self._fsync(plog))
             await asyncio.shield(fsync)  # a cancelled waiter must not cancel the others' fsync
 
+    async def drain(self) -> None:
+        """Wait for the fsyncs in flight (before the logs close)."""
+        await asyncio.gather(*self._in_flight.values(), return_exceptions=True)
+
     async def _fsync(self, plog: PartitionLog) -> None:
         try:
-            started = plog.begin_fsync()
-            if started is None:
-                return
-            offset, sync = started
-            try:
-                await asyncio.to_thread(sync)
-            except OSError as exc:
-                plog.flush_failed(exc)
-                raise KafkaStorageError(f"fsync failed: {exc}") from exc
-            plog.fsync_done(offset)
+            await self._sync(plog)
+        except KafkaError:
+            raise  # the log is offline already
+        except Exception as exc:  # whatever failed, the data may not be on disk
+            plog.flush_failed(exc)
+            raise KafkaStorageError(f"fsync failed: {exc}") from exc
         finally:
             del self._in_flight[plog]
+
+    @staticmethod
+    async def _sync(plog: PartitionLog) -> None:
+        try:
+            started = plog.begin_fsync()
+        except OSError as exc:
+            if exc.errno not in (errno.EMFILE, errno.ENFILE):
+                raise
+            # No descriptor to spare for the worker thread: sync on the event loop instead.
+            log.warning("%s: %s; fsync on the event loop", plog.directory, exc)
+            plog.flush()
+            return
+        if started is not None:
+            offset, sync = started
+            await asyncio.to_thread(sync)
+            plog.fsync_done(offset)

@@ -84,6 +84,9 @@ class _Connection(asyncio.BufferedProtocol):
         self.peer = ""
         self.last_active = loop.time()  # when the last request was answered (or the connection made)
         self.busy = 0  # requests being handled or waiting for the request byte budget
+        self.handling = 0  # requests dispatched and not yet answered
+        self.answered = asyncio.Event()  # set while ``handling`` is 0
+        self.answered.set()
         self.close_reason: str | None = None
         self.gone: asyncio.Future = loop.create_future()
         self.closed: asyncio.Future = loop.create_future()
@@ -277,12 +280,20 @@ class ByteBudget:
         """Requests waiting for bytes."""
         return sum(1 for _, fut in self._waiters if not fut.done())
 
+    def try_acquire(self, size: int) -> int | None:
+        """Take ``size`` bytes (at most the capacity) if they are free and nobody waits; else None."""
+        size = min(size, self.capacity)
+        if self._waiters or size > self.available:
+            return None
+        self.available -= size
+        return size
+
     async def acquire(self, size: int) -> int:
         """Take ``size`` bytes (at most the capacity), waiting while they are not there; the amount taken."""
+        taken = self.try_acquire(size)
+        if taken is not None:
+            return taken
         size = min(size, self.capacity)
-        if not self._waiters and size <= self.available:
-            self.available -= size
-            return size
         fut = asyncio.get_running_loop().create_future()
         self._waiters.append((size, fut))
         try:
@@ -428,6 +439,9 @@ class KafkaServer:
             finally:
                 pipeline.popleft()
                 conn.busy -= 1
+                conn.handling -= 1
+                if not conn.handling:
+                    conn.answered.set()
                 self.budget.release(held)
             conn.last_active = clock()
             if response is not None:
@@ -451,6 +465,8 @@ class KafkaServer:
                 frame, held = got
                 next_request = asyncio.ensure_future(self._read_request(conn))
                 conn.busy += 1
+                conn.handling += 1
+                conn.answered.clear()
                 pipeline.append((asyncio.ensure_future(self.dispatch(frame, conn.peer, conn.gone)), held))
                 del frame, got  # only the task holds the request, and only while it is handled
                 if not pipelined:
@@ -478,11 +494,20 @@ class KafkaServer:
             log.info("closing connection from %s: request size %d outside [%d, %d]",
                      conn.peer, size, MIN_REQUEST_BYTES, self.max_request_bytes)
             return f"bad request size {size}"
-        conn.busy += 1  # waiting for the byte budget is the broker's doing, not idleness
-        try:
-            held = await self.budget.acquire(size)
-        finally:
-            conn.busy -= 1
+        # While this connection's own requests are handled, take bytes only if they are free: queued
+        # behind others, this request could wait for its own connection's parked Fetch, and
+        # everyone queued behind it with it.
+        held = None
+        while held is None and conn.handling:
+            held = self.budget.try_acquire(size)
+            if held is None:
+                await conn.answered.wait()
+        if held is None:
+            conn.busy += 1  # waiting for the byte budget is the broker's doing, not idleness
+            try:
+                held = await self.budget.acquire(size)
+            finally:
+                conn.busy -= 1
         try:
             return await conn.read(size), held  # a client that stalls mid-request is idle
         except asyncio.IncompleteReadError as exc:

@@ -329,11 +329,11 @@ class PartitionLog:
         self._last_flush_ms = now_ms
         return self._segments[-1].detach_flush()
 
-    def flush_failed(self, exc: OSError) -> None:
+    def flush_failed(self, exc: Exception) -> None:
         """A detached fsync failed: the kernel may have dropped the unsynced pages, so the log goes offline."""
         self._take_offline(exc, "fsync")
 
-    def _take_offline(self, exc: OSError, what: str) -> None:
+    def _take_offline(self, exc: Exception, what: str) -> None:
         # Like Kafka taking a log dir offline: refuse further work until reopened (recovery repairs it).
         self._failed = exc
         log.error("%s: %s failed, log is offline until reopened: %s", self.directory, what, exc)

@@ -216,7 +216,20 @@ class LogManager:
 
     def flush_due(self, now_ms: int) -> list[tuple[PartitionLog, Callable[[], None]]]:
         """Every log whose flush interval has elapsed, with its detached fsync: pass them to ``run_flushes``."""
-        return [(plog, sync) for plog in self._logs.values() if (sync := plog.flush_due(now_ms)) is not None]
+        due = []
+        for key, plog in self._logs.items():
+            try:
+                sync = plog.flush_due(now_ms)
+            except OSError as exc:  # no descriptor to spare: the log stays unsynced, tried again next time
+                log.warning("flush of %s-%d postponed: %s", *key, exc)
+                continue
+            if sync is not None:
+                due.append((plog, sync))
+        return due
+
+    def shortest_flush_interval_ms(self) -> int | None:
+        """The shortest fsync interval of any log (topic ``flush.ms`` overrides included); None if all are "always"."""
+        return min((i for plog in self._logs.values() if (i := plog.config.flush_interval_ms)), default=None)
 
     def enforce_retention(self, now_ms: int) -> int:
         """Apply retention to every log; returns the number of segments deleted."""
@@ -241,8 +254,8 @@ class LogManager:
             self._lock_fd = -1
 
 
-def run_flushes(due: list[tuple[PartitionLog, Callable[[], None]]]) -> list[tuple[PartitionLog, OSError]]:
-    """Run the fsyncs from ``LogManager.flush_due`` (in any thread); returns the logs whose fsync failed.
+def run_flushes(due: list[tuple[PartitionLog, Callable[[], None]]]) -> list[tuple[PartitionLog, Exception]]:
+    """Run the fsyncs from ``LogManager.flush_due`` (in a worker thread); returns the logs whose fsync failed.
 
     Storage is not thread-safe, so the caller takes those logs offline (``flush_failed``) on the event loop.
     """
@@ -250,6 +263,6 @@ def run_flushes(due: list[tuple[PartitionLog, Callable[[], None]]]) -> list[tupl
     for plog, sync in due:
         try:
             sync()
-        except OSError as exc:
+        except Exception as exc:  # whatever failed, the data may not be on disk
             failed.append((plog, exc))
     return failed

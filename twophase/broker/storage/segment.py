@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import struct
+import threading
 from array import array
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Iterator, Sequence
@@ -97,6 +98,11 @@ class Segment:
         self._bytes_since_index = 0
         self._dirty = False  # appended to since the last fsync started
         self._detached_sync = False  # an fsync was handed to another thread (detach_flush)
+        # Held around every fdatasync of this file. Linux reports a writeback error once per open
+        # file, and the detached fsync's duplicate shares it: an fsync that failed there must fail
+        # the next one here too, not let a later one on this descriptor succeed.
+        self._sync_lock = threading.Lock()
+        self._sync_error: OSError | None = None
         self.txn_index = TransactionIndex(txn_index_path(directory, base_offset), base_offset)
 
     # -- opening ---------------------------------------------------------------------------------
@@ -119,6 +125,10 @@ class Segment:
         seg = cls(directory, base_offset, index_interval_bytes)
         kept = 0 if recover else seg._load_index()
         seg._rescan(kept, validate=recover)
+        if recover:
+            # What a crash left in the page cache unsynced counts as written from now on (a producer's
+            # retry of it is acknowledged as a duplicate), so it is made durable before anyone can ask.
+            seg._sync()
         seg.txn_index = TransactionIndex.load(directory, base_offset, seg.next_offset)
         return seg
 
@@ -182,7 +192,7 @@ class Segment:
                 self.path, self.next_offset, self.size, file_size - self.size, exc.reason)
         if self.size < file_size:
             os.ftruncate(self._fd, self.size)
-            _fdatasync(self._fd)
+            self._sync()
 
     def _walk(self, pos: int, *, validate: bool, chunk: int) -> Iterator[tuple[int, BatchHeader]]:
         """Yield (position, header) from ``pos`` to the end of the file, reading ``chunk`` bytes at a time."""
@@ -250,9 +260,19 @@ class Segment:
         self.size = start + len(data)
         self._dirty = True
 
+    def _sync(self, fd: int | None = None) -> None:
+        with self._sync_lock:
+            if self._sync_error is not None:
+                raise self._sync_error
+            try:
+                _fdatasync(self._fd if fd is None else fd)
+            except OSError as exc:
+                self._sync_error = exc
+                raise
+
     def flush(self) -> None:
         if self._dirty or self._detached_sync:
-            _fdatasync(self._fd)
+            self._sync()
             self._dirty = self._detached_sync = False
 
     def detach_flush(self) -> Callable[[], None] | None:
@@ -270,7 +290,7 @@ class Segment:
 
         def sync() -> None:
             try:
-                _fdatasync(fd)
+                self._sync(fd)
             finally:
                 os.close(fd)
 
