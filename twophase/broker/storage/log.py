@@ -54,7 +54,7 @@ from .records import (
     parse_control_record,
 )
 from .results import AppendResult, TimestampOffset
-from .segment import Segment
+from .segment import Segment, index_path
 from .txnindex import SUFFIX as TXN_INDEX_SUFFIX
 
 log = logging.getLogger(__name__)
@@ -90,6 +90,7 @@ class PartitionLog:
         self._last_abort_marker = -1  # offset of the newest ABORT marker in the index, -1 if none
         self._recover_producers(now)
         self._last_flush_ms: int | None = None
+        self._pending_seals: list[Callable[[], None]] = []  # rolled segments to seal (fsync interval)
 
     # -- opening and recovery ----------------------------------------------------------------------
 
@@ -106,8 +107,21 @@ class PartitionLog:
             fsync_dir(self.directory)
             return [segment]
         interval = self.config.index_interval_bytes
-        # Only the active segment can hold a torn write: older ones were fsynced when they rolled.
-        return [Segment.open(self.directory, b, interval, recover=b == bases[-1]) for b in bases]
+        # A segment's index file is written once its log is fsynced (seal). Without one (the active
+        # segment, or one rolled shortly before a crash under an fsync interval) it may hold a torn
+        # write, so every batch is CRC-checked.
+        segments = [Segment.open(self.directory, b, interval,
+                                 recover=b == bases[-1] or not os.path.exists(index_path(self.directory, b)))
+                    for b in bases]
+        for i in range(len(segments) - 1):
+            if segments[i].next_offset != segments[i + 1].base_offset:  # cut short by recovery
+                for later in segments[i + 1:]:
+                    log.warning("%s: dropping segment %d, it no longer follows on offset %d",
+                                self.directory, later.base_offset, segments[i].next_offset)
+                    later.delete()
+                fsync_dir(self.directory)
+                return segments[: i + 1]
+        return segments
 
     def _recover_producers(self, now_ms: int) -> None:
         """Producer state and aborted-transaction indexes: the newest snapshot, then replay of the log after it.
@@ -274,8 +288,13 @@ class PartitionLog:
 
     def _roll(self) -> None:
         old = self._segments[-1]
-        old.seal()
-        self._durable_end = old.next_offset
+        if self.config.flush == "always":
+            old.seal()
+            self._durable_end = old.next_offset
+        else:
+            # Up to a flush interval of data is unsynced: fsyncing it here would stall every connection
+            # for as long. The periodic flusher seals the segment off the event loop (flush_due).
+            self._pending_seals.append(old.seal_detached())
         self.producers.write_snapshot(old.next_offset)
         segment = Segment.create(self.directory, old.next_offset, self.config.index_interval_bytes)
         fsync_dir(self.directory)
@@ -315,7 +334,8 @@ class PartitionLog:
         self._durable_end = max(self._durable_end, offset)
 
     def flush_due(self, now_ms: int) -> Callable[[], None] | None:
-        """If the flush interval has elapsed and something is unsynced: an fsync of it, to run in any thread.
+        """An fsync of the segments rolled since the last call and, if the flush interval has elapsed, of
+        what is unsynced in the active one; to run in any thread. None if there is nothing to do.
 
         The broker runs it in a worker thread, so that a slow fsync does not stall the event loop (Kafka's
         log flusher is a background thread too). A roll, close or retention meanwhile does no harm (see
@@ -324,10 +344,19 @@ class PartitionLog:
         interval = self.config.flush_interval_ms
         if interval is None or self._closed or self._failed:
             return None
-        if self._last_flush_ms is not None and now_ms - self._last_flush_ms < interval:
+        work, self._pending_seals = self._pending_seals, []
+        if self._last_flush_ms is None or now_ms - self._last_flush_ms >= interval:
+            self._last_flush_ms = now_ms
+            if (active := self._segments[-1].detach_flush()) is not None:
+                work.append(active)
+        if not work:
             return None
-        self._last_flush_ms = now_ms
-        return self._segments[-1].detach_flush()
+
+        def sync() -> None:
+            for call in work:
+                call()
+
+        return sync
 
     def flush_failed(self, exc: Exception) -> None:
         """A detached fsync failed: the kernel may have dropped the unsynced pages, so the log goes offline."""
@@ -457,6 +486,9 @@ class PartitionLog:
             return
         self._closed = True
         if self._failed is None:
+            for seal in self._pending_seals:
+                seal()
+            self._pending_seals = []
             self._segments[-1].seal()
             self._durable_end = self.log_end_offset
             self.producers.write_snapshot(self.high_watermark)

@@ -27,6 +27,8 @@ from array import array
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Iterator, Sequence
 
+from twophase.durable import fsync_dir
+
 from .errors import CorruptRecordError
 from .records import (
     HEADER_SIZE,
@@ -300,9 +302,35 @@ class Segment:
         """Make the segment durable before it stops being the active one: fsync the log and both indexes."""
         self.flush()
         self.txn_index.close()  # fsynced; reopened if the segment is appended to again
-        path = index_path(self.directory, self.base_offset)
-        raw = b"".join(_ENTRY.pack(*e) for e in zip(self._rel_offsets, self._positions, self._ts_before))
-        with open(path, "wb") as f:
+        self._write_index(self._index_bytes())
+
+    def seal_detached(self) -> Callable[[], None]:
+        """Like ``seal()``, but the log's fsync and the index file are left to a call that may run in any thread.
+
+        The index file is written only after that fsync, and an older one is removed now: a segment
+        without one is CRC-checked on recovery, as the active segment is, so a crash before the call
+        ran loses nothing that was synced and keeps no torn batch.
+        """
+        self.txn_index.close()
+        stale = index_path(self.directory, self.base_offset)  # from a close() before a restart
+        if os.path.exists(stale):
+            os.unlink(stale)
+            fsync_dir(self.directory)
+        sync = self.detach_flush()
+        raw = self._index_bytes()
+
+        def finish() -> None:
+            if sync is not None:
+                sync()
+            self._write_index(raw)
+
+        return finish
+
+    def _index_bytes(self) -> bytes:
+        return b"".join(_ENTRY.pack(*e) for e in zip(self._rel_offsets, self._positions, self._ts_before))
+
+    def _write_index(self, raw: bytes) -> None:
+        with open(index_path(self.directory, self.base_offset), "wb") as f:
             f.write(raw)
             f.flush()
             os.fsync(f.fileno())
