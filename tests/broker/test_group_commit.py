@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import struct
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 import twophase.broker.storage.segment as segment_module
+from twophase.broker.codec import encode_request
 from twophase.broker.group_commit import GroupCommit
 from twophase.broker.storage import KafkaStorageError, LogConfig, PartitionLog
 from twophase.broker.storage.records import iter_batches
@@ -197,3 +199,36 @@ def test_a_topic_flush_interval_is_kept_under_a_broker_that_fsyncs_always(broker
     gated.calls = 0
     assert produce(broker.port, topic, b"v").error_code == 0  # answered without waiting for an fsync
     wait_until(lambda: gated.calls >= 1, 10, 0.01, "the topic's periodic fsync")
+
+
+def test_nothing_after_a_request_that_closes_the_connection_is_handled(broker_factory, topic):
+    broker = broker_factory(fsync="always")
+    assert produce(broker.port, topic, b"warm-up").error_code == 0
+    plog = broker.call(broker.partition_log, topic, 0)
+    produce_v0 = struct.pack(">hhih", 0, 0, 2, -1)  # Produce v0 (v3+ is spoken): closes the connection
+    with WireClient(broker.port) as client:
+        client.send_raw(encode_request(1, produce_request(topic, batch([b"before"])))
+                        + struct.pack(">i", len(produce_v0)) + produce_v0
+                        + encode_request(3, produce_request(topic, batch([b"after"]))))
+        assert only_partition(client.recv(type(produce_request(topic, b"")), 1)).error_code == 0
+        assert client.is_closed()
+    assert broker.call(lambda: (plog.log_end_offset, plog.high_watermark)) == (2, 2)
+
+
+def test_data_appended_during_an_fsync_becomes_durable_without_anyone_waiting(tmp_path, gated):
+    # Its producer may be gone (a connection reset): the data must not wait for the next produce.
+    async def scenario() -> tuple[int, int]:
+        group_commit = GroupCommit()
+        plog = PartitionLog(str(tmp_path / "t-0"), LogConfig(flush="always"))
+        first = plog.append(batch([b"a"]), 0, defer_fsync=True)
+        gated.gate.clear()
+        waiter = asyncio.ensure_future(group_commit.durable(plog, first.last_offset + 1))
+        assert await asyncio.to_thread(gated.entered.wait, 10)  # its fsync is held in the worker
+        unwaited = plog.append(batch([b"b"]), 0, defer_fsync=True)
+        gated.gate.set()
+        await waiter
+        await group_commit.drain()
+        return plog.high_watermark, unwaited.last_offset + 1
+
+    high_watermark, end = asyncio.run(scenario())
+    assert high_watermark == end

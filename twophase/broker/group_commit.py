@@ -40,7 +40,8 @@ class GroupCommit:
 
     async def drain(self) -> None:
         """Wait for the fsyncs in flight (before the logs close)."""
-        await asyncio.gather(*self._in_flight.values(), return_exceptions=True)
+        while self._in_flight:
+            await asyncio.gather(*self._in_flight.values(), return_exceptions=True)
 
     async def _fsync(self, plog: PartitionLog) -> None:
         try:
@@ -52,6 +53,11 @@ class GroupCommit:
             raise KafkaStorageError(f"fsync failed: {exc}") from exc
         finally:
             del self._in_flight[plog]
+        if plog.high_watermark < plog.log_end_offset:
+            # Appended meanwhile: those producers may have stopped waiting (their connection went
+            # away), and their data must not wait for the next produce to become durable and visible.
+            fsync = self._in_flight[plog] = asyncio.ensure_future(self._fsync(plog))
+            fsync.add_done_callback(_retrieve)
 
     @staticmethod
     async def _sync(plog: PartitionLog) -> None:
@@ -68,3 +74,9 @@ class GroupCommit:
             offset, sync = started
             await asyncio.to_thread(sync)
             plog.fsync_done(offset)
+
+
+def _retrieve(fsync: asyncio.Future) -> None:
+    """Mark the outcome of an fsync nobody may await as seen (a failure took the log offline, or it was closed)."""
+    if not fsync.cancelled():
+        fsync.exception()

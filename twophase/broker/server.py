@@ -2,10 +2,12 @@
 
 Each request is a 4-byte big-endian size followed by that many bytes. The size is checked
 before anything is buffered: a frame shorter than a request header or longer than
-``max_request_bytes`` closes the connection. Requests of one connection are handled one at a
-time, so responses go out in request order (Kafka does the same: it mutes a connection while
-one of its requests is in flight). A parked Fetch therefore holds back later requests of its
-own connection only.
+``max_request_bytes`` closes the connection. Responses go out in request order. A connection's
+requests are handled one at a time (Kafka mutes a connection while one of its requests is in
+flight), except that consecutive Produce requests are handled together, so that a client's
+in-flight batches share an fsync; they are appended in arrival order. A parked Fetch holds back
+later requests of its own connection only. A request that closes the connection is decoded
+before it is handled, so nothing after it is handled at all.
 
 Resource limits (Kafka's names): a connection with no request for ``connections.max.idle.ms``
 is closed (a request still being handled keeps it open); request bodies are read only once
@@ -36,7 +38,7 @@ import collections
 import contextlib
 import logging
 import struct
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 
 from .apis import api_versions
 from .codec import DecodeFailed, decode_request, encode_response, peek_header
@@ -230,13 +232,14 @@ class _Connection(asyncio.BufferedProtocol):
 
 
 class Dispatcher:
-    """Turns one request frame into one response frame (or None) using the API registry."""
+    """Turns one request frame into one response frame (or None) using the API registry:
+    ``decode`` (synchronous, so the request loop knows at once whether to close), then ``handle``."""
 
     def __init__(self, broker) -> None:
         self.broker = broker
 
-    async def __call__(self, frame: bytes | memoryview, peer: str,
-                       gone: asyncio.Future | None = None) -> memoryview | None:
+    def decode(self, frame: bytes | memoryview, peer: str, gone: asyncio.Future | None = None) -> Request | memoryview:
+        """The request in ``frame``, or its response if it needs no handler; CloseConnection if it is not valid."""
         try:
             api_key, version, correlation_id = peek_header(frame)
         except DecodeFailed as exc:
@@ -253,9 +256,14 @@ class Dispatcher:
             header, body = decode_request(frame, api.request_type(version))
         except DecodeFailed as exc:
             raise CloseConnection(f"malformed {api.name} v{version} request: {exc}") from None
-        request = Request(api, version, correlation_id, header.client_id, body, peer, gone)
-        response = await api.handler.handle(self.broker, request)
-        return None if response is None else encode_response(correlation_id, response)
+        return Request(api, version, correlation_id, header.client_id, body, peer, gone)
+
+    async def handle(self, decoded: Request | memoryview) -> memoryview | None:
+        """The response frame for what ``decode`` returned (None when no response is due)."""
+        if not isinstance(decoded, Request):
+            return decoded
+        response = await decoded.api.handler.handle(self.broker, decoded)
+        return None if response is None else encode_response(decoded.correlation_id, response)
 
 
 class ByteBudget:
@@ -335,7 +343,7 @@ class KafkaServer:
     - ``max_queued_request_bytes`` (queued.max.request.bytes): see :class:`ByteBudget`.
     """
 
-    def __init__(self, dispatch: Callable[..., Awaitable[bytes | memoryview | None]], host: str = "127.0.0.1",
+    def __init__(self, dispatch: Dispatcher, host: str = "127.0.0.1",
                  port: int = 0, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, *,
                  idle_timeout_ms: int = DEFAULT_IDLE_TIMEOUT_MS,
                  max_queued_request_bytes: int = DEFAULT_MAX_QUEUED_REQUEST_BYTES) -> None:
@@ -444,7 +452,7 @@ class KafkaServer:
                     conn.answered.set()
                 self.budget.release(held)
             conn.last_active = clock()
-            if response is not None:
+            if response is not None and not conn.transport.is_closing():  # nobody to answer once it is gone
                 await conn.write(response)
 
         try:
@@ -463,12 +471,21 @@ class KafkaServer:
                     if isinstance(got, str):
                         return got
                 frame, held = got
+                del got
+                try:
+                    request = self.dispatch.decode(frame, conn.peer, conn.gone)
+                except CloseConnection:
+                    self.budget.release(held)
+                    while pipeline:  # answer what came before; nothing after it is handled
+                        await answer_head()
+                    raise
+                del frame  # only the task holds the request, and only while it is handled
                 next_request = asyncio.ensure_future(self._read_request(conn))
                 conn.busy += 1
                 conn.handling += 1
                 conn.answered.clear()
-                pipeline.append((asyncio.ensure_future(self.dispatch(frame, conn.peer, conn.gone)), held))
-                del frame, got  # only the task holds the request, and only while it is handled
+                pipeline.append((asyncio.ensure_future(self.dispatch.handle(request)), held))
+                del request
                 if not pipelined:
                     await answer_head()
         except CloseConnection as exc:
