@@ -38,7 +38,7 @@ import collections
 import contextlib
 import logging
 import struct
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from .apis import api_versions
 from .codec import DecodeFailed, decode_request, encode_response, peek_header
@@ -440,12 +440,16 @@ class KafkaServer:
         pipeline: collections.deque[tuple[asyncio.Task, int]] = collections.deque()  # handling, in order
         next_request: asyncio.Future = asyncio.ensure_future(self._read_request(conn))
 
-        async def answer_head() -> None:
-            task, held = pipeline[0]
+        def start(request: Request | memoryview) -> Awaitable[memoryview | None]:
+            conn.busy += 1
+            conn.handling += 1
+            conn.answered.clear()
+            return self.dispatch.handle(request)
+
+        async def answer(handling: Awaitable[memoryview | None], held: int) -> None:
             try:
-                response = await task
+                response = await handling
             finally:
-                pipeline.popleft()
                 conn.busy -= 1
                 conn.handling -= 1
                 if not conn.handling:
@@ -454,6 +458,9 @@ class KafkaServer:
             conn.last_active = clock()
             if response is not None and not conn.transport.is_closing():  # nobody to answer once it is gone
                 await conn.write(response)
+
+        async def answer_head() -> None:
+            await answer(*pipeline.popleft())
 
         try:
             while True:
@@ -479,15 +486,13 @@ class KafkaServer:
                     while pipeline:  # answer what came before; nothing after it is handled
                         await answer_head()
                     raise
-                del frame  # only the task holds the request, and only while it is handled
+                del frame  # only its handling holds the request, and only while it is handled
                 next_request = asyncio.ensure_future(self._read_request(conn))
-                conn.busy += 1
-                conn.handling += 1
-                conn.answered.clear()
-                pipeline.append((asyncio.ensure_future(self.dispatch.handle(request)), held))
+                if pipelined:
+                    pipeline.append((asyncio.ensure_future(start(request)), held))
+                else:
+                    await answer(start(request), held)
                 del request
-                if not pipelined:
-                    await answer_head()
         except CloseConnection as exc:
             log.info("closing connection from %s: %s", conn.peer, exc)
             return str(exc)
