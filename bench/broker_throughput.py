@@ -23,7 +23,8 @@ a thread of this process instead) on a fresh data directory; for each record siz
   ``os.write`` per batch, as the broker does, under the same policy: ``always`` fdatasyncs after
   every batch (the broker's segment flush is an fdatasync), ``<ms>`` fdatasyncs when that many ms
   passed since the last one. So the baseline is what the broker's storage does at best, without
-  the protocol, the event loop and the client. The volume makes an interval policy bite: 50 MB
+  the protocol, the event loop and the client. Each of these two starts after an ``os.sync()``,
+  so that neither pays for the other's writeback. The volume makes an interval policy bite: 50 MB
   append in ~15 ms, before a 100 ms interval ever elapses, so the baseline would time a memory
   copy (3-3.5 GB/s here) with no fsync at all; a run of a few seconds includes its fsyncs.
 - **produce, wire replay** (``bench/wire_load.py``): the same batches as Produce requests (one
@@ -400,14 +401,15 @@ def measure_round(broker: BrokerRunner, admin: AdminClient, client, workdir: Pat
 
     def baseline() -> None:
         result["plain"] = plain_append(plain, batches * repeat, fsync)
+        os.unlink(plain)  # its gigabyte of page cache would cost the replay that runs after it
 
     def replay() -> None:
         with WireLoad(broker.bootstrap) as load:
             result["wire produce"] = load.produce(replayed, batches, repeat)
 
     for step in (baseline, replay) if round_no % 2 == 0 else (replay, baseline):
+        os.sync()  # untimed: the kernel writes back the previous step's dirty pages, not this step
         step()
-    os.unlink(plain)
     result["consume"] = client.consume(broker.bootstrap, topic, records)
     with WireLoad(broker.bootstrap) as load:
         result["wire fetch"], fetched = load.fetch_all(replayed, records * repeat)

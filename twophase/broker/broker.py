@@ -113,6 +113,7 @@ class Broker:
         self._server: KafkaServer | None = None
         self._waiters: dict[tuple[str, int], set[asyncio.Future]] = {}
         self._tasks: list[asyncio.Task] = []
+        self._flushing: asyncio.Future | None = None  # the periodic flush running in a worker thread
         self._next_producer_id = 0
         self._reserved_producer_ids = 0
         # Background-thread mode.
@@ -180,6 +181,9 @@ class Broker:
             except (asyncio.CancelledError, Exception):
                 pass
         self._tasks = []
+        if self._flushing is not None:  # the worker thread goes on after its task is cancelled
+            await asyncio.gather(self._flushing, return_exceptions=True)
+            self._flushing = None
         if self.groups is not None:
             self.groups.close()  # answers parked JoinGroup/SyncGroup requests
         if self._server is not None:
@@ -216,7 +220,8 @@ class Broker:
             try:
                 if due := self.logs.flush_due(now_ms):
                     # fsync in a worker thread: produce and fetch go on meanwhile, as with Kafka's log flusher.
-                    for partition_log, exc in await asyncio.to_thread(run_flushes, due):
+                    self._flushing = asyncio.ensure_future(asyncio.to_thread(run_flushes, due))
+                    for partition_log, exc in await asyncio.shield(self._flushing):
                         partition_log.flush_failed(exc)
                 if time.monotonic() >= next_retention:
                     next_retention = time.monotonic() + self.config.retention_check_interval_ms / 1000

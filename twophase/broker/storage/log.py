@@ -288,16 +288,27 @@ class PartitionLog:
 
     def _roll(self) -> None:
         old = self._segments[-1]
+        segment = Segment.create(self.directory, old.next_offset, self.config.index_interval_bytes)
         if self.config.flush == "always":
             old.seal()
             self._durable_end = old.next_offset
+            self.producers.write_snapshot(old.next_offset)
+            fsync_dir(self.directory)
         else:
-            # Up to a flush interval of data is unsynced: fsyncing it here would stall every connection
-            # for as long. The periodic flusher seals the segment off the event loop (flush_due).
-            self._pending_seals.append(old.seal_detached())
-        self.producers.write_snapshot(old.next_offset)
-        segment = Segment.create(self.directory, old.next_offset, self.config.index_interval_bytes)
-        fsync_dir(self.directory)
+            # Up to a flush interval of data is unsynced, and with it pending, the fsyncs of a roll (the
+            # log, its index, the producer snapshot, the directory) take tens of ms: every connection
+            # would wait. The periodic flusher does them off the event loop instead (flush_due), in
+            # this order, so that nothing on disk claims more than what is synced.
+            seal = old.seal_detached()
+            snapshot = self.producers.snapshot_writer(old.next_offset)
+            directory = self.directory
+
+            def finish() -> None:
+                seal()
+                snapshot()
+                fsync_dir(directory)
+
+            self._pending_seals.append(finish)
         self._segments.append(segment)
         log.info("%s: rolled new segment at offset %d", self.directory, segment.base_offset)
 

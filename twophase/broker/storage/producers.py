@@ -25,7 +25,7 @@ import dataclasses
 import json
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import crc32c
@@ -268,6 +268,13 @@ class ProducerStateManager:
 
     def write_snapshot(self, offset: int) -> None:
         """Persist the state as of ``offset`` (the next offset to be written), atomically; keep the newest two."""
+        self.snapshot_writer(offset)()
+
+    def snapshot_writer(self, offset: int) -> Callable[[], None]:
+        """The state as of ``offset``, captured now, and a call that persists it like ``write_snapshot``.
+
+        The call touches only files, so it may run in another thread.
+        """
         body = json.dumps({
             "version": 1,
             "offset": offset,
@@ -284,9 +291,13 @@ class ProducerStateManager:
             ],
         }, separators=(",", ":")).encode()
         data = b"%08x\n" % crc32c.crc32c(body) + body
-        atomic_write(self._snapshot_path(offset), data)
-        for old in self._snapshot_offsets()[:-_SNAPSHOTS_KEPT]:
-            unlink_quietly(self._snapshot_path(old))
+
+        def write() -> None:
+            atomic_write(self._snapshot_path(offset), data)
+            for old in self._snapshot_offsets()[:-_SNAPSHOTS_KEPT]:
+                unlink_quietly(self._snapshot_path(old))
+
+        return write
 
     def load_snapshot(self, max_offset: int) -> int | None:
         """Load the newest valid snapshot at or below ``max_offset``; returns its offset (None: replay all).
