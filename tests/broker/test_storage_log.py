@@ -507,15 +507,18 @@ def test_a_failed_detached_fsync_fails_the_next_inline_one_too(tmp_path, monkeyp
 
 
 def test_under_an_fsync_interval_a_roll_leaves_the_seal_to_the_flusher(tmp_path, monkeypatch):
+    log = PartitionLog(str(tmp_path / "t-0"), LogConfig(flush=1000, segment_bytes=1024), now_ms=0)
     calls = []
     monkeypatch.setattr(segment_module, "_fdatasync", lambda fd: calls.append(fd))
-    log = PartitionLog(str(tmp_path / "t-0"), LogConfig(flush=1000, segment_bytes=1024), now_ms=0)
+    monkeypatch.setattr(os, "fsync", lambda fd: calls.append(fd))  # snapshot, index and directory
     for i in range(12):
         log.append(batch([b"x" * 200]), 0)
     assert len(log.segments) > 1 and calls == []  # rolled, nothing fsynced on the caller's thread
     assert not os.path.exists(index_path(log.directory, 0))  # no index file: not trusted yet
+    assert not [n for n in os.listdir(log.directory) if n.endswith(".snapshot")]
     log.flush_due(0)()
     assert os.path.exists(index_path(log.directory, 0)) and calls
+    assert [n for n in os.listdir(log.directory) if n.endswith(".snapshot")]
 
 
 def test_a_crash_before_the_seal_loses_only_the_torn_tail_and_what_follows(tmp_path):
