@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -21,7 +22,7 @@ from twophase.broker.storage import (
     control_batch,
     iter_batches,
 )
-from twophase.broker.storage.segment import index_path
+from twophase.broker.storage.segment import Segment, index_path
 
 from .batches import batch, batch_offsets, decode, kafka_batch
 
@@ -538,3 +539,118 @@ def test_a_crash_before_the_seal_loses_only_the_torn_tail_and_what_follows(tmp_p
     assert reopened.high_watermark == second.base_offset - 1
     assert not os.path.exists(second.path)
     assert [v for _, _, _, v in decode(reopened.read(0, 1 << 20))] == [b"x" * 200] * (second.base_offset - 1)
+
+
+# -- crashes around a roll under an fsync interval (the flusher seals rolled segments later) -------
+
+
+def sync_tracker(monkeypatch) -> dict[str, int]:
+    """Path -> its size at its last fdatasync: what a power loss keeps of each segment."""
+    synced: dict[str, int] = {}
+    real = segment_module._fdatasync
+
+    def fdatasync(fd: int) -> None:
+        real(fd)
+        synced[os.readlink(f"/proc/self/fd/{fd}")] = os.fstat(fd).st_size
+
+    monkeypatch.setattr(segment_module, "_fdatasync", fdatasync)
+    return synced
+
+
+def power_loss(directory: str, synced: dict[str, int]) -> None:
+    for name in os.listdir(directory):
+        if name.endswith(".log"):
+            path = os.path.join(directory, name)
+            os.truncate(path, synced.get(path, 0))
+
+
+def test_a_marker_written_right_after_a_roll_survives_a_power_loss(tmp_path, monkeypatch):
+    synced = sync_tracker(monkeypatch)
+    config = LogConfig(flush=1000, segment_bytes=1024)
+    log = PartitionLog(str(tmp_path / "t-0"), config, now_ms=0)
+    seq = 0
+    while len(log.segments) < 2:
+        log.append(batch([b"x" * 200], producer_id=7, producer_epoch=0, base_sequence=seq, transactional=True), 0)
+        seq += 1
+    # The rolled segment's seal is still queued for the flusher; the marker must not depend on it.
+    marker = log.append_marker(7, 0, commit=True, coordinator_epoch=0, now_ms=0)
+    power_loss(log.directory, synced)
+    reopened = PartitionLog(log.directory, config)
+    assert reopened.log_end_offset == marker + 1
+    assert not reopened.has_open_transaction(7)
+
+
+def test_a_crash_while_sealing_under_fsync_always_keeps_no_torn_batch(tmp_path, monkeypatch):
+    # A clean close gave the active segment an index file. Appended to again (group commit: unsynced),
+    # it must be sealed before the next segment exists, or recovery would trust that stale index.
+    config = LogConfig(segment_bytes=1024)
+    log = PartitionLog(str(tmp_path / "t-0"), config, now_ms=0)
+    log.append(batch([b"x" * 200]), 0)
+    log.close()
+    log = PartitionLog(log.directory, config, now_ms=0)
+    log.append(batch([b"y" * 200]), 0, defer_fsync=True)
+    log.append(batch([b"z" * 200]), 0, defer_fsync=True)
+    first = log.segments[0]
+
+    def power_lost(self):
+        raise OSError(errno.EIO, "the power went during the fsync")
+
+    monkeypatch.setattr(Segment, "seal", power_lost)
+    with pytest.raises(KafkaStorageError):
+        log.append(batch([b"w" * 800]), 0, defer_fsync=True)
+    monkeypatch.undo()
+    with open(first.path, "r+b") as f:  # a page of the unsynced last batch never made it
+        f.seek(first.size - 5)
+        byte = f.read(1)
+        f.seek(first.size - 5)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    reopened = PartitionLog(log.directory, config)
+    assert [v for _, _, _, v in decode(reopened.read(0, 1 << 20))] == [b"x" * 200, b"y" * 200]
+
+
+def open_deleted_segments(directory) -> list[str]:
+    """Descriptors this process holds on deleted segment files under ``directory``."""
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/self/fd/{fd}")
+            if target.startswith(str(directory)) and target.endswith(".log (deleted)"):
+                found.append(target)
+    return found
+
+
+def test_deleting_a_log_with_queued_seals_releases_their_descriptors(tmp_path):
+    log = PartitionLog(str(tmp_path / "t-0"), LogConfig(flush=1000, segment_bytes=1024), now_ms=0)
+    while len(log.segments) < 4:
+        log.append(batch([b"x" * 200]), 0)
+    log.delete_files()
+    assert open_deleted_segments(tmp_path) == []
+
+
+def test_a_seal_handed_to_the_flusher_does_nothing_once_the_topic_is_deleted(tmp_path):
+    log = PartitionLog(str(tmp_path / "t-0"), LogConfig(flush=1000, segment_bytes=1024), now_ms=0)
+    while len(log.segments) < 2:
+        log.append(batch([b"x" * 200]), 0)
+    sync = log.flush_due(0)
+    log.delete_files()
+    os.makedirs(log.directory, exist_ok=True)  # the topic created again
+    sync()
+    assert os.listdir(log.directory) == []  # no index or snapshot of the old topic written into it
+    assert open_deleted_segments(tmp_path) == []
+
+
+def test_no_descriptor_for_the_active_segment_keeps_the_queued_seals(tmp_path, monkeypatch):
+    log = PartitionLog(str(tmp_path / "t-0"), LogConfig(flush=1000, segment_bytes=1024), now_ms=0)
+    while len(log.segments) < 2:
+        log.append(batch([b"x" * 200]), 0)
+    log.append(batch([b"y" * 10]), 0)
+
+    def no_descriptors(fd):
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(segment_module.os, "dup", no_descriptors)
+        with pytest.raises(OSError):
+            log.flush_due(0)  # LogManager postpones it
+    log.flush_due(10_000)()
+    assert os.path.exists(index_path(log.directory, 0))

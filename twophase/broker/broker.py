@@ -182,7 +182,9 @@ class Broker:
                 pass
         self._tasks = []
         if self._flushing is not None:  # the worker thread goes on after its task is cancelled
-            await asyncio.gather(self._flushing, return_exceptions=True)
+            [failed] = await asyncio.gather(self._flushing, return_exceptions=True)
+            for partition_log, exc in failed if isinstance(failed, list) else ():
+                partition_log.flush_failed(exc)  # closed below without trusting what did not sync
             self._flushing = None
         if self.groups is not None:
             self.groups.close()  # answers parked JoinGroup/SyncGroup requests

@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import threading
 import time
 from bisect import bisect_right
 from collections.abc import Callable, Iterator
@@ -54,7 +55,7 @@ from .records import (
     parse_control_record,
 )
 from .results import AppendResult, TimestampOffset
-from .segment import Segment, index_path
+from .segment import DetachedSeal, Segment, index_path
 from .txnindex import SUFFIX as TXN_INDEX_SUFFIX
 
 log = logging.getLogger(__name__)
@@ -90,7 +91,9 @@ class PartitionLog:
         self._last_abort_marker = -1  # offset of the newest ABORT marker in the index, -1 if none
         self._recover_producers(now)
         self._last_flush_ms: int | None = None
-        self._pending_seals: list[Callable[[], None]] = []  # rolled segments to seal (fsync interval)
+        self._pending_seals: list[_RollSeal] = []  # rolled segments to seal (fsync interval)
+        self._directory_unsynced = False  # a segment was created since the directory's last fsync
+        self._seal_lock = threading.Lock()  # a detached seal's file work against deleting the files
 
     # -- opening and recovery ----------------------------------------------------------------------
 
@@ -288,27 +291,25 @@ class PartitionLog:
 
     def _roll(self) -> None:
         old = self._segments[-1]
-        segment = Segment.create(self.directory, old.next_offset, self.config.index_interval_bytes)
-        if self.config.flush == "always":
+        seal = None
+        if self.config.flush != "always":
+            try:
+                seal = old.seal_detached()
+            except OSError as exc:  # no descriptor to spare for the flusher: seal it here
+                log.warning("%s: %s; sealing on the caller's thread", self.directory, exc)
+        if seal is None:
             old.seal()
             self._durable_end = old.next_offset
             self.producers.write_snapshot(old.next_offset)
+            segment = Segment.create(self.directory, old.next_offset, self.config.index_interval_bytes)
             fsync_dir(self.directory)
         else:
             # Up to a flush interval of data is unsynced, and with it pending, the fsyncs of a roll (the
             # log, its index, the producer snapshot, the directory) take tens of ms: every connection
-            # would wait. The periodic flusher does them off the event loop instead (flush_due), in
-            # this order, so that nothing on disk claims more than what is synced.
-            seal = old.seal_detached()
-            snapshot = self.producers.snapshot_writer(old.next_offset)
-            directory = self.directory
-
-            def finish() -> None:
-                seal()
-                snapshot()
-                fsync_dir(directory)
-
-            self._pending_seals.append(finish)
+            # would wait. The periodic flusher does them off the event loop instead (flush_due).
+            self._pending_seals.append(_RollSeal(self, seal, self.producers.snapshot_writer(old.next_offset)))
+            segment = Segment.create(self.directory, old.next_offset, self.config.index_interval_bytes)
+            self._directory_unsynced = True
         self._segments.append(segment)
         log.info("%s: rolled new segment at offset %d", self.directory, segment.base_offset)
 
@@ -321,9 +322,25 @@ class PartitionLog:
     # -- flushing and retention --------------------------------------------------------------------
 
     def flush(self) -> None:
+        """Fsync everything appended so far, here and now; what the flusher has not done yet included."""
         self._check_usable()
+        self._run_pending_seals()
+        for segment in self._segments[:-1]:
+            segment.flush()  # only one whose detached fsync has not succeeded yet does anything
+        if self._directory_unsynced:
+            fsync_dir(self.directory)
+            self._directory_unsynced = False
         self._segments[-1].flush()
         self._durable_end = self.log_end_offset
+
+    def _run_pending_seals(self) -> None:
+        while self._pending_seals:
+            self._pending_seals.pop(0).run()
+
+    def _discard_pending_seals(self) -> None:
+        for seal in self._pending_seals:
+            seal.discard()
+        self._pending_seals = []
 
     def begin_fsync(self) -> tuple[int, Callable[[], None]] | None:
         """For group commit under fsync "always": (offset, sync) where ``sync`` fsyncs every offset below
@@ -355,17 +372,26 @@ class PartitionLog:
         interval = self.config.flush_interval_ms
         if interval is None or self._closed or self._failed:
             return None
-        work, self._pending_seals = self._pending_seals, []
+        active = None
         if self._last_flush_ms is None or now_ms - self._last_flush_ms >= interval:
+            active = self._segments[-1].detach_flush()  # first: if it fails, the queued seals stay queued
             self._last_flush_ms = now_ms
-            if (active := self._segments[-1].detach_flush()) is not None:
-                work.append(active)
-        if not work:
+        seals, self._pending_seals = self._pending_seals, []
+        if active is None and not seals:
             return None
 
         def sync() -> None:
-            for call in work:
-                call()
+            for i, seal in enumerate(seals):
+                try:
+                    seal.run_detached()
+                except BaseException:
+                    for unrun in seals[i + 1:]:  # the log goes offline: release what will not run
+                        unrun.discard()
+                    if active is not None:
+                        active.discard()
+                    raise
+            if active is not None:
+                active()
 
         return sync
 
@@ -376,6 +402,7 @@ class PartitionLog:
     def _take_offline(self, exc: Exception, what: str) -> None:
         # Like Kafka taking a log dir offline: refuse further work until reopened (recovery repairs it).
         self._failed = exc
+        self._discard_pending_seals()
         log.error("%s: %s failed, log is offline until reopened: %s", self.directory, what, exc)
 
     def enforce_retention(self, now_ms: int) -> int:
@@ -495,11 +522,11 @@ class PartitionLog:
         """Fsync, write the index and a producer snapshot, and release the files. Idempotent."""
         if self._closed:
             return
+        if self._failed is None:
+            self._run_pending_seals()
+        self._discard_pending_seals()
         self._closed = True
         if self._failed is None:
-            for seal in self._pending_seals:
-                seal()
-            self._pending_seals = []
             self._segments[-1].seal()
             self._durable_end = self.log_end_offset
             self.producers.write_snapshot(self.high_watermark)
@@ -508,7 +535,9 @@ class PartitionLog:
 
     def delete_files(self) -> None:
         """Close and remove every file of this log (used when the topic is deleted)."""
-        self._closed = True
+        with self._seal_lock:  # a seal running in the flusher must not write into a recreated directory
+            self._closed = True
+        self._discard_pending_seals()
         for segment in self._segments:
             segment.delete()
         for name in os.listdir(self.directory):
@@ -526,3 +555,31 @@ def _check_batch(header: BatchHeader, from_client: bool) -> None:
         raise InvalidRecordError("transactional batch without a producer id")
     if header.has_producer_id and not header.is_control and header.base_sequence < 0:
         raise InvalidRecordError(f"producer {header.producer_id} batch without a sequence number")
+
+
+class _RollSeal:
+    """What a roll under an fsync interval leaves to the flusher, in this order, so that nothing on disk
+    claims more than is synced: the rolled segment's fsync and index file, the producer snapshot at its
+    end, and the directory (for the new segment's entry)."""
+
+    def __init__(self, plog: PartitionLog, seal: DetachedSeal, snapshot: Callable[[], None]) -> None:
+        self._log = plog
+        self._seal = seal
+        self._snapshot = snapshot
+
+    def run(self) -> None:
+        """On the log's own thread (an inline flush or close)."""
+        self._seal()
+        self._snapshot()
+        fsync_dir(self._log.directory)
+
+    def run_detached(self) -> None:
+        """In the flusher's worker thread; does nothing once the log is closed or its topic deleted."""
+        with self._log._seal_lock:
+            if self._log._closed:
+                self.discard()
+            else:
+                self.run()
+
+    def discard(self) -> None:
+        self._seal.discard()

@@ -25,7 +25,7 @@ import struct
 import threading
 from array import array
 from bisect import bisect_left, bisect_right
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 from twophase.durable import fsync_dir
 
@@ -277,25 +277,21 @@ class Segment:
             self._sync()
             self._dirty = self._detached_sync = False
 
-    def detach_flush(self) -> Callable[[], None] | None:
+    def detach_flush(self) -> DetachedSync | None:
         """An fsync of everything appended so far, to run in another thread; None if nothing is unsynced.
 
         It works on a duplicate of the descriptor, so closing or deleting the segment meanwhile does no
-        harm. Once one was handed out, ``flush()`` (so ``seal()`` and ``close()``) fsyncs again rather
-        than trust that it finished.
+        harm. Until it has succeeded, ``flush()`` (so ``seal()`` and ``close()``) fsyncs again rather
+        than trust it (waiting for it if it is running).
         """
         if not self._dirty:
             return None
-        fd = os.dup(self._fd)
+        return self._detach()
+
+    def _detach(self) -> DetachedSync:
+        sync = DetachedSync(self, os.dup(self._fd))
         self._dirty = False
         self._detached_sync = True
-
-        def sync() -> None:
-            try:
-                self._sync(fd)
-            finally:
-                os.close(fd)
-
         return sync
 
     def seal(self) -> None:
@@ -304,7 +300,7 @@ class Segment:
         self.txn_index.close()  # fsynced; reopened if the segment is appended to again
         self._write_index(self._index_bytes())
 
-    def seal_detached(self) -> Callable[[], None]:
+    def seal_detached(self) -> DetachedSeal:
         """Like ``seal()``, but the log's fsync and the index file are left to a call that may run in any thread.
 
         The index file is written only after that fsync, and an older one is removed now: a segment
@@ -316,15 +312,9 @@ class Segment:
         if os.path.exists(stale):
             os.unlink(stale)
             fsync_dir(self.directory)
-        sync = self.detach_flush()
-        raw = self._index_bytes()
-
-        def finish() -> None:
-            if sync is not None:
-                sync()
-            self._write_index(raw)
-
-        return finish
+        # Even if nothing is dirty: a periodic fsync may still be running, and the index must not be
+        # written before it finished (the fsync on the duplicate waits for it).
+        return DetachedSeal(self, self._detach(), self._index_bytes())
 
     def _index_bytes(self) -> bytes:
         return b"".join(_ENTRY.pack(*e) for e in zip(self._rel_offsets, self._positions, self._ts_before))
@@ -471,3 +461,40 @@ class Segment:
             except ValueError:
                 return header.base_offset, header.max_timestamp
         return None
+
+
+class DetachedSync:
+    """An fsync of a segment on a duplicate of its descriptor: call it once, in any thread, or discard it."""
+
+    def __init__(self, segment: Segment, fd: int) -> None:
+        self._segment = segment
+        self._fd = fd
+
+    def __call__(self) -> None:
+        try:
+            self._segment._sync(self._fd)
+            self._segment._detached_sync = False  # at most one is handed out per segment at a time
+        finally:
+            self.discard()
+
+    def discard(self) -> None:
+        """Release the duplicate descriptor (a deleted segment's disk space is freed only then)."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+class DetachedSeal:
+    """The seal of a rolled segment left to another thread: fsync its log, then write its index file."""
+
+    def __init__(self, segment: Segment, sync: DetachedSync, index: bytes) -> None:
+        self._segment = segment
+        self._sync = sync
+        self._index = index
+
+    def __call__(self) -> None:
+        self._sync()
+        self._segment._write_index(self._index)
+
+    def discard(self) -> None:
+        self._sync.discard()
