@@ -654,3 +654,31 @@ def test_no_descriptor_for_the_active_segment_keeps_the_queued_seals(tmp_path, m
             log.flush_due(0)  # LogManager postpones it
     log.flush_due(10_000)()
     assert os.path.exists(index_path(log.directory, 0))
+
+
+def test_a_segment_recovery_had_to_check_gets_its_index_so_the_next_start_trusts_it(tmp_path, monkeypatch):
+    config = LogConfig(flush=1000, segment_bytes=1024)
+    log = PartitionLog(str(tmp_path / "t-0"), config, now_ms=0)
+    while len(log.segments) < 3:
+        log.append(batch([b"x" * 200]), 0)
+    # A crash before the flusher sealed them: no index files for the rolled segments.
+    assert not os.path.exists(index_path(log.directory, 0))
+    PartitionLog(log.directory, config)  # recovery CRC-checks them, then writes their index
+    assert os.path.exists(index_path(log.directory, 0))
+    checked = []
+    real_open = Segment.open.__func__
+    monkeypatch.setattr(Segment, "open", classmethod(
+        lambda cls, directory, base, interval, *, recover: checked.append((base, recover))
+        or real_open(cls, directory, base, interval, recover=recover)))
+    PartitionLog(log.directory, config)
+    assert [recover for _, recover in checked] == [False] * (len(checked) - 1) + [True]
+
+
+def test_retention_right_after_a_roll_does_not_fsync_what_it_deletes(tmp_path, monkeypatch):
+    log = PartitionLog(str(tmp_path / "t-0"), LogConfig(flush=1000, segment_bytes=1024, retention_bytes=1),
+                       now_ms=0)
+    calls = []
+    monkeypatch.setattr(segment_module, "_fdatasync", lambda fd: calls.append(fd))
+    while log.log_start_offset == 0:  # each roll lets retention delete the segment it just rolled
+        log.append(batch([b"x" * 200]), 0)
+    assert calls == []

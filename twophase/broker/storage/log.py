@@ -113,9 +113,12 @@ class PartitionLog:
         # A segment's index file is written once its log is fsynced (seal). Without one (the active
         # segment, or one rolled shortly before a crash under an fsync interval) it may hold a torn
         # write, so every batch is CRC-checked.
-        segments = [Segment.open(self.directory, b, interval,
-                                 recover=b == bases[-1] or not os.path.exists(index_path(self.directory, b)))
+        unsealed = {b for b in bases[:-1] if not os.path.exists(index_path(self.directory, b))}
+        segments = [Segment.open(self.directory, b, interval, recover=b == bases[-1] or b in unsealed)
                     for b in bases]
+        for segment in segments[:-1]:
+            if segment.base_offset in unsealed:
+                segment.seal()  # checked and fsynced now: its index spares the next start the CRC scan
         for i in range(len(segments) - 1):
             if segments[i].next_offset != segments[i + 1].base_offset:  # cut short by recovery
                 for later in segments[i + 1:]:

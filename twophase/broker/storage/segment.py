@@ -325,15 +325,16 @@ class Segment:
             f.flush()
             os.fsync(f.fileno())
 
-    def close(self) -> None:
+    def close(self, *, sync: bool = True) -> None:
         if self._fd >= 0:
-            self.flush()
+            if sync:
+                self.flush()
             os.close(self._fd)
             self._fd = -1
         self.txn_index.close()
 
     def delete(self) -> None:
-        self.close()
+        self.close(sync=False)  # going away: an fsync (say, right after a roll) would only cost time
         self.txn_index.delete()
         for path in (self.path, index_path(self.directory, self.base_offset)):
             try:
