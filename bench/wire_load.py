@@ -27,7 +27,7 @@ from collections.abc import Sequence
 
 from twophase.broker.codec import encode_request
 from twophase.broker.storage.records import HEADER_SIZE, parse_header, set_base_offset
-from twophase.client.connection import ApiKey, decode_response, message, part, read_exactly
+from twophase.client.connection import ApiKey, decode_response, message, part, read_frame
 
 PRODUCE_VERSION = 9  # librdkafka 2.x sends Produce v7-v9; the body of v3-v8 is the same
 FETCH_VERSION = 11  # librdkafka 2.x's Fetch, the last version before flexible encoding
@@ -67,8 +67,7 @@ class WireLoad:
         return self._correlation_id
 
     def _receive(self, request, correlation_id: int):
-        (size,) = _SIZE.unpack(read_exactly(self._sock, 4))
-        return decode_response(read_exactly(self._sock, size), request, correlation_id)
+        return decode_response(read_frame(self._sock), request, correlation_id)
 
     def produce(self, topic: str, batches: Sequence[bytes], repeat: int = 1, in_flight: int = IN_FLIGHT) -> float:
         """Seconds to produce ``batches``, ``repeat`` times over, to the partition of ``topic`` (acks=all).

@@ -59,7 +59,6 @@ MIN_REQUEST_BYTES = 10  # api key, version, correlation id, client id length
 PIPELINED_PRODUCE = 5
 _PIPELINED_APIS = frozenset({0})  # Produce
 _SIZE = struct.Struct(">i")
-_API_KEY = struct.Struct(">h")
 
 
 class CloseConnection(Exception):
@@ -471,12 +470,10 @@ class KafkaServer:
                     await asyncio.wait((pipeline[0][0], next_request), return_when=asyncio.FIRST_COMPLETED)
                     continue
                 got = await next_request
-                pipelined = not isinstance(got, str) and _API_KEY.unpack_from(got[0])[0] in _PIPELINED_APIS
-                if not pipelined:
+                if isinstance(got, str):
                     while pipeline:  # answer what came before, in order
                         await answer_head()
-                    if isinstance(got, str):
-                        return got
+                    return got
                 frame, held = got
                 del got
                 try:
@@ -487,6 +484,9 @@ class KafkaServer:
                         await answer_head()
                     raise
                 del frame  # only its handling holds the request, and only while it is handled
+                pipelined = isinstance(request, Request) and request.api.key in _PIPELINED_APIS
+                while pipeline and not pipelined:  # answer what came before, in order
+                    await answer_head()
                 next_request = asyncio.ensure_future(self._read_request(conn))
                 if pipelined:
                     pipeline.append((asyncio.ensure_future(start(request)), held))

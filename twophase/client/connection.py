@@ -80,6 +80,14 @@ def read_exactly(sock: socket.socket, n: int) -> memoryview:
     return view.toreadonly()
 
 
+def read_frame(sock: socket.socket) -> memoryview:
+    """One response frame from ``sock``, without its size prefix."""
+    (size,) = _SIZE.unpack(read_exactly(sock, 4))
+    if not 0 < size <= MAX_RESPONSE_BYTES:  # e.g. not a Kafka broker at this address
+        raise ConnectionError(f"response size {size} is not plausible")
+    return read_exactly(sock, size)
+
+
 def decode_response(frame: bytes | memoryview, request: Any, correlation_id: int) -> Any:
     """The decoded response to ``request`` in ``frame`` (without its size prefix).
 
@@ -147,7 +155,7 @@ class Connection:
             try:
                 self._sock.settimeout(timeout_s or self.timeout_s)
                 self._sock.sendall(encode_request(correlation_id, request, self.client_id))
-                frame = self._read_frame()
+                frame = read_frame(self._sock)
             except (OSError, ConnectionError) as exc:
                 self.close()
                 raise KafkaConnectionError(f"{self}: {type(exc).__name__}: {exc}") from None
@@ -156,15 +164,6 @@ class Connection:
         except ConnectionError as exc:
             self.close()
             raise KafkaConnectionError(f"{self}: {exc}") from None
-
-    def _read_exactly(self, n: int) -> memoryview:
-        return read_exactly(self._sock, n)
-
-    def _read_frame(self) -> memoryview:
-        (size,) = _SIZE.unpack(self._read_exactly(4))
-        if not 0 < size <= MAX_RESPONSE_BYTES:  # e.g. not a Kafka broker at this address
-            raise ConnectionError(f"response size {size} is not plausible")
-        return self._read_exactly(size)
 
     def close(self) -> None:
         """Close now, also from another thread: a request blocked in recv fails at once."""
