@@ -11,7 +11,7 @@ import uuid
 from confluent_kafka import Consumer, KafkaError
 
 from tests.broker.test_groups_coordinator import PROTOCOLS, run
-from tests.broker.test_groups_interop import create_topic, produce
+from tests.broker.test_groups_interop import KAFKA_PYTHON_FIRST_JOIN_DELAY_MS, create_topic, produce
 from twophase.broker.groups import GroupCoordinator, GroupState
 from twophase.broker.groups.coordinator import FENCED_INSTANCE_ID, NONE, REBALANCE_IN_PROGRESS, UNKNOWN_MEMBER_ID
 
@@ -279,7 +279,7 @@ def test_confluent_static_member_restarts_without_a_rebalance_and_a_duplicate_is
 def test_kafka_python_static_member_rejoins_with_its_assignment(broker_factory, topic):
     from kafka import KafkaConsumer
 
-    broker = broker_factory(group_initial_rebalance_delay_ms=0)
+    broker = broker_factory(group_initial_rebalance_delay_ms=KAFKA_PYTHON_FIRST_JOIN_DELAY_MS)
     create_topic(broker.bootstrap, topic, 2)
     produce(broker.bootstrap, topic, [b"x", b"y"], partitions=2)
     group = f"kp-static-{uuid.uuid4().hex[:8]}"
@@ -366,7 +366,7 @@ def test_kafka_python_member_keeps_its_generation_across_a_broker_restart(broker
     from kafka import KafkaConsumer
 
     data_dir = tmp_path / "restart-kp"
-    broker = broker_factory(data_dir=data_dir, group_initial_rebalance_delay_ms=0)
+    broker = broker_factory(data_dir=data_dir, group_initial_rebalance_delay_ms=KAFKA_PYTHON_FIRST_JOIN_DELAY_MS)
     port = broker.port
     create_topic(broker.bootstrap, topic, 2)
     group = f"kp-restart-{uuid.uuid4().hex[:8]}"
@@ -379,7 +379,8 @@ def test_kafka_python_member_keeps_its_generation_across_a_broker_restart(broker
             c.poll(100)
         gen, members = generation(broker, group), broker.call(lambda: list(broker.groups.groups[group].members))
         broker.stop()
-        broker = broker_factory(data_dir=data_dir, port=port, group_initial_rebalance_delay_ms=0)
+        broker = broker_factory(data_dir=data_dir, port=port,
+                                group_initial_rebalance_delay_ms=KAFKA_PYTHON_FIRST_JOIN_DELAY_MS)
         produce(broker.bootstrap, topic, [b"a", b"b", b"c", b"d"], partitions=2)
         seen = []
         deadline = time.monotonic() + 30
