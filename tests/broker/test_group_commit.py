@@ -45,11 +45,14 @@ class GatedSync:
         self.gate = threading.Event()
         self.gate.set()
         self.fail = False
+        self.one_per_opening = False  # close the gate behind each fsync let through
 
     def __call__(self, fd: int) -> None:
         self.calls += 1
         self.entered.set()
         assert self.gate.wait(30), "gate never opened"
+        if self.one_per_opening:
+            self.gate.clear()
         if self.fail:
             raise OSError(errno.EIO, "injected fsync failure")
         self.real(fd)
@@ -158,7 +161,7 @@ def durable_after_append(tmp_path, value: bytes = b"v"):
     plog = PartitionLog(str(tmp_path / "t-0"), LogConfig(flush="always"))
     result = plog.append(batch([value]), 0, defer_fsync=True)
     assert plog.high_watermark == result.base_offset  # appended, not yet visible
-    asyncio.run(GroupCommit().durable(plog, result.last_offset + 1))
+    asyncio.run(GroupCommit().durable(plog, result.last_offset + 1, lambda: None))
     return plog
 
 
@@ -175,7 +178,7 @@ def test_any_failure_of_the_worker_takes_the_log_offline(tmp_path, monkeypatch):
     plog = PartitionLog(str(tmp_path / "t-0"), LogConfig(flush="always"))
     result = plog.append(batch([b"v"]), 0, defer_fsync=True)
     with pytest.raises(KafkaStorageError):
-        asyncio.run(GroupCommit().durable(plog, result.last_offset + 1))
+        asyncio.run(GroupCommit().durable(plog, result.last_offset + 1, lambda: None))
     # Offline: neither visible nor acknowledged on a retry, which would otherwise find it "synced".
     assert plog.high_watermark == 0
     with pytest.raises(KafkaStorageError):
@@ -215,14 +218,18 @@ def test_nothing_after_a_request_that_closes_the_connection_is_handled(broker_fa
     assert broker.call(lambda: (plog.log_end_offset, plog.high_watermark)) == (2, 2)
 
 
-def test_data_appended_during_an_fsync_becomes_durable_without_anyone_waiting(tmp_path, gated):
-    # Its producer may be gone (a connection reset): the data must not wait for the next produce.
+def test_data_appended_during_an_fsync_becomes_durable_and_wakes_readers_without_anyone_waiting(tmp_path, gated):
+    # Its producer may be gone (a connection reset): the data must not wait for the next produce,
+    # and parked fetches must not wait for their max wait to see it.
+    visible_at: list[int] = []
+
     async def scenario() -> tuple[int, int]:
         group_commit = GroupCommit()
         plog = PartitionLog(str(tmp_path / "t-0"), LogConfig(flush="always"))
         first = plog.append(batch([b"a"]), 0, defer_fsync=True)
         gated.gate.clear()
-        waiter = asyncio.ensure_future(group_commit.durable(plog, first.last_offset + 1))
+        on_visible = lambda: visible_at.append(plog.high_watermark)  # noqa: E731
+        waiter = asyncio.ensure_future(group_commit.durable(plog, first.last_offset + 1, on_visible))
         assert await asyncio.to_thread(gated.entered.wait, 10)  # its fsync is held in the worker
         unwaited = plog.append(batch([b"b"]), 0, defer_fsync=True)
         gated.gate.set()
@@ -232,3 +239,37 @@ def test_data_appended_during_an_fsync_becomes_durable_without_anyone_waiting(tm
 
     high_watermark, end = asyncio.run(scenario())
     assert high_watermark == end
+    assert visible_at == [1, 2]  # after the held fsync, and after the one chained for the unwaited batch
+
+
+def test_a_parked_fetch_wakes_for_a_batch_whose_producer_went_away(broker_factory, gated, topic):
+    broker = broker_factory(fsync="always")
+    assert produce(broker.port, topic, b"warm-up").error_code == 0
+    plog = broker.call(broker.partition_log, topic, 0)
+
+    def fetch_parked() -> bool:
+        return broker.call(lambda: (topic, 0) in broker._waiters)
+
+    gated.one_per_opening = True
+    gated.gate.clear()
+    gated.entered.clear()
+    with ThreadPoolExecutor(2) as pool:
+        waited = pool.submit(produce, broker.port, topic, b"a")
+        assert gated.entered.wait(30)  # "a" is held in its fsync
+        with WireClient(broker.port) as gone:  # "b" is appended meanwhile; its producer does not wait
+            gone.send(produce_request(topic, batch([b"b"])))
+        wait_until(lambda: broker.call(lambda: plog.log_end_offset) == 3, 30, 0.01, "b appended")
+        # A long poll that only both batches satisfy, with a max wait far beyond this test's patience.
+        min_bytes = len(batch([b"a"])) + 1
+        with WireClient(broker.port, timeout=60) as reader:
+            fetched = pool.submit(reader.request, fetch_request(topic, 1, max_wait_ms=120_000, min_bytes=min_bytes))
+            wait_until(fetch_parked, 30, 0.01, "the fetch parked")
+            gated.entered.clear()
+            gated.gate.set()  # the fsync of "a" only; the one chained for "b" is held next
+            assert waited.result(30).error_code == 0 and gated.entered.wait(30)
+            wait_until(fetch_parked, 30, 0.01, "the fetch parked again, seeing only a")
+            gated.one_per_opening = False
+            gated.gate.set()  # nobody waits for this fsync but the parked fetch
+            partition = only_partition(fetched.result(20))
+    assert partition.error_code == 0 and partition.high_watermark == 3
+    assert sum(header.record_count for _, header in iter_batches(partition.records)) == 2

@@ -7,10 +7,14 @@ log runs at a time, off the event loop, and covers every append made before it s
 made meanwhile wait for the next one. A request is acknowledged only once its batches are on disk,
 and readers see nothing before that (the log's high watermark is the fsynced end).
 
+Each fsync calls back once it has made more of the log visible, so parked fetches wake even when
+the producers whose data it covered are gone.
+
 Example::
 
     result = plog.append(records, now_ms, defer_fsync=True)
-    await group_commit.durable(plog, result.last_offset + 1)   # KafkaStorageError if the fsync failed
+    # KafkaStorageError if the fsync failed; wake_readers() runs after each fsync of this log
+    await group_commit.durable(plog, result.last_offset + 1, wake_readers)
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
+from collections.abc import Callable
 
 from .storage import KafkaError, KafkaStorageError, PartitionLog
 
@@ -30,12 +35,13 @@ class GroupCommit:
     def __init__(self) -> None:
         self._in_flight: dict[PartitionLog, asyncio.Future] = {}
 
-    async def durable(self, plog: PartitionLog, end_offset: int) -> None:
-        """Return once every offset below ``end_offset`` of ``plog`` is fsynced."""
+    async def durable(self, plog: PartitionLog, end_offset: int, on_visible: Callable[[], None]) -> None:
+        """Return once every offset below ``end_offset`` of ``plog`` is fsynced. ``on_visible`` runs
+        after an fsync this call starts, and after each one chained to it, moved the high watermark."""
         while plog.high_watermark < end_offset:
             fsync = self._in_flight.get(plog)
             if fsync is None:
-                fsync = self._in_flight[plog] = asyncio.ensure_future(self._fsync(plog))
+                fsync = self._in_flight[plog] = asyncio.ensure_future(self._fsync(plog, on_visible))
             await asyncio.shield(fsync)  # a cancelled waiter must not cancel the others' fsync
 
     async def drain(self) -> None:
@@ -43,7 +49,8 @@ class GroupCommit:
         while self._in_flight:
             await asyncio.gather(*self._in_flight.values(), return_exceptions=True)
 
-    async def _fsync(self, plog: PartitionLog) -> None:
+    async def _fsync(self, plog: PartitionLog, on_visible: Callable[[], None]) -> None:
+        visible = plog.high_watermark
         try:
             await self._sync(plog)
         except KafkaError:
@@ -53,10 +60,12 @@ class GroupCommit:
             raise KafkaStorageError(f"fsync failed: {exc}") from exc
         finally:
             del self._in_flight[plog]
+        if plog.high_watermark > visible:
+            on_visible()
         if plog.high_watermark < plog.log_end_offset:
             # Appended meanwhile: those producers may have stopped waiting (their connection went
             # away), and their data must not wait for the next produce to become durable and visible.
-            fsync = self._in_flight[plog] = asyncio.ensure_future(self._fsync(plog))
+            fsync = self._in_flight[plog] = asyncio.ensure_future(self._fsync(plog, on_visible))
             fsync.add_done_callback(_retrieve)
 
     @staticmethod

@@ -46,12 +46,15 @@ async def handle(broker, request):
 
     async def appended(topic: str, index: int, plog, result):
         """The response for batches appended (or found to be a retry): sent once they are durable."""
+        def wake_readers() -> None:
+            broker.data_arrived(topic, index)
+
         try:
-            await broker.group_commit.durable(plog, result.last_offset + 1)
+            await broker.group_commit.durable(plog, result.last_offset + 1, wake_readers)
         except KafkaError as exc:
             return partition_response(index, error(exc.code), message=str(exc)[:200])
         if not result.duplicate:
-            broker.data_arrived(topic, index)
+            wake_readers()  # visible without an fsync (an interval policy) or already woken by it
         return partition_response(index, NONE, result.base_offset, result.log_append_time, plog.log_start_offset)
 
     topics = []
