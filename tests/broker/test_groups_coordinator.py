@@ -65,7 +65,7 @@ def test_single_member_join_sync_heartbeat(tmp_path):
             bad = await join(coord, protocols=[("sticky", b"")])
             assert bad.error == INCONSISTENT_GROUP_PROTOCOL
             assert coord.leave("g", [r.member_id]) == [NONE]
-            assert coord.groups["g"].state is GroupState.EMPTY and coord.groups["g"].generation == 2
+            assert "g" not in coord.groups and coord.describe("g")[0] == "Dead"  # Empty, no offsets: deleted
         finally:
             coord.close()
 

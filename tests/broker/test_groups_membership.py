@@ -146,6 +146,7 @@ def test_restored_members_that_stay_away_time_out(tmp_path):
         coord = GroupCoordinator(str(tmp_path))
         a = await join(coord, session_ms=1000)
         await coord.sync("g", 1, a.member_id, None, None, {a.member_id: b"A"})
+        coord.commit_offsets("g", {("t", 0): (1, -1, None)})  # an Empty group without offsets is deleted
         coord.close()
         again = GroupCoordinator(str(tmp_path))
         try:

@@ -2,7 +2,8 @@
 
 The offsets are stored durably as pending and become the group's committed offsets only when the
 transaction commits (discarded on abort). v3 carries the consumer's generation and member id
-(KIP-447): a generation >= 0 is checked like an OffsetCommit. Unknown partitions get
+(KIP-447): a generation >= 0 is checked like an OffsetCommit's, except that the group state is
+not (a rebalance in progress is no error here, as in Kafka). Unknown partitions get
 UNKNOWN_TOPIC_OR_PARTITION, metadata over 4 KiB OFFSET_METADATA_TOO_LARGE.
 """
 
@@ -27,7 +28,7 @@ async def handle(broker, request):
         check = error(ErrorCode.invalid_group_id.value)
     elif generation >= 0:
         check = error(broker.groups.commit_check(body.group_id, generation, body.member_id,
-                                                 getattr(body, "group_instance_id", None)))
+                                                 getattr(body, "group_instance_id", None), transactional=True))
     else:
         check = NONE
     topics_info = broker.topics()

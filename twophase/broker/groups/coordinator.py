@@ -18,7 +18,12 @@ Beyond the basic protocol, as Kafka's classic coordinator does:
   arriving, so a group whose consumers start together forms in one generation;
 - membership persisted (:mod:`.membership`) whenever the group becomes Stable or Empty and
   reloaded on start, so after a broker restart members heartbeat and commit with their old
-  member id and generation.
+  member id and generation;
+- a rebalance in which no member rejoined is postponed (another rebalance timeout) rather than
+  completed with a generation nobody was told about; session timeouts remove the silent members;
+- group deletion (Kafka's group metadata cleanup, done here as soon as it applies): a group that
+  is Empty, has no member id handed out with MEMBER_ID_REQUIRED and no committed or staged offsets
+  is forgotten, in memory and on disk.
 
 Example::
 
@@ -62,12 +67,14 @@ DEFAULT_REBALANCE_TIMEOUT_MS = 60_000
 class GroupCoordinator:
     def __init__(self, directory: str, *, min_session_timeout_ms: int = MIN_SESSION_TIMEOUT_MS,
                  max_session_timeout_ms: int = MAX_SESSION_TIMEOUT_MS) -> None:
-        self.offsets = OffsetStore(directory)
+        self.offsets = OffsetStore(directory, on_forgotten=self._offsets_forgotten)
         self.membership = MembershipStore(directory)
         self.groups: dict[str, Group] = self.membership.load()
         self.min_session_timeout_ms = min_session_timeout_ms
         self.max_session_timeout_ms = max_session_timeout_ms
         self._closed = False
+        for group in list(self.groups.values()):
+            self._maybe_delete(group)  # saved Empty before its offsets went away
         for group in self.groups.values():
             # As after a coordinator failover in Kafka: every member gets a fresh session.
             for m in group.members.values():
@@ -109,9 +116,10 @@ class GroupCoordinator:
         group = self.groups.get(group_id)
         if member_id == "" or (group is not None and member_id in group.pending):
             if group is None:
-                group = self.groups[group_id] = Group(group_id)
+                group = Group(group_id)
             if not group.supports(protocol_type, names):
                 return JoinResult(INCONSISTENT_GROUP_PROTOCOL, member_id=member_id)
+            self.groups.setdefault(group_id, group)
             if member_id == "":
                 member_id = f"{group_instance_id or client_id or 'member'}-{uuid.uuid4()}"
                 if group_instance_id is not None and group_instance_id in group.static_members:
@@ -159,6 +167,8 @@ class GroupCoordinator:
             group.protocol_type = member.protocol_type
         group.member_added_during_delay = group.delaying_initial_join
         fut = self._park_join(member)
+        # Its session starts now: a static member whose join is cancelled stays, and must time out.
+        self._heartbeat_received(group, member)
         log.info("group %s: member %s (%s, %s%s) joins", group.group_id, member.member_id, member.client_id,
                  member.client_host, f", instance {member.group_instance_id}" if member.group_instance_id else "")
         if group.state is GroupState.EMPTY and initial_rebalance_delay_ms > 0:
@@ -272,13 +282,22 @@ class GroupCoordinator:
         for m in [m for m in group.members.values() if not m.awaiting_join and m.group_instance_id is None]:
             log.info("group %s: member %s did not rejoin in time; removed", group.group_id, m.member_id)
             self._drop(group, m)
+        if group.members and not any(m.awaiting_join for m in group.members.values()):
+            # Nobody rejoined (static members whose processes are away): as Kafka does, wait another
+            # rebalance timeout instead of starting a generation nobody knows about; the members'
+            # session timeouts remove them meanwhile (_expire -> _remove -> _maybe_complete_join).
+            timeout_ms = group.max_rebalance_timeout_ms() or DEFAULT_REBALANCE_TIMEOUT_MS
+            group.timer = asyncio.get_running_loop().call_later(timeout_ms / 1000, self._rebalance_timeout, group)
+            log.info("group %s: no member rejoined; rebalance postponed by %d ms", group.group_id, timeout_ms)
+            return
         group.generation += 1
         if not group.members:
             group.protocol_name = group.protocol_type = None
             group.leader_id = None
             group.transition(GroupState.EMPTY)
             log.info("group %s: empty (generation %d)", group.group_id, group.generation)
-            self._save(group)
+            if not self._maybe_delete(group):
+                self._save(group)
             return
         group.protocol_name = group.select_protocol()
         if not group.members[group.leader_id].awaiting_join:
@@ -372,6 +391,7 @@ class GroupCoordinator:
                 group.pending.pop(member_id).cancel()
                 codes.append(NONE)
                 self._maybe_complete_join(group)
+                self._maybe_delete(group)
             elif group is not None and group.fenced(instance_id, member_id):
                 codes.append(FENCED_INSTANCE_ID)
             elif group is None or member_id not in group.members:
@@ -404,6 +424,7 @@ class GroupCoordinator:
     def _expire_pending(self, group: Group, member_id: str) -> None:
         if group.pending.pop(member_id, None) is not None:
             self._maybe_complete_join(group)
+            self._maybe_delete(group)
 
     def _drop(self, group: Group, member: Member) -> None:
         """Forget ``member`` without touching the group state."""
@@ -420,6 +441,28 @@ class GroupCoordinator:
             self._prepare_rebalance(group, reason)
         else:
             self._maybe_complete_join(group)
+
+    def _maybe_delete(self, group: Group) -> bool:
+        """Delete ``group`` if it is Empty with no pending member id and no committed or staged
+        offsets (Kafka's cleanupGroupMetadata); whether it was deleted."""
+        if group.state is not GroupState.EMPTY or group.pending or self.offsets.has_offsets(group.group_id) \
+                or self.groups.get(group.group_id) is not group:
+            return False
+        group.cancel_timer()
+        group.transition(GroupState.DEAD)
+        del self.groups[group.group_id]
+        try:
+            self.membership.delete(group.group_id)
+        except OSError:
+            # A restart reloads it Empty and deletes it then.
+            log.exception("group %s: could not delete its membership file", group.group_id)
+        log.info("group %s: deleted (empty, no offsets)", group.group_id)
+        return True
+
+    def _offsets_forgotten(self, group_id: str) -> None:
+        group = self.groups.get(group_id)
+        if group is not None:
+            self._maybe_delete(group)
 
     def _save(self, group: Group) -> None:
         try:
@@ -453,8 +496,11 @@ class GroupCoordinator:
 
     # -- offsets ---------------------------------------------------------------------------------
 
-    def commit_check(self, group_id: str, generation: int, member_id: str, group_instance_id: str | None = None) -> int:
-        """The error for an OffsetCommit from this member/generation, or NONE if it may commit."""
+    def commit_check(self, group_id: str, generation: int, member_id: str, group_instance_id: str | None = None,
+                     *, transactional: bool = False) -> int:
+        """The error for an OffsetCommit from this member/generation, or NONE if it may commit. A
+        ``transactional`` (TxnOffsetCommit) check is of the member and generation only: as in Kafka,
+        the group state is not enforced for those, and they do not count as a heartbeat."""
         group = self.groups.get(group_id)
         if group is not None and group.fenced(group_instance_id, member_id):
             return FENCED_INSTANCE_ID
@@ -469,6 +515,8 @@ class GroupCoordinator:
             return UNKNOWN_MEMBER_ID
         if generation != group.generation:
             return ILLEGAL_GENERATION
+        if transactional:
+            return NONE
         if group.state is GroupState.COMPLETING_REBALANCE:
             return REBALANCE_IN_PROGRESS
         self._heartbeat_received(group, group.members[member_id])

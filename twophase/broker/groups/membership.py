@@ -13,6 +13,7 @@ Example::
     store = MembershipStore("/data/groups")
     store.save(group)                  # when it becomes Stable or Empty
     groups = store.load()              # {group id: Group}, after a restart
+    store.delete("g")                  # the group was deleted (Empty, no offsets)
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import json
 import logging
 import os
 
-from twophase.durable import atomic_write
+from twophase.durable import atomic_write, fsync_dir, unlink_quietly
 
 from .group import Group, GroupState, Member
 
@@ -70,6 +71,13 @@ class MembershipStore:
                 "protocol_type": group.protocol_type, "protocol_name": group.protocol_name,
                 "leader_id": group.leader_id, "members": [_member_json(m) for m in group.members.values()]}
         atomic_write(self._path(group.group_id), json.dumps(data, separators=(",", ":")).encode())
+
+    def delete(self, group_id: str) -> None:
+        """Durably remove the file of ``group_id``, if it has one."""
+        path = self._path(group_id)
+        if os.path.exists(path):
+            unlink_quietly(path)
+            fsync_dir(self.directory)
 
     def load(self) -> dict[str, Group]:
         """Every persisted group, Stable with its members (or Empty); unreadable files are logged and skipped."""

@@ -10,6 +10,10 @@ pending offsets: they survive a restart while their transaction is open, become 
 offsets when it commits and vanish when it aborts. OffsetFetch with require_stable asks
 :meth:`OffsetStore.has_pending`.
 
+A group left with neither committed nor staged offsets (its topics were deleted, its only
+transaction aborted) has its file deleted and ``on_forgotten(group_id)`` called, so the group
+coordinator can delete the group too, as Kafka's group metadata cleanup does.
+
 Example::
 
     store = OffsetStore("/data/groups")
@@ -26,8 +30,9 @@ import hashlib
 import json
 import logging
 import os
+from collections.abc import Callable
 
-from twophase.durable import atomic_write
+from twophase.durable import atomic_write, fsync_dir, unlink_quietly
 
 log = logging.getLogger("twophase.broker.groups")
 
@@ -45,8 +50,9 @@ class CommittedOffset:
 class OffsetStore:
     """Committed offsets of every group; loaded at construction, written through on commit."""
 
-    def __init__(self, directory: str) -> None:
+    def __init__(self, directory: str, on_forgotten: Callable[[str], None] | None = None) -> None:
         self.directory = directory
+        self.on_forgotten = on_forgotten
         os.makedirs(directory, exist_ok=True)
         self._offsets: dict[str, dict[tuple[str, int], CommittedOffset]] = {}
         # group id -> producer id -> staged offsets of its open transaction
@@ -72,14 +78,22 @@ class OffsetStore:
                 # atomic_write never leaves a torn file; anything unreadable was put there by hand.
                 log.error("ignoring unreadable offsets file %s: %s", path, exc)
                 continue
-            self._offsets[group_id] = offsets
+            if not (offsets or pending):  # left by a version that kept the files of emptied groups
+                unlink_quietly(path)
+            if offsets:
+                self._offsets[group_id] = offsets
             if pending:
                 self._pending[group_id] = pending
         if self._offsets:
             log.info("loaded committed offsets of %d groups", len(self._offsets))
 
     def groups(self) -> list[str]:
-        return list(self._offsets)
+        """Every group with committed or staged offsets."""
+        return list(dict.fromkeys([*self._offsets, *self._pending]))
+
+    def has_offsets(self, group_id: str) -> bool:
+        """Whether ``group_id`` has committed or staged offsets."""
+        return group_id in self._offsets or group_id in self._pending
 
     def get(self, group_id: str, topic: str, partition: int) -> CommittedOffset | None:
         return self._offsets.get(group_id, {}).get((topic, partition))
@@ -93,8 +107,7 @@ class OffsetStore:
             return
         merged = dict(self._offsets.get(group_id, {}))
         merged.update(offsets)
-        self._write(group_id, merged, self._pending.get(group_id, {}))
-        self._offsets[group_id] = merged
+        self._store(group_id, merged, self._pending.get(group_id, {}))
 
     # -- transactional offsets -------------------------------------------------------------------
 
@@ -102,8 +115,7 @@ class OffsetStore:
         """Durably record ``offsets`` as pending for the open transaction of ``producer_id``."""
         pending = {pid: dict(staged) for pid, staged in self._pending.get(group_id, {}).items()}
         pending.setdefault(producer_id, {}).update(offsets)
-        self._write(group_id, self._offsets.get(group_id, {}), pending)
-        self._pending[group_id] = pending
+        self._store(group_id, self._offsets.get(group_id, {}), pending)
 
     def complete_pending(self, group_id: str, producer_id: int, commit: bool) -> None:
         """Apply (commit) or drop (abort) what ``producer_id`` staged; a no-op if nothing is staged."""
@@ -114,12 +126,7 @@ class OffsetStore:
         offsets = dict(self._offsets.get(group_id, {}))
         if commit:
             offsets.update(staged)
-        self._write(group_id, offsets, pending)
-        self._offsets[group_id] = offsets
-        if pending:
-            self._pending[group_id] = pending
-        else:
-            self._pending.pop(group_id, None)
+        self._store(group_id, offsets, pending)
 
     def has_pending(self, group_id: str, topic: str, partition: int) -> bool:
         return any((topic, partition) in staged for staged in self._pending.get(group_id, {}).values())
@@ -136,11 +143,23 @@ class OffsetStore:
             kept = {k: v for k, v in offsets.items() if k[0] != topic}
             kept_pending = {pid: {k: v for k, v in staged.items() if k[0] != topic} for pid, staged in pending.items()}
             if len(kept) != len(offsets) or kept_pending != pending:
-                self._write(group_id, kept, kept_pending)
-                if group_id in self._offsets:
-                    self._offsets[group_id] = kept
-                if group_id in self._pending:
-                    self._pending[group_id] = kept_pending
+                self._store(group_id, kept, kept_pending)
+
+    def _store(self, group_id: str, offsets: dict[tuple[str, int], CommittedOffset],
+               pending: dict[int, dict[tuple[str, int], CommittedOffset]]) -> None:
+        """Make ``offsets`` and ``pending`` the group's, durably; with both empty, forget the group."""
+        if offsets or pending:
+            self._write(group_id, offsets, pending)
+        else:
+            unlink_quietly(self._path(group_id))
+            fsync_dir(self.directory)
+        for by_group, value in ((self._offsets, offsets), (self._pending, pending)):
+            if value:
+                by_group[group_id] = value
+            else:
+                by_group.pop(group_id, None)
+        if not (offsets or pending) and self.on_forgotten is not None:
+            self.on_forgotten(group_id)
 
     def _write(self, group_id: str, offsets: dict[tuple[str, int], CommittedOffset],
                pending: dict[int, dict[tuple[str, int], CommittedOffset]]) -> None:
