@@ -2,7 +2,8 @@
 
 Filters as in Kafka: states, producer ids, v1 duration_filter (only transactions started more
 than that many ms ago), v2 transactional_id_pattern (a regular expression the whole id must
-match; an invalid one is INVALID_REGULAR_EXPRESSION). Unknown state names come back in
+match, in RE2 syntax like Kafka's RE2/J: no backreferences or lookaround, matched in linear time;
+an invalid one is INVALID_REGULAR_EXPRESSION). Unknown state names come back in
 unknown_state_filters.
 """
 

@@ -27,6 +27,7 @@ from ..codec import build, nested
 from ..storage import KafkaError
 from ..storage.errors import CorruptRecordError
 from ..storage.records import iter_batches
+from ..txn.coordinator import NOT_ENOUGH_REPLICAS
 from ._common import NO_THROTTLE, NONE, error
 
 log = logging.getLogger("twophase.broker")
@@ -107,6 +108,8 @@ def _transaction_check(broker, transactional_id: str | None, topic: str, partiti
             return ErrorCode.invalid_record, "a transactional producer sent a non-transactional batch"
         code = broker.transactions.check_produce(transactional_id, header.producer_id, header.producer_epoch,
                                                  topic, partition)
+        if code == NOT_ENOUGH_REPLICAS:
+            return error(code), "the transaction log is unavailable until the broker restarts"
         if code:
             return error(code), f"not part of the open transaction of {transactional_id!r}"
     return None

@@ -5,8 +5,11 @@ and drives the two-phase completion: the decision (PrepareCommit/PrepareAbort) i
 the transaction log before any marker is written; then a commit or abort marker goes to every
 partition of the transaction, pending group offsets are applied or discarded, and
 CompleteCommit/CompleteAbort is logged. A broker that dies in between finishes the job in
-:meth:`recover`. Handlers in :mod:`twophase.broker.apis` translate wire messages to calls here;
-nothing here knows about kio. All calls run on the broker's event loop thread.
+:meth:`recover`. Every change is made to a copy of the id's metadata, logged, and installed only
+once the log write succeeded, so memory is never ahead of the log; once a write failed, every
+request that could change or add to a transaction is refused until a restart. Handlers in
+:mod:`twophase.broker.apis` translate wire messages to calls here; nothing here knows about kio.
+All calls run on the broker's event loop thread.
 
 Example::
 
@@ -23,22 +26,28 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
-import re
 import time
 from collections.abc import Callable, Iterable
+
+import re2
 
 from ..groups.offsets import CommittedOffset, OffsetStore
 from ..storage import KafkaError, UnknownTopicOrPartitionError
 from .failpoints import Failpoint
-from .log import TransactionLog
+from .log import TransactionLog, TransactionLogFailed
 from .metadata import TxnMetadata
 from .state import TxnState
 
 log = logging.getLogger("twophase.broker.txn")
 
 NONE = 0
+# A failed transaction-log write: Kafka answers NOT_COORDINATOR or COORDINATOR_NOT_AVAILABLE; both make
+# every client look the coordinator up again and retry. This single broker stays the coordinator, so
+# "not available" (until a restart) is the true one.
 COORDINATOR_NOT_AVAILABLE = 15
+NOT_ENOUGH_REPLICAS = 19  # what Produce answers instead: every producer retries it, none knows 15 there
 INVALID_REQUEST = 42
 INVALID_PRODUCER_EPOCH = 47
 INVALID_TXN_STATE = 48
@@ -48,10 +57,31 @@ CONCURRENT_TRANSACTIONS = 51
 TRANSACTIONAL_ID_AUTHORIZATION_FAILED = 53
 PRODUCER_FENCED = 90
 TRANSACTIONAL_ID_NOT_FOUND = 105
+TRANSACTION_ABORTABLE = 120  # KIP-890: "abort, then this transactional id can go on"
 INVALID_REGULAR_EXPRESSION = 128
 
 COORDINATOR_EPOCH = 0  # one broker, never re-elected
 MAX_PATTERN_LENGTH = 1_000  # ListTransactions patterns run on the event loop: keep them small
+# What one transaction may hold: with the longest topic names (249 characters) and group ids (32767
+# characters, 6 bytes each in the worst JSON escape) its log record stays far below MAX_RECORD_BYTES.
+MAX_PARTITIONS_PER_TXN = 10_000
+MAX_GROUPS_PER_TXN = 16
+_PATTERN_OPTIONS = re2.Options()
+_PATTERN_OPTIONS.log_errors = False  # a client's bad pattern is its error, answered, not the broker's log noise
+
+
+def _unavailable_when_the_log_fails(unavailable):
+    """A request whose log write fails is answered ``unavailable`` (COORDINATOR_NOT_AVAILABLE), not by
+    closing the client's connection; memory stayed at the last durable state."""
+    def wrap(method):
+        @functools.wraps(method)
+        def call(*args, **kwargs):
+            try:
+                return method(*args, **kwargs)
+            except TransactionLogFailed:
+                return unavailable
+        return call
+    return wrap
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,7 +141,7 @@ class TransactionCoordinator:
         """Replay the log; finish every transaction whose decision was logged but not completed."""
         for tid, value in self._log.open().items():
             self._txns[tid] = TxnMetadata.from_dict(tid, value)
-        for meta in self._txns.values():
+        for meta in list(self._txns.values()):
             if meta.state.completing:
                 log.info("recovery: completing %s of transactional id %r on %d partitions",
                          meta.state.value, meta.transactional_id, len(meta.partitions))
@@ -152,21 +182,23 @@ class TransactionCoordinator:
                 log.warning("aborting transaction of %r (producer %d epoch %d): open for %d ms, timeout %d ms",
                             meta.transactional_id, meta.producer_id, meta.producer_epoch,
                             now_ms - meta.start_ms, meta.timeout_ms)
-                meta.bump_epoch(self._allocate)  # fences the producer, like Kafka
-                self._prepare_and_complete(meta, commit=False, now_ms=now_ms)
+                aborting = meta.copy()
+                aborting.bump_epoch(self._allocate)  # fences the producer, like Kafka
+                self._prepare_and_complete(aborting, commit=False, now_ms=now_ms)
             elif meta.state.idle and now_ms - meta.last_update_ms > self.settings.id_expiration_ms:
                 log.info("transactional id %r expired (idle since %d)", meta.transactional_id, meta.last_update_ms)
-                meta.transition(TxnState.DEAD)
+                meta.state.check(TxnState.DEAD)
                 self._log.append(meta.transactional_id, None)
                 del self._txns[meta.transactional_id]
 
     # -- InitProducerId --------------------------------------------------------------------------
 
+    @_unavailable_when_the_log_fails(InitResult(COORDINATOR_NOT_AVAILABLE))
     def init_producer_id(self, transactional_id: str, timeout_ms: int, *, producer_id: int = -1,
                          producer_epoch: int = -1, enable_two_phase: bool = False, keep_prepared: bool = False,
                          now_ms: int) -> InitResult:
         if self._log.failed:
-            return InitResult(COORDINATOR_NOT_AVAILABLE)  # memory may be ahead of the log: until a restart
+            return InitResult(COORDINATOR_NOT_AVAILABLE)  # until a restart replays what is durable
         if enable_two_phase and not self.settings.allow_two_phase:
             return InitResult(TRANSACTIONAL_ID_AUTHORIZATION_FAILED)  # what Kafka 4.1 answers
         if not enable_two_phase and not 0 < timeout_ms <= self.settings.max_timeout_ms:
@@ -177,9 +209,7 @@ class TransactionCoordinator:
             if requested_by:
                 return InitResult(INVALID_PRODUCER_ID_MAPPING)
             meta = TxnMetadata(transactional_id, self._allocate(), 0, timeout_ms, two_phase=enable_two_phase)
-            self._txns[transactional_id] = meta
-            self._persist(meta, now_ms)
-            return self._granted(meta)
+            return self._granted(self._log_and_install(meta, now_ms))
         if requested_by and requested_by not in (meta.current, meta.previous):
             return InitResult(PRODUCER_FENCED)  # KIP-360: only the current instance may bump its own epoch
         if requested_by == meta.previous and (meta.state is TxnState.EMPTY or (keep_prepared and meta.taken_over)):
@@ -188,31 +218,33 @@ class TransactionCoordinator:
                      transactional_id, producer_id, producer_epoch, meta.producer_id, meta.producer_epoch)
             return self._granted(meta)
         if meta.state.completing:
-            self._complete(meta, now_ms)
+            meta = self._complete(meta, now_ms)
             if meta.state.completing:
                 return InitResult(CONCURRENT_TRANSACTIONS)
         if meta.state is TxnState.ONGOING and keep_prepared:
-            meta.bump_epoch(self._allocate, requested_by)
-            meta.two_phase = meta.two_phase or enable_two_phase
-            self._persist(meta, now_ms)
-            return self._granted(meta)
+            keeping = meta.copy()
+            keeping.bump_epoch(self._allocate, requested_by)
+            keeping.two_phase = meta.two_phase or enable_two_phase
+            return self._granted(self._log_and_install(keeping, now_ms))
         if meta.state is TxnState.ONGOING:
             log.info("InitProducerId for %r aborts its open transaction (producer %d epoch %d)",
                      transactional_id, meta.txn_producer_id, meta.txn_producer_epoch)
             # requested_by is kept through the abort: if it has to be retried (CONCURRENT_TRANSACTIONS),
             # the retry presents the same pair, now the previous one
-            meta.bump_epoch(self._allocate, requested_by)
-            if not self._prepare_and_complete(meta, commit=False, now_ms=now_ms):
+            aborting = meta.copy()
+            aborting.bump_epoch(self._allocate, requested_by)
+            meta = self._prepare_and_complete(aborting, commit=False, now_ms=now_ms)
+            if meta.state.completing:
                 return InitResult(CONCURRENT_TRANSACTIONS)
-        meta.bump_epoch(self._allocate, requested_by)
+        granted = meta.copy()
+        granted.bump_epoch(self._allocate, requested_by)
         if not (keep_prepared and meta.state in (TxnState.COMPLETE_COMMIT, TxnState.COMPLETE_ABORT)):
             # A take-over that finds the transaction already ended keeps the outcome describable: a
             # second completer of the same prepared transaction must learn it was committed, not "gone".
-            meta.transition(TxnState.EMPTY)
-        meta.timeout_ms = timeout_ms
-        meta.two_phase = enable_two_phase
-        self._persist(meta, now_ms)
-        return self._granted(meta)
+            granted.transition(TxnState.EMPTY)
+        granted.timeout_ms = timeout_ms
+        granted.two_phase = enable_two_phase
+        return self._granted(self._log_and_install(granted, now_ms))
 
     @staticmethod
     def _granted(meta: TxnMetadata) -> InitResult:
@@ -237,6 +269,7 @@ class TransactionCoordinator:
 
     def _open_for_additions(self, transactional_id: str, producer_id: int, producer_epoch: int,
                             now_ms: int) -> tuple[int, TxnMetadata | None]:
+        """A copy of the metadata with the transaction open (begun if none was), to add to and log."""
         error, meta = self._current(transactional_id, producer_id, producer_epoch)
         if error:
             return error, None
@@ -244,33 +277,41 @@ class TransactionCoordinator:
             return CONCURRENT_TRANSACTIONS, None
         if meta.taken_over:
             return INVALID_TXN_STATE, None  # KIP-939: a kept prepared transaction only gets committed or aborted
-        if meta.state.idle:
-            meta.begin(now_ms)
-        return NONE, meta
+        adding = meta.copy()
+        if adding.state.idle:
+            adding.begin(now_ms)
+        return NONE, adding
 
+    @_unavailable_when_the_log_fails(COORDINATOR_NOT_AVAILABLE)
     def add_partitions(self, transactional_id: str, producer_id: int, producer_epoch: int,
                        partitions: Iterable[tuple[str, int]], now_ms: int) -> int:
-        partitions = set(partitions)
-        meta = self._txns.get(transactional_id)
-        if (meta is not None and meta.state is TxnState.ONGOING and not meta.taken_over
-                and (meta.producer_id, meta.producer_epoch) == (producer_id, producer_epoch)
-                and partitions <= meta.partitions):
-            return NONE  # a retry: nothing new to log
-        error, meta = self._open_for_additions(transactional_id, producer_id, producer_epoch, now_ms)
+        error, adding = self._open_for_additions(transactional_id, producer_id, producer_epoch, now_ms)
         if error:
             return error
-        meta.partitions |= partitions
-        self._persist(meta, now_ms)
+        partitions = set(partitions)
+        if self._txns[transactional_id].state is TxnState.ONGOING and partitions <= adding.partitions:
+            return NONE  # a retry: nothing new to log
+        adding.partitions |= partitions
+        if len(adding.partitions) > MAX_PARTITIONS_PER_TXN:
+            log.warning("transactional id %r: refusing more than %d partitions in one transaction",
+                        transactional_id, MAX_PARTITIONS_PER_TXN)
+            return TRANSACTION_ABORTABLE
+        self._log_and_install(adding, now_ms)
         return NONE
 
+    @_unavailable_when_the_log_fails(COORDINATOR_NOT_AVAILABLE)
     def add_offsets(self, transactional_id: str, producer_id: int, producer_epoch: int, group_id: str,
                     now_ms: int) -> int:
-        error, meta = self._open_for_additions(transactional_id, producer_id, producer_epoch, now_ms)
+        error, adding = self._open_for_additions(transactional_id, producer_id, producer_epoch, now_ms)
         if error:
             return error
-        if group_id not in meta.groups:
-            meta.groups.add(group_id)
-            self._persist(meta, now_ms)
+        if group_id not in adding.groups:
+            adding.groups.add(group_id)
+            if len(adding.groups) > MAX_GROUPS_PER_TXN:
+                log.warning("transactional id %r: refusing more than %d consumer groups in one transaction",
+                            transactional_id, MAX_GROUPS_PER_TXN)
+                return TRANSACTION_ABORTABLE
+            self._log_and_install(adding, now_ms)
         return NONE
 
     def txn_offset_commit(self, transactional_id: str, producer_id: int, producer_epoch: int, group_id: str,
@@ -288,6 +329,8 @@ class TransactionCoordinator:
     def check_produce(self, transactional_id: str, producer_id: int, producer_epoch: int,
                       topic: str, partition: int) -> int:
         """Whether a transactional batch may be appended: only to a partition of the open transaction."""
+        if self._log.failed:
+            return NOT_ENOUGH_REPLICAS  # nothing could end the transaction before a restart: take no data into it
         meta = self._txns.get(transactional_id)
         if meta is None or meta.producer_id != producer_id:
             return INVALID_PRODUCER_ID_MAPPING
@@ -299,6 +342,7 @@ class TransactionCoordinator:
 
     # -- EndTxn ----------------------------------------------------------------------------------
 
+    @_unavailable_when_the_log_fails(COORDINATOR_NOT_AVAILABLE)
     def end_txn(self, transactional_id: str, producer_id: int, producer_epoch: int, commit: bool,
                 now_ms: int) -> int:
         error, meta = self._current(transactional_id, producer_id, producer_epoch)
@@ -309,24 +353,24 @@ class TransactionCoordinator:
         if meta.state is done:
             return NONE  # a retry of what already happened
         if meta.state is preparing:
-            self._complete(meta, now_ms)
-            return NONE if meta.state is done else CONCURRENT_TRANSACTIONS
+            return NONE if self._complete(meta, now_ms).state is done else CONCURRENT_TRANSACTIONS
         if meta.state is not TxnState.ONGOING:
             return INVALID_TXN_STATE
         self._failpoint.hit("before_prepare")
-        self._prepare_and_complete(meta, commit, now_ms)
+        self._prepare_and_complete(meta.copy(), commit, now_ms)
         return NONE  # the decision is durable; markers that failed are retried by check()
 
-    def _prepare_and_complete(self, meta: TxnMetadata, commit: bool, now_ms: int) -> bool:
-        """Log the decision, then complete it; False if completion has to be retried later."""
-        meta.transition(TxnState.PREPARE_COMMIT if commit else TxnState.PREPARE_ABORT)
-        self._persist(meta, now_ms)
+    def _prepare_and_complete(self, deciding: TxnMetadata, commit: bool, now_ms: int) -> TxnMetadata:
+        """Log the decision on ``deciding`` (an Ongoing copy, not installed), then complete it; the
+        installed metadata, still Prepare* if completion has to be retried later."""
+        deciding.transition(TxnState.PREPARE_COMMIT if commit else TxnState.PREPARE_ABORT)
+        meta = self._log_and_install(deciding, now_ms)
         self._failpoint.hit("after_prepare")
-        self._complete(meta, now_ms)
-        return not meta.state.completing
+        return self._complete(meta, now_ms)
 
-    def _complete(self, meta: TxnMetadata, now_ms: int) -> None:
-        """Write markers and apply/discard group offsets for a Prepare* state, then log Complete*."""
+    def _complete(self, meta: TxnMetadata, now_ms: int) -> TxnMetadata:
+        """Write markers and apply/discard group offsets for a Prepare* state, then log Complete*;
+        the installed metadata (still ``meta`` if a marker failed)."""
         commit = meta.state is TxnState.PREPARE_COMMIT
         try:
             for i, (topic, partition) in enumerate(sorted(meta.partitions)):
@@ -337,10 +381,11 @@ class TransactionCoordinator:
                 self._offsets.complete_pending(group_id, meta.txn_producer_id, commit)
         except (KafkaError, OSError) as exc:
             log.error("completing %s of %r failed, will retry: %s", meta.state.value, meta.transactional_id, exc)
-            return
+            return meta
         self._failpoint.hit("after_markers")
-        meta.transition(TxnState.COMPLETE_COMMIT if commit else TxnState.COMPLETE_ABORT)
-        self._persist(meta, now_ms)
+        completed = meta.copy()
+        completed.transition(TxnState.COMPLETE_COMMIT if commit else TxnState.COMPLETE_ABORT)
+        return self._log_and_install(completed, now_ms)
 
     def _write_marker(self, meta: TxnMetadata, topic: str, partition: int, commit: bool, now_ms: int) -> None:
         try:
@@ -352,9 +397,13 @@ class TransactionCoordinator:
         plog.append_marker(meta.txn_producer_id, meta.marker_epoch, commit, COORDINATOR_EPOCH, now_ms)
         self._data_arrived(topic, partition)
 
-    def _persist(self, meta: TxnMetadata, now_ms: int) -> None:
-        meta.last_update_ms = now_ms
-        self._log.append(meta.transactional_id, meta.to_dict())
+    def _log_and_install(self, changed: TxnMetadata, now_ms: int) -> TxnMetadata:
+        """Make ``changed`` (a copy nobody else holds) the id's state once it is durable. A failed
+        write raises TransactionLogFailed and leaves memory at the last durable state."""
+        changed.last_update_ms = now_ms
+        self._log.append(changed.transactional_id, changed.to_dict())
+        self._txns[changed.transactional_id] = changed
+        return changed
 
     # -- ListTransactions / DescribeTransactions -------------------------------------------------
 
@@ -364,11 +413,14 @@ class TransactionCoordinator:
         """(error, unknown state filters, [(transactional id, producer id, state)]) like Kafka's filters."""
         known = {s.value for s in TxnState} - {TxnState.DEAD.value}
         states, producer_ids = set(states), set(producer_ids)
+        # RE2 (linear time, like Kafka's RE2/J) because the pattern is the client's and matching runs
+        # on the event loop: a backtracking engine would let "(a+)+b" stall the whole broker.
         try:
             if pattern and len(pattern) > MAX_PATTERN_LENGTH:
-                raise re.error(f"longer than {MAX_PATTERN_LENGTH} characters")
-            regex = re.compile(pattern) if pattern else None
-        except (re.error, RecursionError, OverflowError):
+                raise re2.error(f"longer than {MAX_PATTERN_LENGTH} characters")
+            regex = re2.compile(pattern, _PATTERN_OPTIONS) if pattern else None
+        except re2.error as exc:
+            log.info("ListTransactions: invalid transactional id pattern %.100r: %s", pattern, exc)
             return INVALID_REGULAR_EXPRESSION, [], []
         found = []
         for tid, meta in sorted(self._txns.items()):

@@ -2,13 +2,15 @@
 
 Each record is ``length (u32) | crc32 (u32) | JSON`` with the JSON ``{"id": ..., "txn": {...}}``
 (``"txn": null`` is a tombstone: the id expired). Every append is fsynced before the coordinator
-acts on it. On open the file is replayed, the last record of each id wins; a torn or corrupt
-tail (a crash mid-write) is truncated with a warning. When the file holds many more records than
-live ids it is rewritten atomically with one record per live id, so expired ids vanish.
+acts on it; a record over MAX_RECORD_BYTES is refused before anything is written. On open the file
+is replayed, the last record of each id wins; a torn tail (a crash mid-write: an unreadable record
+with no intact one after it) is truncated with a warning. An unreadable record followed by intact
+ones is damage, not a crash: opening fails rather than drop them. When the file holds many more
+records than live ids it is rewritten atomically with one record per live id, so expired ids vanish.
 
 A failed write (a full disk, an I/O error) fails the log for good: ``failed`` is set and every
-later append raises, like a Kafka log directory going offline, because the coordinator's memory may
-already be ahead of what is durable. Restarting replays what is.
+later append raises, like a Kafka log directory going offline, because what reached the file is
+unknown (a record may be there without its fsync). Restarting replays what is.
 
 Example::
 
@@ -33,7 +35,8 @@ log = logging.getLogger("twophase.broker.txn")
 
 LOG_FILE = "transactions.log"
 _HEAD = struct.Struct(">II")
-MAX_RECORD_BYTES = 16 << 20  # a length beyond this is garbage, not a record
+_PAYLOAD_START = b'{"id":'  # every payload begins so (json.dumps escapes quotes inside strings)
+MAX_RECORD_BYTES = 16 << 20  # the largest payload append writes
 COMPACT_MIN_RECORDS = 1000
 
 
@@ -42,10 +45,47 @@ def encode_record(transactional_id: str, value: dict | None) -> bytes:
     return _HEAD.pack(len(payload), zlib.crc32(payload)) + payload
 
 
+def _decode_record(data: bytes, pos: int) -> tuple[str, dict | None, int] | None:
+    """(transactional id, value, end position) of the intact record at ``pos``, else None."""
+    if pos < 0 or pos + _HEAD.size > len(data):
+        return None
+    length, crc = _HEAD.unpack_from(data, pos)
+    end = pos + _HEAD.size + length
+    if end > len(data):
+        return None
+    payload = data[pos + _HEAD.size:end]
+    if zlib.crc32(payload) != crc:
+        return None
+    try:
+        record = json.loads(payload)
+        return record["id"], record["txn"], end
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def _intact_record_after(data: bytes, pos: int) -> int | None:
+    """The position of an intact record starting after ``pos``, if any."""
+    found = data.find(_PAYLOAD_START, pos + 1 + _HEAD.size)
+    while found != -1:
+        if _decode_record(data, found - _HEAD.size) is not None:
+            return found - _HEAD.size
+        found = data.find(_PAYLOAD_START, found + 1)
+    return None
+
+
 class TransactionLogFailed(KafkaError):
     """The transaction log cannot be written: transactional requests get COORDINATOR_NOT_AVAILABLE."""
 
     code = 15
+
+
+class TransactionRecordTooLarge(KafkaError):
+    """A record over MAX_RECORD_BYTES, refused before anything is written (the log stays usable).
+    Kafka answers UNKNOWN_SERVER_ERROR when its transaction log refuses a record as too large."""
+
+
+class TransactionLogCorrupt(RuntimeError):
+    """An unreadable record with intact ones after it: damage that a crash cannot cause."""
 
 
 class TransactionLog:
@@ -82,23 +122,17 @@ class TransactionLog:
         return dict(self._latest)
 
     def _replay(self, data: bytes) -> int:
-        """Apply every intact record; the byte position after the last one."""
+        """Apply every intact record; the byte position after the last one, where only a torn tail
+        may follow. A record is intact when its CRC matches, whatever its length: an older version
+        wrote records over MAX_RECORD_BYTES, and they are kept."""
         pos = 0
-        while pos + _HEAD.size <= len(data):
-            length, crc = _HEAD.unpack_from(data, pos)
-            end = pos + _HEAD.size + length
-            if length > MAX_RECORD_BYTES or end > len(data):
-                break
-            payload = data[pos + _HEAD.size:end]
-            if zlib.crc32(payload) != crc:
-                break
-            try:
-                record = json.loads(payload)
-                transactional_id, value = record["id"], record["txn"]
-            except (ValueError, KeyError, TypeError):
-                break
+        while (record := _decode_record(data, pos)) is not None:
+            transactional_id, value, pos = record
             self._apply(transactional_id, value)
-            pos = end
+        if pos < len(data) and (later := _intact_record_after(data, pos)) is not None:
+            raise TransactionLogCorrupt(
+                f"{self.path}: unreadable record at byte {pos}, but an intact one at byte {later}: "
+                "refusing to truncate the log (restore it, or cut the damaged record out by hand)")
         return pos
 
     def _apply(self, transactional_id: str, value: dict | None) -> None:
@@ -114,8 +148,12 @@ class TransactionLog:
             raise RuntimeError("transaction log is not open")
         if self.failed is not None:
             raise TransactionLogFailed(f"{self.path} failed earlier: {self.failed}")
+        record = encode_record(transactional_id, value)
+        if len(record) - _HEAD.size > MAX_RECORD_BYTES:
+            raise TransactionRecordTooLarge(f"{self.path}: a record of {len(record)} bytes for transactional id "
+                                            f"{transactional_id!r} exceeds {MAX_RECORD_BYTES}")
         try:
-            self._file.write(encode_record(transactional_id, value))
+            self._file.write(record)
             self._file.flush()
             os.fsync(self._file.fileno())
             self._apply(transactional_id, value)

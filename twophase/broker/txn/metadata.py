@@ -46,6 +46,10 @@ class TxnMetadata:
     previous_producer_id: int = -1
     previous_producer_epoch: int = -1
 
+    def copy(self) -> TxnMetadata:
+        """An independent copy: the coordinator changes and logs a copy, and installs it once durable."""
+        return dataclasses.replace(self, partitions=set(self.partitions), groups=set(self.groups))
+
     def transition(self, target: TxnState) -> None:
         self.state.check(target)
         self.state = target
