@@ -18,7 +18,7 @@ from twophase.broker.txn import (
 from twophase.broker.txn.coordinator import (
     CONCURRENT_TRANSACTIONS, INVALID_PRODUCER_EPOCH, INVALID_PRODUCER_ID_MAPPING, INVALID_TRANSACTION_TIMEOUT,
     INVALID_TXN_STATE, NONE, PRODUCER_FENCED, TRANSACTIONAL_ID_AUTHORIZATION_FAILED)
-from twophase.broker.txn.log import LOG_FILE, TransactionLogFailed
+from twophase.broker.txn.log import LOG_FILE
 from twophase.broker.txn.metadata import MAX_EPOCH
 
 T0 = 1_700_000_000_000

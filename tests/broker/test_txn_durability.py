@@ -17,6 +17,8 @@ from __future__ import annotations
 import dataclasses
 import errno
 import os
+import subprocess
+import sys
 
 import pytest
 from kio.schema.errors import ErrorCode
@@ -276,6 +278,36 @@ def test_replay_refuses_to_drop_intact_records_after_a_damaged_one(tmp_path):
     with pytest.raises(TransactionLogCorrupt, match="intact one"):
         TransactionLog(str(tmp_path)).open()
     assert (tmp_path / LOG_FILE).read_bytes() == damaged  # nothing truncated
+
+
+def test_a_broker_whose_disk_filled_up_stops_cleanly_and_restarts(broker_factory, tmp_path):
+    """A real ENOSPC from the kernel (/dev/full behind the log's own file object): the refused record must
+    not linger in a buffer that the broker's stop would flush again, fail on, and stop half-way."""
+    data_dir = tmp_path / "data"
+    b = broker_factory(data_dir)
+    with WireClient(b.port) as w:
+        assert init_pid(w, "kept").error_code == ErrorCode.none
+        full = os.open("/dev/full", os.O_WRONLY)
+        os.dup2(full, b.transactions._log._file.fileno())
+        os.close(full)
+        assert init_pid(w, "refused").error_code == ErrorCode.coordinator_not_available
+    b.stop()  # raised ENOSPC from the buffered record before, leaving the data directory locked
+    b = broker_factory(data_dir)
+    with WireClient(b.port) as w:
+        assert describe(w, "kept")[0] == "Empty"
+        assert init_pid(w, "refused").error_code == ErrorCode.none  # a new id, logged now
+
+
+def test_the_cli_reports_a_damaged_log_and_exits_2(tmp_path):
+    records = [encode_record(tid, {"v": i}) for i, tid in enumerate("abc")]
+    damaged = bytearray(b"".join(records))
+    damaged[len(records[0]) + 2] ^= 0xFF
+    (tmp_path / "data" / TXN_DIR).mkdir(parents=True)
+    (tmp_path / "data" / TXN_DIR / LOG_FILE).write_bytes(bytes(damaged))
+    ran = subprocess.run([sys.executable, "-m", "twophase.broker.cli", "--data-dir", str(tmp_path / "data"),
+                          "--port", "0"], capture_output=True, text=True, timeout=60)
+    assert ran.returncode == 2, ran.stderr
+    assert "refusing to truncate" in ran.stderr and "Traceback" not in ran.stderr
 
 
 def test_replay_truncates_a_torn_tail_padded_with_zeros(tmp_path):

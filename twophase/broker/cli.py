@@ -24,7 +24,8 @@ import sys
 
 from .broker import Broker, BrokerConfig
 from .server import DEFAULT_MAX_REQUEST_BYTES
-from .storage import DataDirLockedError
+from .storage import DataDirLockedError, KafkaError
+from .txn.log import TransactionLogCorrupt
 
 log = logging.getLogger("twophase.broker")
 
@@ -123,7 +124,8 @@ def run_broker(args, *_ignored) -> int:
     logging.getLogger("twophase.broker").setLevel(logging.INFO)
     try:
         asyncio.run(_serve(args))
-    except (OSError, DataDirLockedError, ValueError) as exc:  # port or data directory in use, bad settings
+    # Port or data directory in use, bad settings, a damaged transaction log, storage failing at recovery.
+    except (OSError, DataDirLockedError, ValueError, TransactionLogCorrupt, KafkaError) as exc:
         print(f"twophase broker: {exc}", file=sys.stderr)
         return 2
     return 0

@@ -116,7 +116,7 @@ class TransactionLog:
                 f.truncate(good)
                 os.fsync(f.fileno())
         created = not os.path.exists(self.path)
-        self._file = open(self.path, "ab")
+        self._file = open(self.path, "ab", buffering=0)
         if created:
             fsync_dir(self.directory)
         return dict(self._latest)
@@ -153,8 +153,7 @@ class TransactionLog:
             raise TransactionRecordTooLarge(f"{self.path}: a record of {len(record)} bytes for transactional id "
                                             f"{transactional_id!r} exceeds {MAX_RECORD_BYTES}")
         try:
-            self._file.write(record)
-            self._file.flush()
+            _write_all(self._file, record)
             os.fsync(self._file.fileno())
             self._apply(transactional_id, value)
             if self._records > max(self.compact_min_records, 2 * len(self._latest)):
@@ -169,11 +168,22 @@ class TransactionLog:
         data = b"".join(encode_record(tid, value) for tid, value in self._latest.items())
         self._file.close()
         atomic_write(self.path, data)
-        self._file = open(self.path, "ab")
+        self._file = open(self.path, "ab", buffering=0)
         log.info("compacted %s: %d records -> %d live transactional ids", self.path, self._records, len(self._latest))
         self._records = len(self._latest)
 
     def close(self) -> None:
         if self._file is not None:
-            self._file.close()
-            self._file = None
+            file, self._file = self._file, None
+            try:
+                file.close()
+            except OSError as exc:  # nothing is buffered: every record was written and fsynced, or refused
+                log.warning("%s: close failed: %s", self.path, exc)
+
+
+def _write_all(file, data: bytes) -> None:
+    """Write ``data`` to an unbuffered file: nothing a refused record wrote lingers in a buffer, to be
+    flushed later behind the caller's back."""
+    view = memoryview(data)
+    while view:
+        view = view[file.write(view):]
