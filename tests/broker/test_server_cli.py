@@ -77,3 +77,27 @@ def test_add_broker_parser_wires_a_subcommand():
     assert parser.parse_args(["broker", "--data-dir", "d"]).fsync == "always"
     with pytest.raises(SystemExit):
         parser.parse_args(["broker", "--data-dir", "d", "--fsync", "sometimes"])
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--port", "70000"], "--port: must be between 0 and 65535"),
+    (["--port", "-1"], "--port: must be between 0 and 65535"),
+    (["--group-initial-rebalance-delay-ms", "-5"], "must be at least 0"),
+    (["--default-partitions", "0"], "must be at least 1"),
+    (["--fsync", "sometimes"], "--fsync takes 'always' or a number"),
+])
+def test_bad_arguments_are_refused_before_anything_is_created(tmp_path, capsys, flags, message):
+    parser = argparse.ArgumentParser(prog="twophase")
+    add_broker_parser(parser.add_subparsers(dest="command", required=True))
+    with pytest.raises(SystemExit) as exited:
+        parser.parse_args(["broker", "--data-dir", str(tmp_path / "data"), *flags])
+    assert exited.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "data").exists()
+
+
+def test_an_empty_data_directory_is_refused(capsys):
+    parser = argparse.ArgumentParser(prog="twophase")
+    add_broker_parser(parser.add_subparsers(dest="command", required=True))
+    with pytest.raises(SystemExit):
+        parser.parse_args(["broker", "--data-dir", " "])
+    assert "--data-dir: must name a directory" in capsys.readouterr().err  # not the current directory

@@ -42,17 +42,31 @@ def _fsync(value: str) -> str | int:
     return ms
 
 
-def _positive(value: str) -> int:
-    n = int(value)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, not {n}")
-    return n
+def _int_from(lowest: int, highest: int | None = None):
+    """An argparse type: an integer in [lowest, highest]."""
+    def parse(value: str) -> int:
+        n = int(value)
+        if n < lowest or (highest is not None and n > highest):
+            bounds = f"at least {lowest}" if highest is None else f"between {lowest} and {highest}"
+            raise argparse.ArgumentTypeError(f"must be {bounds}, not {n}")
+        return n
+    parse.__name__ = "integer"  # argparse names the type in "invalid integer value" errors
+    return parse
+
+
+_positive = _int_from(1)
+
+
+def _directory(value: str) -> str:
+    if not value.strip():
+        raise argparse.ArgumentTypeError("must name a directory")
+    return value
 
 
 def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    p.add_argument("--data-dir", required=True, help="directory of the logs and broker state")
+    p.add_argument("--data-dir", type=_directory, required=True, help="directory of the logs and broker state")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
-    p.add_argument("--port", type=int, default=9092, help="port to listen on, 0 for any (default %(default)s)")
+    p.add_argument("--port", type=_int_from(0, 65535), default=9092, help="port to listen on, 0 for any (default %(default)s)")
     p.add_argument("--advertised-host", help="host name given to clients in Metadata (default: --host)")
     p.add_argument("--default-partitions", type=_positive, default=1,
                    help="partitions of auto-created topics and of CreateTopics with -1 (default %(default)s)")
@@ -75,7 +89,7 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--queued-max-request-bytes", type=_positive, default=200 * 1024 * 1024,
                    help="request bytes buffered across all connections before reading pauses "
                         "(default %(default)s)")
-    p.add_argument("--group-initial-rebalance-delay-ms", type=int, default=3_000,
+    p.add_argument("--group-initial-rebalance-delay-ms", type=_int_from(0), default=3_000,
                    help="how long a new consumer group waits for more members before its first "
                         "rebalance (default %(default)s)")
     p.set_defaults(func=run_broker)
