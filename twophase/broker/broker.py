@@ -77,6 +77,8 @@ class BrokerConfig:
     group_initial_rebalance_delay_ms: int = 3_000  # a new group waits this long for more members
 
     def __post_init__(self) -> None:
+        if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be between 0 and 65535, not {self.port!r}")
         if not 1 <= self.default_partitions <= self.max_partitions_per_topic:
             raise ValueError("default_partitions must be between 1 and max_partitions_per_topic")
         if self.fsync != "always" and (isinstance(self.fsync, bool) or not isinstance(self.fsync, int)
@@ -141,10 +143,20 @@ class Broker:
         return f"{self.advertised_host}:{self.port}"
 
     async def start_async(self) -> None:
-        """Open the data directory and start listening (in the running event loop)."""
-        os.makedirs(self.data_dir, exist_ok=True)
-        self.logs = LogManager(self.data_dir, self.config.topic_defaults())
+        """Start listening, then open the data directory (in the running event loop).
+
+        Binding comes first, so a busy port or an unknown host fails before the data directory is
+        touched. Everything after the bind is synchronous: the event loop serves no connection
+        before storage is open.
+        """
+        server = KafkaServer(Dispatcher(self), self.config.host, self.config.port, self.config.max_request_bytes,
+                             idle_timeout_ms=self.config.connections_max_idle_ms,
+                             max_queued_request_bytes=self.config.queued_max_request_bytes)
+        await server.start()
+        self._server = server
         try:
+            os.makedirs(self.data_dir, exist_ok=True)
+            self.logs = LogManager(self.data_dir, self.config.topic_defaults())
             self._load_broker_file()
             self._load_producer_ids()
             self.groups = GroupCoordinator(os.path.join(self.data_dir, GROUPS_DIR))
@@ -152,18 +164,19 @@ class Broker:
                 os.path.join(self.data_dir, TXN_DIR), partition_log=self.logs.partition, offsets=self.groups.offsets,
                 allocate_producer_id=self.allocate_producer_id, data_arrived=self.data_arrived,
                 settings=self.config.transaction_settings(), failpoint=Failpoint.from_env())
-            self.transactions.recover(int(time.time() * 1000))  # before any client can connect
-            self._server = KafkaServer(Dispatcher(self), self.config.host, self.config.port,
-                                       self.config.max_request_bytes,
-                                       idle_timeout_ms=self.config.connections_max_idle_ms,
-                                       max_queued_request_bytes=self.config.queued_max_request_bytes)
-            await self._server.start()
+            self.transactions.recover(int(time.time() * 1000))  # before any request is served
         except BaseException:
             if self.transactions is not None:
                 self.transactions.close()
                 self.transactions = None
-            self.logs.close()
-            self.logs = None
+            if self.groups is not None:
+                self.groups.close()
+                self.groups = None
+            if self.logs is not None:
+                self.logs.close()
+                self.logs = None
+            await server.close()
+            self._server = None
             raise
         self._tasks = [asyncio.create_task(self._periodic()), asyncio.create_task(self.transactions.run_periodic())]
         topics = self.logs.topics()
@@ -335,12 +348,9 @@ class Broker:
 
     def create_topic(self, name: str, partitions: int, configs: dict | None = None, *,
                      validate_only: bool = False) -> TopicInfo | None:
+        """Create a topic (None with ``validate_only``); raises the KafkaError a create meets."""
         if validate_only:
-            from .storage import validate_topic_name
-            from .storage.config import normalize_overrides
-
-            validate_topic_name(name)
-            normalize_overrides(configs or {})
+            self.logs.check_new_topic(name, partitions, configs)
             return None
         return self.logs.create_topic(name, partitions, configs or None)
 

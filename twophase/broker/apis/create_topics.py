@@ -3,7 +3,8 @@
 A single broker holds every replica, so the replication factor must be 1 (or -1, the default);
 manual assignments must name this broker only. num_partitions -1 means the broker default.
 Topic configs are passed to storage, which rejects those it does not implement
-(INVALID_CONFIG). validate_only checks without creating.
+(INVALID_CONFIG). validate_only runs the checks of a create without creating. A create the disk
+refuses part-way (no descriptor or space for a partition log) is undone and answered KAFKA_STORAGE_ERROR.
 """
 
 from __future__ import annotations
@@ -54,13 +55,10 @@ async def handle(broker, request):
         info = None
         if code == NONE:
             configs = {c.name: c.value for c in topic.configs}
-            if topic.name in broker.topics():
-                code, message = ErrorCode.topic_already_exists, f"topic {topic.name!r} already exists"
-            else:
-                try:
-                    info = broker.create_topic(topic.name, partitions, configs, validate_only=body.validate_only)
-                except KafkaError as exc:
-                    code, message = error(exc.code), str(exc)
+            try:
+                info = broker.create_topic(topic.name, partitions, configs, validate_only=body.validate_only)
+            except KafkaError as exc:  # validate_only meets the same checks as a create
+                code, message = error(exc.code), str(exc)
         results.append(build(
             Result, name=topic.name, topic_id=info.topic_id if info else None, error_code=code,
             error_message=message, topic_config_error_code=0,

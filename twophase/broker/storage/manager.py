@@ -94,12 +94,16 @@ class LogManager:
         except BlockingIOError:
             os.close(self._lock_fd)
             raise DataDirLockedError(f"{data_dir} is in use by another broker") from None
-        self._topics: dict[str, TopicInfo] = self._load_metadata()
         self._logs: dict[tuple[str, int], PartitionLog] = {}
-        self._warn_orphans()
-        for name, info in self._topics.items():
-            for p in range(info.partitions):
-                self._open(name, p, info)
+        try:
+            self._topics: dict[str, TopicInfo] = self._load_metadata()
+            self._warn_orphans()
+            for name, info in self._topics.items():
+                for p in range(info.partitions):
+                    self._logs[(name, p)] = self._open(name, p, info)
+        except BaseException:
+            self.close()  # the logs opened so far, and the lock: a failed start must not keep the directory
+            raise
 
     # -- metadata ----------------------------------------------------------------------------------
 
@@ -152,8 +156,11 @@ class LogManager:
             raise UnknownTopicOrPartitionError(f"unknown topic {name!r}")
         return self.config.with_overrides(info.config)
 
-    def create_topic(self, name: str, partitions: int, config: Mapping[str, Any] | None = None) -> TopicInfo:
-        """Create a topic; ``config`` overrides use Kafka names (``retention.ms``) or LogConfig field names."""
+    def check_new_topic(self, name: str, partitions: int, config: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """Raise the KafkaError creating this topic would raise, else return its normalized config overrides.
+
+        CreateTopics with validate_only answers with this, so it agrees with a real create.
+        """
         validate_topic_name(name)
         if name in self._topics:
             raise TopicAlreadyExistsError(f"topic {name!r} already exists")
@@ -164,19 +171,47 @@ class LogManager:
                 raise InvalidTopicError(f"topic {name!r} collides with existing topic {existing!r}")
         if isinstance(partitions, bool) or not isinstance(partitions, int) or partitions < 1:
             raise InvalidPartitionsError(f"partition count must be >= 1, got {partitions!r}")
-        overrides = normalize_overrides(config or {})
-        # Leftovers of an interrupted delete of a same-named topic must not resurface as its data.
-        for entry, topic, _ in self._partition_dirs():
-            if topic == name:
-                shutil.rmtree(os.path.join(self.data_dir, entry))
-        info = TopicInfo(_new_topic_id(), partitions, overrides)
-        self._save_metadata({**self._topics, name: info})
+        return normalize_overrides(config or {})
+
+    def create_topic(self, name: str, partitions: int, config: Mapping[str, Any] | None = None) -> TopicInfo:
+        """Create a topic; ``config`` overrides use Kafka names (``retention.ms``) or LogConfig field names.
+
+        All or nothing: every partition log is opened before ``topics.json`` names the topic; if the disk
+        or the descriptor limit refuses one, what was created is removed and KafkaStorageError raised.
+        """
+        info = TopicInfo(_new_topic_id(), partitions, self.check_new_topic(name, partitions, config))
+        opened: list[PartitionLog] = []
+        try:
+            # Leftovers of an interrupted delete or create of a same-named topic must not resurface as its data.
+            for entry, topic, _ in self._partition_dirs():
+                if topic == name:
+                    shutil.rmtree(os.path.join(self.data_dir, entry))
+            for p in range(partitions):
+                opened.append(self._open(name, p, info))
+            fsync_dir(self.data_dir)
+            self._save_metadata({**self._topics, name: info})
+        except OSError as exc:
+            self._discard_new_topic(name, partitions, opened)
+            raise KafkaStorageError(f"creating topic {name!r} failed: {exc}") from exc
         self._topics[name] = info
-        for p in range(partitions):
-            self._open(name, p, info)
-        fsync_dir(self.data_dir)
+        self._logs.update(((name, p), plog) for p, plog in enumerate(opened))
         log.info("created topic %s (%d partitions, id %s)", name, partitions, info.topic_id)
         return info
+
+    def _discard_new_topic(self, name: str, partitions: int, opened: list[PartitionLog]) -> None:
+        """Undo a failed create_topic, as far as the disk lets us; what stays behind is an orphan directory."""
+        for plog in opened:
+            try:
+                plog.delete_files()  # closes its files first: descriptors for what follows
+            except OSError as exc:
+                log.warning("removing %s after a failed create: %s", plog.directory, exc)
+        for p in range(partitions):
+            shutil.rmtree(self._dir(name, p), ignore_errors=True)
+        try:
+            if name in self._load_metadata():  # the failure came after topics.json was replaced (its dir fsync)
+                self._save_metadata(self._topics)
+        except OSError as exc:
+            log.warning("%s: restoring %s after a failed create: %s", self.data_dir, METADATA_FILE, exc)
 
     def delete_topic(self, name: str) -> None:
         info = self._topics.get(name)
@@ -199,9 +234,7 @@ class LogManager:
         return os.path.join(self.data_dir, f"{topic}-{partition}")
 
     def _open(self, topic: str, partition: int, info: TopicInfo) -> PartitionLog:
-        partition_log = PartitionLog(self._dir(topic, partition), self.config.with_overrides(info.config))
-        self._logs[(topic, partition)] = partition_log
-        return partition_log
+        return PartitionLog(self._dir(topic, partition), self.config.with_overrides(info.config))
 
     def partition(self, topic: str, partition: int) -> PartitionLog:
         partition_log = self._logs.get((topic, partition))
