@@ -1,4 +1,8 @@
-"""DeleteTopics (key 20): delete topics by name (v1-v5) or by name or topic id (v6)."""
+"""DeleteTopics (key 20): delete topics by name (v1-v5) or by name or topic id (v6).
+
+A v6 entry names a topic either by name or by id, never both (Kafka answers INVALID_REQUEST: a name
+with the id of a deleted predecessor must not delete the topic recreated under that name).
+"""
 
 from __future__ import annotations
 
@@ -13,11 +17,17 @@ async def handle(broker, request):
     body, rt = request.body, request.response_type()
     Result = nested(rt, "DeletableTopicResult")
     if request.version >= 6:
-        wanted = [(t.name, t.topic_id) for t in body.topics]
+        wanted = [(t.name, t.topic_id) for t in body.topics]  # a zero id decodes as None
     else:
         wanted = [(name, None) for name in body.topic_names]
     results = []
     for name, topic_id in wanted:
+        if (name is None) == (topic_id is None):
+            message = ("You may not specify both topic name and topic id." if name is not None
+                       else "Neither topic name nor id were specified.")
+            results.append(build(Result, name=name, topic_id=topic_id, error_code=ErrorCode.invalid_request,
+                                 error_message=message))
+            continue
         known = broker.topics()
         if name is None:
             match = [n for n, info in known.items() if info.topic_id == topic_id]

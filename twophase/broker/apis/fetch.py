@@ -25,9 +25,8 @@ import time
 from kio.schema.errors import ErrorCode
 
 from ..codec import build, nested
-from ..storage import KafkaError, OffsetOutOfRangeError
+from ..storage import KafkaError
 from ._common import NO_THROTTLE, NONE, READ_COMMITTED, error
-
 
 
 def _read(broker, body, rt) -> tuple[tuple, int, bool]:
@@ -35,7 +34,7 @@ def _read(broker, body, rt) -> tuple[tuple, int, bool]:
     TopicResponse, PartitionData = nested(rt, "FetchableTopicResponse"), nested(rt, "PartitionData")
     AbortedTransaction = nested(rt, "AbortedTransaction")
     committed = body.isolation_level == READ_COMMITTED
-    budget = body.max_bytes if body.max_bytes > 0 else 0
+    budget = max(0, body.max_bytes)
     total = 0
     errors = False
     topics = []
@@ -76,8 +75,7 @@ def _read(broker, body, rt) -> tuple[tuple, int, bool]:
 def _read_within(plog, offset: int, limit: int, upper: int | None) -> tuple[bytes, int]:
     """Whole batches that fit in ``limit`` bytes (none if the first one does not fit), and the offset after."""
     if limit <= 0:
-        if not plog.log_start_offset <= offset <= plog.high_watermark:
-            raise OffsetOutOfRangeError(f"offset {offset} outside [{plog.log_start_offset}, {plog.high_watermark}]")
+        plog.check_fetch_offset(offset)
         return b"", offset
     data, end = plog.read_range(offset, limit, upper)
     return (data, end) if len(data) <= limit else (b"", offset)

@@ -92,6 +92,7 @@ class PartitionLog:
         self._recover_producers(now)
         self._last_flush_ms: int | None = None
         self._pending_seals: list[_RollSeal] = []  # rolled segments to seal (fsync interval)
+        self._unfinished_seals: dict[int, _RollSeal] = {}  # by segment base: queued or handed to the flusher
         self._directory_unsynced = False  # a segment was created since the directory's last fsync
         self._seal_lock = threading.Lock()  # a detached seal's file work against deleting the files
 
@@ -137,7 +138,14 @@ class PartitionLog:
         then the whole log is replayed.
         """
         snapshot = self.producers.load_snapshot(max_offset=self.high_watermark)
-        start = self.log_start_offset if snapshot is None else max(snapshot, self.log_start_offset)
+        if snapshot is not None and snapshot < self.log_start_offset:
+            # Retention deleted batches after it (say, the marker ending a transaction it holds open), and
+            # they cannot be replayed: its state is wrong, not just old. Kafka drops such snapshots too.
+            log.warning("%s: producer snapshot at %d is below the log start %d: not used",
+                        self.directory, snapshot, self.log_start_offset)
+            self.producers.clear()
+            snapshot = None
+        start = self.log_start_offset if snapshot is None else snapshot
         damaged = [s.base_offset for s in self._segments
                    if s.txn_index.trusted_until < min(start, s.next_offset)]
         if damaged:
@@ -310,7 +318,9 @@ class PartitionLog:
             # Up to a flush interval of data is unsynced, and with it pending, the fsyncs of a roll (the
             # log, its index, the producer snapshot, the directory) take tens of ms: every connection
             # would wait. The periodic flusher does them off the event loop instead (flush_due).
-            self._pending_seals.append(_RollSeal(self, seal, self.producers.snapshot_writer(old.next_offset)))
+            roll_seal = _RollSeal(self, old.base_offset, seal, self.producers.snapshot_writer(old.next_offset))
+            self._pending_seals.append(roll_seal)
+            self._unfinished_seals[old.base_offset] = roll_seal
             segment = Segment.create(self.directory, old.next_offset, self.config.index_interval_bytes)
             self._directory_unsynced = True
         self._segments.append(segment)
@@ -344,6 +354,7 @@ class PartitionLog:
         for seal in self._pending_seals:
             seal.discard()
         self._pending_seals = []
+        self._unfinished_seals = {}
 
     def begin_fsync(self) -> tuple[int, Callable[[], None]] | None:
         """For group commit under fsync "always": (offset, sync) where ``sync`` fsyncs every offset below
@@ -433,7 +444,15 @@ class PartitionLog:
 
     def _delete_oldest(self, reason: str) -> None:
         segment = self._segments.pop(0)
-        segment.delete()
+        seal = self._unfinished_seals.get(segment.base_offset)
+        if seal is None:
+            segment.delete()
+        else:
+            # Its seal, queued or in the flusher, must not write an index or a snapshot for deleted data.
+            # The lock is taken only then, so a running seal of another segment does not stall retention.
+            with self._seal_lock:
+                seal.drop_segment()
+                segment.delete()
         log.info("%s: deleted segment %d (%s); log start offset now %d",
                  self.directory, segment.base_offset, reason, self.log_start_offset)
 
@@ -443,16 +462,18 @@ class PartitionLog:
         """Whole batches from the one holding ``offset``: up to ``max_bytes``, but at least one batch.
 
         ``upper_offset`` (e.g. the LSO for read_committed) excludes batches starting at or above it.
-        Raises OffsetOutOfRangeError outside [log_start_offset, high_watermark]; returns b"" at the end.
+        Raises OffsetOutOfRangeError outside [log_start_offset, log_end_offset] (``check_fetch_offset``);
+        returns b"" from the high watermark on.
         """
         return self.read_range(offset, max_bytes, upper_offset)[0]
 
     def read_range(self, offset: int, max_bytes: int, upper_offset: int | None = None) -> tuple[bytes, int]:
         """Like read(), plus the offset after the last batch returned (``offset`` when none is)."""
         self._check_usable()
+        self.check_fetch_offset(offset)
         high_watermark = self.high_watermark
-        if not self.log_start_offset <= offset <= high_watermark:
-            raise OffsetOutOfRangeError(f"offset {offset} outside [{self.log_start_offset}, {high_watermark}]")
+        if offset >= high_watermark:
+            return b"", offset  # the high watermark is an append's end: no batch from here on is visible
         if high_watermark < self.log_end_offset and (upper_offset is None or upper_offset > high_watermark):
             upper_offset = high_watermark  # appended but not yet fsynced: not for readers
         chunks: list[bytes] = []
@@ -469,6 +490,15 @@ class PartitionLog:
             if not complete or remaining <= 0 or (upper_offset is not None and upper_offset <= segment.next_offset):
                 break
         return b"".join(chunks), end
+
+    def check_fetch_offset(self, offset: int) -> None:
+        """Raise OffsetOutOfRangeError unless log_start_offset <= offset <= log_end_offset.
+
+        As in Kafka, an offset above the high watermark is not out of range: its batches are appended
+        (their fsync pending), and a fetch there gets nothing yet, or waits for them.
+        """
+        if not self.log_start_offset <= offset <= self.log_end_offset:
+            raise OffsetOutOfRangeError(f"offset {offset} outside [{self.log_start_offset}, {self.log_end_offset}]")
 
     def aborted_transactions(self, start_offset: int, end_offset: int) -> list[tuple[int, int]]:
         """(producer id, first offset) of the aborted transactions overlapping [start_offset, end_offset).
@@ -565,16 +595,27 @@ class _RollSeal:
     claims more than is synced: the rolled segment's fsync and index file, the producer snapshot at its
     end, and the directory (for the new segment's entry)."""
 
-    def __init__(self, plog: PartitionLog, seal: DetachedSeal, snapshot: Callable[[], None]) -> None:
+    def __init__(self, plog: PartitionLog, base_offset: int, seal: DetachedSeal, snapshot: Callable[[], None]) -> None:
         self._log = plog
+        self._base_offset = base_offset
         self._seal = seal
         self._snapshot = snapshot
+        self._segment_deleted = False
 
     def run(self) -> None:
-        """On the log's own thread (an inline flush or close)."""
-        self._seal()
-        self._snapshot()
+        """On the log's own thread (an inline flush or close), or in the flusher's (``run_detached``)."""
+        if not self._segment_deleted:
+            self._seal()
+            self._snapshot()
         fsync_dir(self._log.directory)
+        self._log._unfinished_seals.pop(self._base_offset, None)
+
+    def drop_segment(self) -> None:
+        """Retention deleted the segment (the caller holds the log's seal lock): only the directory's fsync
+        is left to do. Its snapshot goes too: taken at the end of deleted data, it is at best at the new log
+        start and soon below it, where recovery must not trust it."""
+        self._segment_deleted = True
+        self._seal.discard()
 
     def run_detached(self) -> None:
         """In the flusher's worker thread; does nothing once the log is closed or its topic deleted."""
