@@ -6,6 +6,7 @@ Each is checked on ``PartitionLog`` directly and, where a client sees it, agains
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -14,7 +15,7 @@ from typing import Self
 import pytest
 from kio.schema.errors import ErrorCode
 
-from twophase.broker.storage import LogConfig, OffsetOutOfRangeError, PartitionLog
+from twophase.broker.storage import InvalidProducerEpochError, LogConfig, OffsetOutOfRangeError, PartitionLog
 
 from ..harness import wait_until
 from .batches import batch, decode
@@ -71,6 +72,22 @@ def test_a_seal_handed_to_the_flusher_writes_nothing_for_a_segment_retention_del
     sync()
     assert stray_files(log) == []
     assert open_deleted_segments(tmp_path) == []
+
+
+def test_producers_whose_data_retention_deleted_are_still_known_after_a_crash(tmp_path):
+    log = PartitionLog(str(tmp_path / "t-0"), SEALED_LATER, now_ms=0)
+    for seq in range(3):
+        log.append(batch([b"x" * 200], producer_id=7, producer_epoch=1, base_sequence=seq, timestamp=1000), 0)
+    log.flush()
+    log.enforce_retention(10 * HOUR_MS)  # every segment expired: rolled, its seal queued, then deleted
+    log.flush_due(10 * HOUR_MS)()  # the flusher's turn: the snapshot at the new log start is kept
+    recovered = PartitionLog(log.directory, SEALED_LATER, now_ms=10 * HOUR_MS)  # no close: a crash
+    with pytest.raises(InvalidProducerEpochError):  # a zombie of the older epoch stays fenced
+        recovered.append(batch([b"z"], producer_id=7, producer_epoch=0, base_sequence=3), 10 * HOUR_MS)
+    retry = recovered.append(batch([b"x" * 200], producer_id=7, producer_epoch=1, base_sequence=2), 10 * HOUR_MS)
+    assert retry.duplicate  # a retry of the last batch is acknowledged, not stored again
+    assert stray_files(recovered) == []
+    recovered.close()
 
 
 class ContendedLock:
@@ -237,3 +254,39 @@ def test_delete_topics_with_a_name_and_a_stale_id_deletes_nothing(broker, topic)
         ]
         assert answers[0].error_message == "You may not specify both topic name and topic id."
     assert broker.call(broker.topics)[topic].topic_id == current
+
+
+# -- a failed open releases its descriptors -----------------------------------------------------------
+
+
+def open_descriptors() -> set[str]:
+    return {os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")
+            if os.path.exists(f"/proc/self/fd/{fd}")}
+
+
+def test_a_log_that_fails_to_open_part_way_keeps_no_descriptor(tmp_path, monkeypatch):
+    import twophase.broker.storage.segment as segment_module
+
+    log = PartitionLog(str(tmp_path / "t-0"), SEALED_LATER, now_ms=0)
+    fill_segments(log, 3)
+    log.close()
+    before = open_descriptors()
+
+    def no_descriptors(*args, **kwargs):
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    real_load = segment_module.TransactionIndex.load
+    loads = iter(range(100))
+
+    def load_once_then_fail(*args, **kwargs):  # each segment's last step: the second segment fails
+        if next(loads):
+            no_descriptors()
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(segment_module.TransactionIndex, "load", load_once_then_fail)
+    with pytest.raises(OSError):
+        PartitionLog(str(tmp_path / "t-0"), SEALED_LATER, now_ms=0)
+    monkeypatch.setattr(segment_module.TransactionIndex, "create", no_descriptors)
+    with pytest.raises(OSError):
+        PartitionLog(str(tmp_path / "t-1"), SEALED_LATER, now_ms=0)  # a new log: its first segment
+    assert open_descriptors() - before == set()

@@ -89,7 +89,11 @@ class PartitionLog:
         self._durable_end = self.log_end_offset  # recovery kept what is on disk
         self.producers = ProducerStateManager(directory)
         self._last_abort_marker = -1  # offset of the newest ABORT marker in the index, -1 if none
-        self._recover_producers(now)
+        try:
+            self._recover_producers(now)
+        except BaseException:
+            _close_all(self._segments)
+            raise
         self._last_flush_ms: int | None = None
         self._pending_seals: list[_RollSeal] = []  # rolled segments to seal (fsync interval)
         self._unfinished_seals: dict[int, _RollSeal] = {}  # by segment base: queued or handed to the flusher
@@ -115,8 +119,13 @@ class PartitionLog:
         # segment, or one rolled shortly before a crash under an fsync interval) it may hold a torn
         # write, so every batch is CRC-checked.
         unsealed = {b for b in bases[:-1] if not os.path.exists(index_path(self.directory, b))}
-        segments = [Segment.open(self.directory, b, interval, recover=b == bases[-1] or b in unsealed)
-                    for b in bases]
+        segments: list[Segment] = []
+        try:
+            for b in bases:
+                segments.append(Segment.open(self.directory, b, interval, recover=b == bases[-1] or b in unsealed))
+        except BaseException:
+            _close_all(segments)  # say EMFILE part-way: no descriptor outlives the failed open
+            raise
         for segment in segments[:-1]:
             if segment.base_offset in unsealed:
                 segment.seal()  # checked and fsynced now: its index spares the next start the CRC scan
@@ -318,7 +327,8 @@ class PartitionLog:
             # Up to a flush interval of data is unsynced, and with it pending, the fsyncs of a roll (the
             # log, its index, the producer snapshot, the directory) take tens of ms: every connection
             # would wait. The periodic flusher does them off the event loop instead (flush_due).
-            roll_seal = _RollSeal(self, old.base_offset, seal, self.producers.snapshot_writer(old.next_offset))
+            roll_seal = _RollSeal(self, old.base_offset, old.next_offset, seal,
+                                  self.producers.snapshot_writer(old.next_offset))
             self._pending_seals.append(roll_seal)
             self._unfinished_seals[old.base_offset] = roll_seal
             segment = Segment.create(self.directory, old.next_offset, self.config.index_interval_bytes)
@@ -590,14 +600,21 @@ def _check_batch(header: BatchHeader, from_client: bool) -> None:
         raise InvalidRecordError(f"producer {header.producer_id} batch without a sequence number")
 
 
+def _close_all(segments: list[Segment]) -> None:
+    for segment in segments:
+        segment.close(sync=False)
+
+
 class _RollSeal:
     """What a roll under an fsync interval leaves to the flusher, in this order, so that nothing on disk
     claims more than is synced: the rolled segment's fsync and index file, the producer snapshot at its
     end, and the directory (for the new segment's entry)."""
 
-    def __init__(self, plog: PartitionLog, base_offset: int, seal: DetachedSeal, snapshot: Callable[[], None]) -> None:
+    def __init__(self, plog: PartitionLog, base_offset: int, end_offset: int, seal: DetachedSeal,
+                 snapshot: Callable[[], None]) -> None:
         self._log = plog
         self._base_offset = base_offset
+        self._end_offset = end_offset  # where the producer snapshot is taken
         self._seal = seal
         self._snapshot = snapshot
         self._segment_deleted = False
@@ -606,14 +623,16 @@ class _RollSeal:
         """On the log's own thread (an inline flush or close), or in the flusher's (``run_detached``)."""
         if not self._segment_deleted:
             self._seal()
+        if self._end_offset >= self._log.log_start_offset:
+            # Even for a deleted segment: at the new log start it holds the state of producers whose
+            # data retention deleted (recovery ignores snapshots below the start, and has no data to replay).
             self._snapshot()
         fsync_dir(self._log.directory)
         self._log._unfinished_seals.pop(self._base_offset, None)
 
     def drop_segment(self) -> None:
-        """Retention deleted the segment (the caller holds the log's seal lock): only the directory's fsync
-        is left to do. Its snapshot goes too: taken at the end of deleted data, it is at best at the new log
-        start and soon below it, where recovery must not trust it."""
+        """Retention deleted the segment (the caller holds the log's seal lock): no fsync or index is
+        left to do for it; its snapshot only if it is at the new log start."""
         self._segment_deleted = True
         self._seal.discard()
 

@@ -112,9 +112,13 @@ class Segment:
     @classmethod
     def create(cls, directory: str, base_offset: int, index_interval_bytes: int) -> Segment:
         seg = cls(directory, base_offset, index_interval_bytes)
-        if seg.size:
-            raise FileExistsError(f"segment {seg.path} already holds data")
-        seg.txn_index = TransactionIndex.create(directory, base_offset)
+        try:
+            if seg.size:
+                raise FileExistsError(f"segment {seg.path} already holds data")
+            seg.txn_index = TransactionIndex.create(directory, base_offset)
+        except BaseException:
+            seg.close(sync=False)  # say EMFILE for the index: the log's descriptor must not leak
+            raise
         return seg
 
     @classmethod
@@ -125,13 +129,17 @@ class Segment:
         walked. Either way a damaged tail is truncated and logged.
         """
         seg = cls(directory, base_offset, index_interval_bytes)
-        kept = 0 if recover else seg._load_index()
-        seg._rescan(kept, validate=recover)
-        if recover:
-            # What a crash left in the page cache unsynced counts as written from now on (a producer's
-            # retry of it is acknowledged as a duplicate), so it is made durable before anyone can ask.
-            seg._sync()
-        seg.txn_index = TransactionIndex.load(directory, base_offset, seg.next_offset)
+        try:
+            kept = 0 if recover else seg._load_index()
+            seg._rescan(kept, validate=recover)
+            if recover:
+                # What a crash left in the page cache unsynced counts as written from now on (a producer's
+                # retry of it is acknowledged as a duplicate), so it is made durable before anyone can ask.
+                seg._sync()
+            seg.txn_index = TransactionIndex.load(directory, base_offset, seg.next_offset)
+        except BaseException:
+            seg.close(sync=False)
+            raise
         return seg
 
     def _load_index(self) -> int:
