@@ -1,4 +1,4 @@
-"""Durable file helpers: atomic replace and directory fsync.
+"""Durable file helpers: atomic replace, durable removal and directory fsync.
 
 Example::
 
@@ -27,6 +27,15 @@ def atomic_write(path: str, data: bytes) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def remove_durably(path: str) -> None:
+    """Delete ``path`` if it exists, and make the deletion durable (its directory fsynced)."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return
     fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 

@@ -166,16 +166,7 @@ class Broker:
                 settings=self.config.transaction_settings(), failpoint=Failpoint.from_env())
             self.transactions.recover(int(time.time() * 1000))  # before any request is served
         except BaseException:
-            if self.transactions is not None:
-                self.transactions.close()
-                self.transactions = None
-            if self.groups is not None:
-                self.groups.close()
-                self.groups = None
-            if self.logs is not None:
-                self.logs.close()
-                self.logs = None
-            await server.close()
+            await self.stop_async()  # closes whatever was opened, and the server
             self._server = None
             raise
         self._tasks = [asyncio.create_task(self._periodic()), asyncio.create_task(self.transactions.run_periodic())]

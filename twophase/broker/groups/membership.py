@@ -24,7 +24,7 @@ import json
 import logging
 import os
 
-from twophase.durable import atomic_write, fsync_dir, unlink_quietly
+from twophase.durable import atomic_write, remove_durably
 
 from .group import Group, GroupState, Member
 
@@ -74,10 +74,7 @@ class MembershipStore:
 
     def delete(self, group_id: str) -> None:
         """Durably remove the file of ``group_id``, if it has one."""
-        path = self._path(group_id)
-        if os.path.exists(path):
-            unlink_quietly(path)
-            fsync_dir(self.directory)
+        remove_durably(self._path(group_id))
 
     def load(self) -> dict[str, Group]:
         """Every persisted group, Stable with its members (or Empty); unreadable files are logged and skipped."""

@@ -32,7 +32,7 @@ import logging
 import os
 from collections.abc import Callable
 
-from twophase.durable import atomic_write, fsync_dir, unlink_quietly
+from twophase.durable import atomic_write, remove_durably, unlink_quietly
 
 log = logging.getLogger("twophase.broker.groups")
 
@@ -151,8 +151,7 @@ class OffsetStore:
         if offsets or pending:
             self._write(group_id, offsets, pending)
         else:
-            unlink_quietly(self._path(group_id))
-            fsync_dir(self.directory)
+            remove_durably(self._path(group_id))
         for by_group, value in ((self._offsets, offsets), (self._pending, pending)):
             if value:
                 by_group[group_id] = value

@@ -458,7 +458,7 @@ class PartitionLog:
         if seal is None:
             segment.delete()
         else:
-            # Its seal, queued or in the flusher, must not write an index or a snapshot for deleted data.
+            # Its seal, queued or in the flusher, must not fsync or index deleted data (see drop_segment).
             # The lock is taken only then, so a running seal of another segment does not stall retention.
             with self._seal_lock:
                 seal.drop_segment()
