@@ -7,6 +7,7 @@
     <root>/apps/<app>/fence                      its version is the current owner's token
     <root>/apps/<app>/queries/<query>            {"checkpoint": path}
     <root>/apps/<app>/queries/<query>/runs/<run>     {"started": ts}; child "alive" is ephemeral
+    <root>/apps/<app>/queries/<query>/runs/<run>/halted  reason the driver stopped phase two; tasks refuse
     <root>/apps/<app>/queries/<query>/barrier    {"epoch": N, "run": R}  Spark reported N done
     <root>/apps/<app>/queries/<query>/watermark  {"epoch": N}  every epoch <= N is committed
     <root>/apps/<app>/queries/<query>/epochs/<N:019d>                     epoch record
@@ -61,6 +62,10 @@ class QueryPaths:
 
     def run(self, run_id: str) -> str:
         return f"{self.runs}/{run_id}"
+
+    def halted(self, run_id: str) -> str:
+        """Exists once the driver stopped phase two for the run; holds the reason."""
+        return f"{self.run(run_id)}/halted"
 
     @property
     def barrier(self) -> str:

@@ -71,6 +71,14 @@ class PrecommitRegistry:
             self._client.retry(self._client.ensure_path, self._paths.run(run_id))
             _known_runs.add((self._paths.base, run_id))
 
+    def halted(self, run_id: str) -> str | None:
+        """Why the driver stopped phase two for this run, or None (the run may write)."""
+        try:
+            raw, _ = self._client.retry(self._client.get, self._paths.halted(run_id))
+        except NoNodeError:
+            return None
+        return raw.decode() or "no reason recorded"
+
     def latest_run(self, attempts: list[Attempt]) -> str | None:
         """The most recently started run among those with attempts.
 

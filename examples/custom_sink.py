@@ -41,6 +41,8 @@ CREATE TABLE IF NOT EXISTS committed(txn TEXT PRIMARY KEY);
 
 @dataclass
 class SqliteTxn:
+    """One attempt's rows, buffered in memory until pre_commit stages them."""
+
     ctx: TxnContext
     rows: list[str] = field(default_factory=list)
 
@@ -90,9 +92,9 @@ class SqliteSink(TwoPhaseCommitSink):
                 db.execute("INSERT INTO rows(data) SELECT row FROM staging WHERE txn = ?", (handle,))
                 db.execute("DELETE FROM staging WHERE txn = ?", (handle,))
 
-    def abort(self, handle_or_txn: str | SqliteTxn) -> None:
-        if isinstance(handle_or_txn, SqliteTxn):
-            handle_or_txn.rows.clear()
-            handle_or_txn = handle_or_txn.ctx.name
+    def abort(self, handle: str) -> None:
         with self._db() as db:
-            db.execute("DELETE FROM staging WHERE txn = ?", (handle_or_txn,))
+            db.execute("DELETE FROM staging WHERE txn = ?", (handle,))
+
+    def abort_transaction(self, txn: SqliteTxn) -> None:
+        txn.rows.clear()  # buffered in memory until pre_commit: nothing staged yet

@@ -115,11 +115,11 @@ def run_query(sink, args: argparse.Namespace) -> int:
     from twophase.spark import TwoPhaseSink
 
     spark = build_spark()
-    writer = TwoPhaseSink(sink, app=args.app, zk=args.zk, root=args.root, coordinator=args.coordinator)
-    query = start_query(spark, writer, args.input, args.checkpoint, args.partitions)
-    query.awaitTermination()
-    if args.coordinator == "embedded":
-        writer.await_committed(query, timeout=120)
+    with TwoPhaseSink(sink, app=args.app, zk=args.zk, root=args.root, coordinator=args.coordinator) as writer:
+        query = start_query(spark, writer, args.input, args.checkpoint, args.partitions)
+        query.awaitTermination()
+        if args.coordinator == "embedded":
+            writer.await_committed(query, timeout=120)
     spark.stop()
     return 0
 

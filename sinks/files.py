@@ -44,6 +44,8 @@ class FileHandle:
 
 @dataclass
 class FileTxn:
+    """One attempt's open transaction: its staging file, written row by row."""
+
     ctx: TxnContext
     file: IO[str]
     rows: int = 0
@@ -123,11 +125,12 @@ class FileSink(TwoPhaseCommitSink):
         if self.fsync:
             fsync_dir(self.path)
 
-    def abort(self, handle_or_txn: FileHandle | FileTxn) -> None:
-        if isinstance(handle_or_txn, FileTxn):
-            self._discard(handle_or_txn)
-        elif handle_or_txn.rows:
-            Path(handle_or_txn.pending).unlink(missing_ok=True)
+    def abort(self, handle: FileHandle) -> None:
+        if handle.rows:
+            Path(handle.pending).unlink(missing_ok=True)
+
+    def abort_transaction(self, txn: FileTxn) -> None:
+        self._discard(txn)
 
     def abort_unregistered(self, ctx: TxnContext) -> None:
         # What a task killed before registering can have left: its staging or pending file.

@@ -58,7 +58,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -67,9 +66,7 @@ from typing import Any, Union
 from kio.schema.errors import ErrorCode
 
 from twophase.client import Admin, KafkaError, PreparedTxn, PreparedTxnLost, Producer
-from twophase.sink import CommitFailed, TwoPhaseCommitSink, TxnContext
-
-log = logging.getLogger("twophase.sinks.log")
+from twophase.sink import AbortFailed, CommitFailed, TwoPhaseCommitSink, TxnContext
 
 Extractor = Union[str, Callable[[Any], Any], None]
 Headers = Union[Mapping[str, Any], Iterable[tuple[str, Any]], Callable[[Any], Iterable[tuple[str, Any]]], None]
@@ -91,6 +88,8 @@ class LogHandle:
 
 @dataclass
 class LogTxn:
+    """One attempt's open Kafka transaction; its producer starts with the first row."""
+
     ctx: TxnContext
     transactional_id: str
     producer: Producer | None = None   # opened on the first row: empty partitions cost nothing
@@ -242,25 +241,26 @@ class LogSink(TwoPhaseCommitSink):
                 raise CommitFailed(f"{handle.records} prepared records of {handle.transactional_id} "
                                    f"are lost: {e}") from e
 
-    def abort(self, handle_or_txn: LogHandle | LogTxn) -> None:
-        if isinstance(handle_or_txn, LogTxn):
-            producer, handle_or_txn.producer = handle_or_txn.producer, None
-            if producer is not None:
-                try:
-                    producer.abort_transaction()
-                finally:
-                    producer.close()
-        elif handle_or_txn.prepared is not None:
+    def abort(self, handle: LogHandle) -> None:
+        if handle.prepared is None:
+            return
+        try:
+            Producer.complete_prepared(handle.bootstrap, PreparedTxn.from_json(handle.prepared), commit=False)
+        except PreparedTxnLost:
+            pass  # aborted or replaced already: gone either way
+        except KafkaError as e:
+            if e.code != ErrorCode.invalid_txn_state:
+                raise
+            raise AbortFailed(f"{handle.records} records of {handle.transactional_id} were committed "
+                              f"already and cannot be aborted") from e
+
+    def abort_transaction(self, txn: LogTxn) -> None:
+        producer, txn.producer = txn.producer, None
+        if producer is not None:
             try:
-                Producer.complete_prepared(handle_or_txn.bootstrap, PreparedTxn.from_json(handle_or_txn.prepared),
-                                           commit=False)
-            except PreparedTxnLost:
-                pass  # aborted or replaced already: gone either way
-            except KafkaError as e:
-                if e.code != ErrorCode.invalid_txn_state:
-                    raise
-                # Committed before: nothing can take it back, and retrying forever would not either.
-                log.warning("abort of %s ignored: it was committed already", handle_or_txn.transactional_id)
+                producer.abort_transaction()
+            finally:
+                producer.close()
 
     def abort_unregistered(self, ctx: TxnContext) -> None:
         """Abort what a dead attempt left open (a new instance of its id without keep_prepared_txn).

@@ -1,4 +1,7 @@
-"""Test harness: plays Spark's tasks and driver hook against a real ZooKeeper, without Spark."""
+"""Test harness: plays Spark's tasks and driver hook against a real ZooKeeper, without Spark.
+
+Tasks run through twophase.task.TaskAttempt, the code TwoPhaseSink runs in Spark tasks.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ from coordinator.zk import dump, read_json
 from sinks.files import read_committed_rows
 from twophase.signing import Signer
 from twophase.sink import TxnContext
+from twophase.task import TaskAttempt
 
 SIGNER = Signer(b"twophase-test-secret-0123456789")
 QUERY = "q-1"
@@ -30,20 +34,24 @@ class Pipeline:
 
     def task(self, run, epoch, partition, ids, attempt=0):
         """One task attempt as TwoPhaseSink runs it; None if it skipped its rows (a winner exists)."""
-        ctx = TxnContext("app", QUERY, run, epoch, partition, attempt)
-        if self.registry.winner(ctx) is not None:
-            return None
-        return self.precommit(ctx, ids)
+        task = self.begin(run, epoch, partition, attempt)
+        return None if task is None else self.finish(task, ids)
+
+    def begin(self, run, epoch, partition, attempt=0):
+        """Open a task attempt (TwoPhaseSink.open); None if it finds a winner and skips its rows."""
+        task = TaskAttempt(self.sink, self.registry, TxnContext("app", QUERY, run, epoch, partition, attempt))
+        return task if task.open() else None
+
+    def finish(self, task, ids):
+        """Write rows into an open attempt, pre-commit and register it; True if it won."""
+        for i in ids:
+            task.write({"id": i})
+        task.close(None)
+        return task.won
 
     def precommit(self, ctx, ids):
-        """Begin, write, pre-commit, register; the loser aborts itself. True if it won."""
-        self.registry.intend(ctx)
-        handle = self.sink.pre_commit(stage(self.sink, ctx, ({"id": i} for i in ids)))
-        won = self.registry.register(ctx, handle)
-        if not won:
-            self.sink.abort(handle)
-            self.registry.forget(ctx)
-        return won
+        """A whole task attempt for ``ctx``; True if it won, False if it lost or found a winner."""
+        return bool(self.task(ctx.run_id, ctx.epoch, ctx.partition, ids, ctx.attempt))
 
     def barrier(self, epoch, run):
         self.zk.ensure_path(self.qp.barrier)

@@ -67,8 +67,8 @@ def test_commit_twice_is_once(sink):
 
 def test_abort_before_pre_commit(sink):
     txn = stage(sink, ctx(), [{"a": 1}])
-    sink.abort(txn)
-    sink.abort(txn)
+    sink.abort_transaction(txn)
+    sink.abort_transaction(txn)
     assert txn.file.closed
     assert files_under(sink.path) == []
 

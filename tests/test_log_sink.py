@@ -22,7 +22,7 @@ from sinks.log import LogHandle, LogSink, transactional_id
 from tests.broker.conftest import broker, broker_factory, topic  # noqa: F401  (fixtures)
 from tests.harness import Pipeline, stage
 from twophase.client import Admin
-from twophase.sink import CommitFailed, TxnContext
+from twophase.sink import AbortFailed, CommitFailed, TxnContext
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -93,17 +93,18 @@ def test_commit_twice_is_once(sink):
     assert committed_ids(sink) == list(range(4))
 
 
-def test_abort_after_commit_keeps_records(sink):
+def test_abort_after_commit_is_refused_loudly_and_keeps_records(sink):
     handle = prepare(sink, ctx(), range(3))
     sink.commit(handle)
-    sink.abort(handle)
+    with pytest.raises(AbortFailed, match="committed already"):
+        sink.abort(handle)
     assert committed_ids(sink) == list(range(3))
 
 
 def test_abort_before_pre_commit(sink):
     txn = stage(sink, ctx(), rows(range(3)))
-    sink.abort(txn)
-    sink.abort(txn)
+    sink.abort_transaction(txn)
+    sink.abort_transaction(txn)
     sink.commit(prepare(sink, ctx(attempt=1), [7]))
     assert committed_ids(sink) == [7]
 
@@ -242,9 +243,9 @@ def test_bad_settings_are_refused(kwargs, error):
 def test_coordinator_commits_the_winner_and_aborts_the_loser(zk, zk_root, sink):
     """The whole second phase: signed handles in ZooKeeper, committed by the coordinator's process."""
     pipe = Pipeline(zk, zk_root, sink)
+    speculative = pipe.begin("r1", 0, 0, attempt=1)  # opened before the winner registered
     assert pipe.task("r1", 0, 0, range(0, 5), attempt=0)
-    loser = TxnContext("app", "q-1", "r1", 0, 0, 1)
-    assert not pipe.precommit(loser, range(0, 5))    # a speculative copy: loses and aborts itself
+    assert pipe.finish(speculative, range(0, 5)) is False  # loses and aborts itself
     assert pipe.task("r1", 0, 1, range(5, 10))
     pipe.barrier(0, "r1")
     pipe.coordinator().reconcile()

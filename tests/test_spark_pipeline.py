@@ -15,7 +15,6 @@ from examples.custom_sink import SqliteSink
 from examples.file_sink_query import FaultyFileSink, start_query, write_input
 from sinks.files import read_committed_rows
 from twophase.spark import ContinuousProcessingNotSupported, TwoPhaseSink
-from twophase.spark.driver import DriverHook
 from twophase.verify import count_rows
 
 pytestmark = pytest.mark.spark
@@ -24,10 +23,10 @@ pytestmark = pytest.mark.spark
 def run_pipeline(spark, zk_server, zk_root, tmp_path, sink, batches=3, rows=50, writer_cls=TwoPhaseSink):
     for b in range(batches):
         write_input(str(tmp_path / "in"), b, range(b * rows, (b + 1) * rows))
-    writer = writer_cls(sink, app="test", zk=zk_server.hosts, root=zk_root, spark=spark)
-    query = start_query(spark, writer, str(tmp_path / "in"), str(tmp_path / "ck"))
-    query.awaitTermination()
-    assert writer.await_committed(query, timeout=60) == batches - 1
+    with writer_cls(sink, app="test", zk=zk_server.hosts, root=zk_root, spark=spark) as writer:
+        query = start_query(spark, writer, str(tmp_path / "in"), str(tmp_path / "ck"))
+        query.awaitTermination()
+        assert writer.await_committed(query, timeout=60) == batches - 1
     return range(batches * rows)
 
 
@@ -40,13 +39,13 @@ def test_every_row_exactly_once(spark, zk_server, zk_root, tmp_path):
 def test_await_committed_long_after_the_query_stopped(spark, zk_server, zk_root, tmp_path):
     """Regression: once the hook forgot a stopped query, await_committed returned None at once."""
     write_input(str(tmp_path / "in"), 0, range(10))
-    writer = TwoPhaseSink(FaultyFileSink(str(tmp_path / "out")), app="test", zk=zk_server.hosts,
-                          root=zk_root, spark=spark)
-    query = start_query(spark, writer, str(tmp_path / "in"), str(tmp_path / "ck"))
-    query.awaitTermination()
-    writer.await_committed(query, timeout=60)
-    DriverHook.get(writer._hook_key)._queries.clear()  # what the hook does shortly after termination
-    assert writer.await_committed(query, timeout=60) == 0
+    with TwoPhaseSink(FaultyFileSink(str(tmp_path / "out")), app="test", zk=zk_server.hosts,
+                      root=zk_root, spark=spark) as writer:
+        query = start_query(spark, writer, str(tmp_path / "in"), str(tmp_path / "ck"))
+        query.awaitTermination()
+        writer.await_committed(query, timeout=60)
+        writer._hook.publisher.queries.clear()  # what the hook does shortly after termination
+        assert writer.await_committed(query, timeout=60) == 0
 
 
 def test_failed_first_attempts_are_retried_once(spark, zk_server, zk_root, tmp_path):
@@ -59,9 +58,10 @@ def test_failed_first_attempts_are_retried_once(spark, zk_server, zk_root, tmp_p
 class DiesAfterRegistering(TwoPhaseSink):
     """The first attempt of partition 1 dies after its pre-commit won, before Spark records success."""
 
-    def close(self, error):
-        super().close(error)
-        if error is None and self._ctx.partition == 1 and self._ctx.attempt == 0:
+    def close(self, *error):  # (error,) from Spark in a task; () on the driver
+        attempt = getattr(self, "attempt", None)
+        super().close(*error)
+        if error == (None,) and attempt is not None and attempt.ctx.partition == 1 and attempt.ctx.attempt == 0:
             os._exit(1)
 
 
@@ -78,11 +78,12 @@ def test_a_task_dying_after_registration_is_not_written_twice(spark, zk_server, 
 class DiesBeforeRegistering(TwoPhaseSink):
     """The first attempt of partition 1 is killed after its pre-commit, before registering it."""
 
-    def close(self, error):
-        if error is None and self._txn is not None and self._ctx.partition == 1 and self._ctx.attempt == 0:
-            self.sink.pre_commit(self._txn)
+    def close(self, *error):  # (error,) from Spark in a task; () on the driver
+        attempt = getattr(self, "attempt", None)
+        if error == (None,) and attempt is not None and attempt.ctx.partition == 1 and attempt.ctx.attempt == 0:
+            self.sink.pre_commit(attempt._txn)
             os._exit(1)
-        super().close(error)
+        super().close(*error)
 
 
 def test_a_task_killed_before_registering_leaves_nothing_behind(spark, zk_server, zk_root, tmp_path):
@@ -108,17 +109,17 @@ def test_zookeeper_restart_and_session_expiry_mid_stream(spark, zk_server, zk_ro
     """DESIGN 4.8: the pipeline stalls through ZooKeeper trouble and loses nothing."""
     for b in range(6):
         write_input(str(tmp_path / "in"), b, range(b * 40, (b + 1) * 40))
-    writer = TwoPhaseSink(FaultyFileSink(str(tmp_path / "out"), slow_ms=5), app="test", zk=zk_server.hosts,
-                          root=zk_root, spark=spark)
-    hook = DriverHook.get(writer._hook_key)
-    query = start_query(spark, writer, str(tmp_path / "in"), str(tmp_path / "ck"))
-    reached = threading.Event()
-    DataWatch(hook.client, writer.paths.query(str(query.id)).watermark, lambda data, _: data and reached.set())
-    assert reached.wait(120), "first epoch never committed"
-    expire_session(hook.client, zk_server.hosts)
-    zk_server.restart()
-    query.awaitTermination()
-    assert writer.await_committed(query, timeout=120) == 5
+    with TwoPhaseSink(FaultyFileSink(str(tmp_path / "out"), slow_ms=5), app="test", zk=zk_server.hosts,
+                      root=zk_root, spark=spark) as writer:
+        hook = writer._hook
+        query = start_query(spark, writer, str(tmp_path / "in"), str(tmp_path / "ck"))
+        reached = threading.Event()
+        DataWatch(hook.client, writer.paths.query(str(query.id)).watermark, lambda data, _: data and reached.set())
+        assert reached.wait(120), "first epoch never committed"
+        expire_session(hook.client, zk_server.hosts)
+        zk_server.restart()
+        query.awaitTermination()
+        assert writer.await_committed(query, timeout=120) == 5
     assert count_rows(range(240), [r["id"] for r in read_committed_rows(str(tmp_path / "out"))]).exact
 
 

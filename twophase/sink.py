@@ -20,8 +20,11 @@ Usage::
         def commit(self, handle):
             store.publish(handle["key"])       # idempotent
 
-        def abort(self, handle_or_txn):
-            store.discard(...)                 # idempotent
+        def abort(self, handle):
+            store.discard(handle["key"])       # idempotent
+
+        def abort_transaction(self, txn):
+            txn.rows.clear()                   # never pre-committed: nothing staged yet
 """
 
 from __future__ import annotations
@@ -54,6 +57,15 @@ class CommitFailed(Exception):
     For example the external system expired the prepared transaction. The
     coordinator stops retrying, records the failure and leaves the epoch
     uncommitted; every other exception from commit() is retried with backoff.
+    """
+
+
+class AbortFailed(Exception):
+    """Raised by abort() when the handle can no longer be aborted: it was committed.
+
+    Aborting a committed transaction is a broken promise (its rows are visible and
+    should not be), never something to log and ignore. The coordinator records it
+    as a failure of the epoch, where ``twophase status`` shows it.
     """
 
 
@@ -91,8 +103,15 @@ class TwoPhaseCommitSink(ABC):
         """Make the pre-committed data visible. A second call is a no-op."""
 
     @abstractmethod
-    def abort(self, handle_or_txn: Any) -> None:
-        """Discard a transaction, pre-committed or not. A second call is a no-op."""
+    def abort(self, handle: Any) -> None:
+        """Discard a pre-committed transaction from its handle. A second call is a no-op.
+
+        Raise AbortFailed if the handle was committed already.
+        """
+
+    @abstractmethod
+    def abort_transaction(self, txn: Any) -> None:
+        """Discard a transaction that never reached pre_commit (its task failed). Idempotent."""
 
     def abort_unregistered(self, ctx: TxnContext) -> None:
         """Clean up after an attempt that began a transaction but never registered a handle.

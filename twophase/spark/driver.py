@@ -1,78 +1,97 @@
-"""The driver-side hook that TwoPhaseSink installs: Spark progress into ZooKeeper.
+"""The driver side of TwoPhaseSink: one hook per app in the driver, made of supervised jobs.
 
-It stores the sink (signed) where any coordinator can load it, listens to
-Spark's streaming events, and publishes for each query of the app its
-checkpoint location, its runs (with an ephemeral liveness node) and the barrier
-(the last epoch Spark reported complete). In the default mode it also runs the
-app's coordinator in a thread of this driver.
+- the query watcher (queries.py) reads what Spark's queries are doing, by polling from
+  the hook's own thread, never through Python listener callbacks;
+- the progress publisher (publisher.py) writes it to ZooKeeper: checkpoint, runs with
+  their liveness node, the barrier;
+- in the default ``embedded`` mode, the coordinator host (host.py) runs the app's phase two;
+- the waiter (waiter.py) blocks ``TwoPhaseSink.await_committed`` until the watermark moves.
 
-Listener callbacks only enqueue; a worker thread talks to ZooKeeper and the
-JVM, so Spark's listener bus is never blocked by a slow ZooKeeper.
+Each background job runs under a :class:`~twophase.supervisor.Supervisor`: a failure is
+logged with its cause and retried with backoff; one that persists halts the app's live
+runs (their next task fails with the cause, so the query stops with an error naming it)
+and ``await_committed`` raises it. Nothing stops silently with rows pre-committed.
+
+Usage (TwoPhaseSink does this)::
+
+    hook = DriverHook.acquire(HookConfig(zk, root, app, secret), sink, spark)
+    ...
+    hook.release()       # the last release stops the jobs and closes the ZooKeeper client
 """
 
 from __future__ import annotations
 
-import json
+import atexit
 import logging
 import os
-import queue
 import socket
 import threading
-import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from kazoo.client import KazooClient, KazooState
-from kazoo.exceptions import KazooException, NodeExistsError, NoNodeError
-from kazoo.recipe.watchers import DataWatch
 from pyspark.sql import SparkSession
-from pyspark.sql.streaming import StreamingQuery, StreamingQueryListener
 
 from coordinator.app import AppCoordinator, CommitPolicy, publish_app
-from coordinator.fence import Fenced
 from coordinator.layout import AppPaths
-from coordinator.zk import connect, dump, read_json
+from coordinator.zk import connect, read_json
 from twophase.checkpoint import last_completed_epoch
 from twophase.signing import Signer
+from twophase.sink import TwoPhaseCommitSink
+from twophase.spark.host import CoordinatorHost
+from twophase.spark.publisher import ProgressPublisher
+from twophase.spark.queries import QueryWatcher
+from twophase.spark.waiter import await_watermark
+from twophase.supervisor import Supervision, Supervisor
 
 log = logging.getLogger("twophase.driver")
 
-# A query event is kept until its query registers in ZooKeeper (its first
-# pre-commit), or dropped this long after the query terminated.
-_FORGET_AFTER = 60.0
+POLL_INTERVAL = 0.25  # seconds between looks at Spark's queries: the barrier's latency
 
 
-@dataclass
-class _QueryInfo:
-    run_id: str
-    checkpoint: str | None = None
-    published_run: bool = False
-    barrier: int = -1
-    published_barrier: int = -1
-    terminated: float | None = None
+class HookFailed(RuntimeError):
+    """A job of the driver hook failed for good; phase two of the app stopped in this driver."""
 
 
-class DriverHook(StreamingQueryListener):
-    _hooks: dict[str, "DriverHook"] = {}
+@dataclass(frozen=True)
+class HookConfig:
+    """Everything the hook of one app needs; TwoPhaseSink builds it from its arguments."""
+
+    zk: str
+    root: str
+    app: str
+    secret: bytes = field(repr=False)
+    mode: str = "embedded"
+    policy: CommitPolicy = field(default_factory=CommitPolicy)
+    supervision: Supervision = field(default_factory=Supervision)
+
+    @property
+    def key(self) -> tuple[str, str, str]:
+        return (self.zk, self.root, self.app)
+
+
+class DriverHook:
+    """The background side of every TwoPhaseSink of one app in this driver (see the module doc).
+
+    Shared by all TwoPhaseSinks of the app: each ``acquire`` is matched by a ``release``,
+    and the last release stops it. ``close_all`` stops every hook (also run at exit).
+    """
+
+    _hooks: dict[tuple[str, str, str], DriverHook] = {}
     _lock = threading.Lock()
 
     @classmethod
-    def install(cls, writer, mode: str, policy: CommitPolicy, spark: SparkSession | None) -> str:
-        """Install (or refresh) the hook of writer.app in this driver; return its key."""
+    def acquire(cls, config: HookConfig, sink: TwoPhaseCommitSink, spark: SparkSession | None) -> DriverHook:
+        """The running hook of ``config.app`` (its stored sink and mode refreshed), or a new one."""
         spark = spark or SparkSession.getActiveSession()
         if spark is None:
             raise RuntimeError("TwoPhaseSink must be created on the driver with an active SparkSession")
-        key = f"{writer.zk}|{writer.root}|{writer.app}"
         with cls._lock:
-            hook = cls._hooks.get(key)
+            hook = cls._hooks.get(config.key)
             if hook is None:
-                hook = cls._hooks[key] = DriverHook(spark, writer, mode, policy)
+                hook = cls._hooks[config.key] = DriverHook(spark, config, sink)
             else:
-                hook.store_sink(writer, mode)
-        return key
-
-    @classmethod
-    def get(cls, key: str) -> "DriverHook":
-        return cls._hooks[key]
+                hook.store_sink(sink, config.mode)
+            hook._users += 1
+            return hook
 
     @classmethod
     def close_all(cls) -> None:
@@ -80,159 +99,99 @@ class DriverHook(StreamingQueryListener):
         with cls._lock:
             hooks, cls._hooks = list(cls._hooks.values()), {}
         for hook in hooks:
-            hook.close()
+            hook._close()
 
-    def close(self) -> None:
-        self._stop.set()
-        if self.coordinator is not None:
-            self.coordinator.wake.set()
-        self.spark.streams.removeListener(self)
-        for thread in self._threads:
-            thread.join(10)  # finish the current ZooKeeper step before the client goes
+    def __init__(self, spark: SparkSession, config: HookConfig, sink: TwoPhaseCommitSink) -> None:
+        self.config = config
+        self.paths = AppPaths(config.root, config.app)
+        self.signer = Signer(config.secret)
+        self.owner = f"driver {socket.gethostname()}:{os.getpid()}"
+        self.failure: HookFailed | None = None
+        self._users = 0
+        self.client = connect(config.zk)
+        try:
+            self.store_sink(sink, config.mode)
+        except BaseException:
+            self._close_client()
+            raise
+        self.watcher = QueryWatcher(spark)
+        self.publisher = ProgressPublisher(self.client, self.paths, self.owner)
+        self._publisher_job = Supervisor(f"twophase-publisher-{config.app}", self._publish_loop,
+                                         on_give_up=lambda e: self._give_up("the progress publisher", e),
+                                         supervision=config.supervision)
+        self.host: CoordinatorHost | None = None
+        if config.mode == "embedded":
+            coordinator = AppCoordinator(self.client, config.root, config.app, self.signer, self.owner,
+                                         config.policy)
+            self.host = CoordinatorHost(coordinator, config.supervision,
+                                        on_give_up=lambda e: self._give_up("the embedded coordinator", e))
+        self._publisher_job.start()
+        if self.host is not None:
+            self.host.start()
+
+    def store_sink(self, sink: TwoPhaseCommitSink, mode: str) -> None:
+        publish_app(self.client, self.paths, self.signer, sink, mode)
+
+    def release(self) -> None:
+        """One TwoPhaseSink is done with the hook; the last one stops it."""
+        with self._lock:
+            self._users -= 1
+            if self._users > 0 or self._hooks.get(self.config.key) is not self:
+                return
+            del self._hooks[self.config.key]
+        self._close()
+
+    def _close(self) -> None:
+        self._publisher_job.stop()
+        if self.host is not None:
+            self.host.stop()
+        self.publisher.close()
+        self._close_client()
+
+    def _close_client(self) -> None:
+        # stop() ends kazoo's connection thread even while ZooKeeper is unreachable, so the
+        # interpreter can exit; the runs' ephemeral liveness nodes go with the session.
         self.client.stop()
         self.client.close()
 
-    def __init__(self, spark: SparkSession, writer, mode: str, policy: CommitPolicy) -> None:
-        self.spark = spark
-        self.paths = AppPaths(writer.root, writer.app)
-        self.signer = Signer(writer._secret)
-        self.client: KazooClient = connect(writer.zk)
-        self.owner = f"driver {socket.gethostname()}:{os.getpid()}"
-        self.store_sink(writer, mode)
-        self._events: queue.Queue = queue.Queue()
-        self._queries: dict[str, _QueryInfo] = {}
-        self._stop = threading.Event()
-        self._session_lost = threading.Event()
-        self.client.add_listener(self._on_state)
-        self._threads = [threading.Thread(target=self._publish_loop, name=f"twophase-hook-{writer.app}",
-                                          daemon=True)]
-        self.coordinator: AppCoordinator | None = None
-        if mode == "embedded":
-            self.coordinator = AppCoordinator(self.client, writer.root, writer.app, self.signer, self.owner, policy)
-            self._threads.append(threading.Thread(target=self._coordinate, daemon=True,
-                                                  name=f"twophase-coordinator-{writer.app}"))
-        for thread in self._threads:
-            thread.start()
-        spark.streams.addListener(self)
+    # -- jobs ---------------------------------------------------------------
 
-    def store_sink(self, writer, mode: str) -> None:
-        publish_app(self.client, self.paths, self.signer, writer.sink, mode)
+    def _publish_loop(self, stop: threading.Event) -> None:
+        while not stop.is_set():
+            active = self.watcher.active()
+            if active is None:  # the SparkContext stopped: its queries ended with it
+                self.publisher.update({})
+                self.publisher.publish()
+                return
+            self.publisher.update(active)
+            self.publisher.publish()
+            stop.wait(POLL_INTERVAL)
 
-    def _coordinate(self) -> None:
-        try:
-            self.coordinator.run(self._stop)
-        except Fenced:
-            pass  # a newer driver or a daemon owns the app now; it finishes our epochs
+    def _give_up(self, job: str, error: BaseException) -> None:
+        self.failure = HookFailed(f"app {self.config.app}: {job} failed for good, phase two stopped "
+                                  f"in this driver: {error!r}")
+        self.failure.__cause__ = error
+        self.publisher.halt(str(self.failure))
 
-    # -- StreamingQueryListener (called on Spark's listener thread) -------
+    # -- waiting ------------------------------------------------------------
 
-    def onQueryStarted(self, event) -> None:
-        self._events.put(("started", str(event.id), str(event.runId), None))
+    def await_committed(self, query_id: str, timeout: float) -> int | None:
+        """Wait until the watermark reaches the last epoch Spark completed for the query.
 
-    def onQueryProgress(self, event) -> None:
-        progress = event.progress
-        self._events.put(("progress", str(progress.id), str(progress.runId), progress.batchId))
-
-    def onQueryIdle(self, event) -> None:
-        pass
-
-    def onQueryTerminated(self, event) -> None:
-        self._events.put(("terminated", str(event.id), str(event.runId), None))
-
-    # -- publishing ---------------------------------------------------------
-
-    def _on_state(self, state: str) -> None:
-        if state == KazooState.LOST:
-            self._session_lost.set()  # the runs' ephemeral liveness nodes went with the session
-
-    def _publish_loop(self) -> None:
-        while not self._stop.is_set():
-            try:
-                kind, qid, run_id, batch = self._events.get(timeout=0.5)
-                self._apply(kind, qid, run_id, batch)
-            except queue.Empty:
-                pass
-            try:
-                self._publish()
-            except KazooException as e:
-                log.warning("app %s: cannot publish progress yet: %r", self.paths.app, e)
-
-    def _apply(self, kind: str, qid: str, run_id: str, batch: int | None) -> None:
-        info = self._queries.get(qid)
-        if info is None or info.run_id != run_id:
-            info = self._queries[qid] = _QueryInfo(run_id)
-            info.checkpoint = self._checkpoint_of(qid)
-        if kind == "progress" and batch is not None:
-            info.barrier = max(info.barrier, batch)
-        elif kind == "terminated":
-            info.terminated = time.time()
-
-    def _checkpoint_of(self, qid: str) -> str | None:
-        try:
-            query = self.spark.streams.get(qid)
-            return query._jsq.streamingQuery().resolvedCheckpointRoot() if query else None
-        except Exception as e:  # private JVM API: degrade to the other barrier sources
-            log.warning("query %s: cannot resolve its checkpoint location: %r", qid, e)
-            return None
-
-    def _publish(self) -> None:
-        if self._session_lost.is_set():
-            self._session_lost.clear()
-            for info in self._queries.values():
-                info.published_run = False
-        for qid, info in list(self._queries.items()):
-            qp = self.paths.query(qid)
-            if not info.published_run:
-                if not self.client.exists(qp.base):  # no pre-commit through this app yet
-                    if info.terminated and time.time() - info.terminated > _FORGET_AFTER:
-                        del self._queries[qid]  # never wrote through this app: not our query
-                    continue
-                if info.checkpoint:
-                    self.client.set(qp.base, dump({"checkpoint": info.checkpoint}))
-                self.client.ensure_path(qp.run(info.run_id))
-                self.client.set(qp.run(info.run_id), dump({"started": time.time(), "driver": self.owner}))
-                try:
-                    self.client.create(f"{qp.run(info.run_id)}/alive", ephemeral=True)
-                except NodeExistsError:
-                    pass
-                info.published_run = True
-            if info.barrier > info.published_barrier:
-                self.client.ensure_path(qp.barrier)
-                self.client.set(qp.barrier, dump({"epoch": info.barrier, "run": info.run_id}))
-                info.published_barrier = info.barrier
-            if info.terminated:
-                try:
-                    self.client.delete(f"{qp.run(info.run_id)}/alive")
-                except NoNodeError:
-                    pass
-                del self._queries[qid]
-
-    # -- waiting ----------------------------------------------------------
-
-    def await_committed(self, query: StreamingQuery, timeout: float) -> int | None:
-        """Wait until the watermark reaches the last epoch Spark completed for `query`."""
-        qid = str(query.id)
-        info = self._queries.get(qid)
-        checkpoint = ((info and info.checkpoint) or self._checkpoint_of(qid)
-                      or read_json(self.client, self.paths.query(qid).base, {}).get("checkpoint"))
+        None if the query has completed no epoch (or its checkpoint cannot be found).
+        Raises HookFailed at once if the hook stopped for good.
+        """
+        if self.failure is not None:
+            raise self.failure
+        checkpoint = (self.watcher.checkpoint_of(query_id)
+                      or read_json(self.client, self.paths.query(query_id).base, {}).get("checkpoint"))
         target = last_completed_epoch(checkpoint) if checkpoint else None
         if target is None:
             return None
-        reached = threading.Event()
-        watermark = self.paths.query(qid).watermark
+        if self.host is not None:
+            self.host.wake()
+        return await_watermark(self.client, self.paths.query(query_id).watermark, target, timeout,
+                               self.config.app, failure=lambda: self.failure)
 
-        def on_change(data, _stat):
-            if data and json.loads(data)["epoch"] >= target:
-                reached.set()
-                return False
-            return True
 
-        DataWatch(self.client, watermark, on_change)
-        if self.coordinator is not None:
-            self.coordinator.wake.set()
-        if not reached.wait(timeout):
-            current = read_json(self.client, watermark, {"epoch": -1})["epoch"]
-            raise TimeoutError(f"app {self.paths.app}: epoch {target} not committed after {timeout}s "
-                               f"(watermark {current}); see `twophase status`")
-        return target
-
+atexit.register(DriverHook.close_all)

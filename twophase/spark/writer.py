@@ -29,15 +29,24 @@ from coordinator.layout import DEFAULT_ROOT, AppPaths
 from coordinator.precommits import PrecommitRegistry
 from coordinator.zk import shared_client
 from twophase.signing import Signer, load_secret
-from twophase.spark.driver import DriverHook
 from twophase.sink import TwoPhaseCommitSink, TxnContext
+from twophase.spark.driver import DriverHook, HookConfig
+from twophase.supervisor import Supervision
+from twophase.task import TaskAttempt
 
 _APP_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 COORDINATOR_MODES = ("embedded", "daemon")
 
 
 class ContinuousProcessingNotSupported(RuntimeError):
-    pass
+    """TwoPhaseSink was used with trigger(continuous=...), which has no micro-batch barriers."""
+
+
+class _OnDriver:
+    """The default of ``close``'s argument: no error given, so the driver is closing the sink."""
+
+
+_ON_DRIVER = _OnDriver()
 
 
 class TwoPhaseSink:
@@ -52,12 +61,18 @@ class TwoPhaseSink:
         coordinator: "embedded" runs phase two in this driver; "daemon" leaves it
             to `twophase coordinator` daemons.
         policy: retry and retention settings of the embedded coordinator.
+        supervision: how the driver's background jobs are restarted before the query is halted.
         spark: the session to hook into; the active one by default.
+
+    On the driver, ``close()`` (or leaving a ``with`` block) stops what the sink started
+    there: its share of the driver hook and its ZooKeeper client. In Spark tasks, Spark
+    calls ``close(error)`` to end the attempt.
     """
 
     def __init__(self, sink: TwoPhaseCommitSink, app: str, zk: str, root: str = DEFAULT_ROOT,
                  secret: str | bytes | None = None, coordinator: str = "embedded",
-                 policy: CommitPolicy | None = None, spark: SparkSession | None = None) -> None:
+                 policy: CommitPolicy | None = None, supervision: Supervision | None = None,
+                 spark: SparkSession | None = None) -> None:
         if not isinstance(sink, TwoPhaseCommitSink):
             raise TypeError(f"sink must be a TwoPhaseCommitSink, got {type(sink).__name__}")
         if not _APP_NAME.match(app):
@@ -71,19 +86,32 @@ class TwoPhaseSink:
         self.zk = zk
         self.root = root
         self._secret = load_secret(secret)
-        self._hook_key = DriverHook.install(self, coordinator, policy or CommitPolicy(), spark)
+        config = HookConfig(zk, root, app, self._secret, coordinator, policy or CommitPolicy(),
+                            supervision or Supervision())
+        self._hook: DriverHook | None = DriverHook.acquire(config, sink, spark)
 
     def __getstate__(self) -> dict[str, Any]:
         # Only what tasks need travels to executors; the driver hook stays home.
         return {k: v for k, v in self.__dict__.items() if k in ("sink", "app", "zk", "root", "_secret")}
+
+    def __enter__(self) -> TwoPhaseSink:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     @property
     def paths(self) -> AppPaths:
         return AppPaths(self.root, self.app)
 
     def await_committed(self, query: StreamingQuery, timeout: float = 60.0) -> int | None:
-        """Block until every epoch Spark completed for `query` is committed; return the watermark."""
-        return DriverHook.get(self._hook_key).await_committed(query, timeout)
+        """Block until every epoch Spark completed for `query` is committed; return the watermark.
+
+        Raises HookFailed if the driver hook stopped for good (the cause is chained).
+        """
+        if self._hook is None:
+            raise RuntimeError("this TwoPhaseSink is closed")
+        return self._hook.await_committed(str(query.id), timeout)
 
     # -- ForeachWriter protocol (runs in Spark tasks) ---------------------
 
@@ -93,7 +121,7 @@ class TwoPhaseSink:
             raise ContinuousProcessingNotSupported(
                 "TwoPhaseSink needs micro-batch epochs as commit barriers; "
                 "use a micro-batch trigger instead of trigger(continuous=...)")
-        self._ctx = TxnContext(
+        ctx = TxnContext(
             app=self.app,
             query_id=task.getLocalProperty("sql.streaming.queryId"),
             run_id=task.getLocalProperty("spark.jobGroup.id"),
@@ -101,33 +129,23 @@ class TwoPhaseSink:
             partition=partition_id,
             attempt=task.attemptNumber(),
         )
-        self._registry = PrecommitRegistry(
-            shared_client(self.zk), self.paths.query(self._ctx.query_id), Signer(self._secret))
-        self._registry.ensure_run(self._ctx.run_id)
-        if self._registry.winner(self._ctx) is not None:
-            self._txn = None  # an earlier attempt of this run already pre-committed this partition
-            return False
-        self._registry.intend(self._ctx)
-        self._txn = self.sink.begin_transaction(self._ctx)
-        return True
+        registry = PrecommitRegistry(shared_client(self.zk), self.paths.query(ctx.query_id), Signer(self._secret))
+        self.attempt = TaskAttempt(self.sink, registry, ctx)
+        return self.attempt.open()
 
     def process(self, row: Any) -> None:
-        self.sink.write(self._txn, row)
+        self.attempt.write(row)
 
-    def close(self, error: BaseException | None) -> None:
-        txn, self._txn = getattr(self, "_txn", None), None
-        if txn is None:
+    def close(self, error: BaseException | None | _OnDriver = _ON_DRIVER) -> None:
+        """In a task (Spark passes ``error``): pre-commit and register, or discard on error.
+
+        On the driver, without an argument: release the driver hook (idempotent).
+        """
+        if error is _ON_DRIVER:
+            hook, self._hook = self.__dict__.get("_hook"), None
+            if hook is not None:
+                hook.release()
             return
-        if error is not None:
-            self.sink.abort(txn)
-            self._registry.drop_intent(self._ctx)  # cleaned up already: nothing for abort_unregistered
-            return
-        handle = self.sink.pre_commit(txn)
-        try:
-            won = self._registry.register(self._ctx, handle)
-        except BaseException:
-            self.sink.abort(handle)
-            raise
-        if not won:
-            self.sink.abort(handle)
-            self._registry.forget(self._ctx)
+        attempt = self.__dict__.pop("attempt", None)
+        if attempt is not None:
+            attempt.close(error)

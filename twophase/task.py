@@ -1,0 +1,74 @@
+"""One task attempt's side of the two-phase commit, free of Spark.
+
+TwoPhaseSink (a Spark ForeachWriter) builds a :class:`TaskAttempt` in ``open`` from
+Spark's TaskContext and hands it every row; tests and other integrations drive the
+very same code without Spark.
+
+Usage::
+
+    attempt = TaskAttempt(sink, PrecommitRegistry(client, query_paths, signer), ctx)
+    if attempt.open():              # False: an earlier attempt of this run won the partition
+        for row in rows:
+            attempt.write(row)
+    attempt.close(None)             # pre-commit and register; close(error) discards instead
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from coordinator.precommits import PrecommitRegistry
+from twophase.sink import TwoPhaseCommitSink, TxnContext
+
+
+class PhaseTwoHalted(RuntimeError):
+    """The driver stopped phase two for this run (its hook failed for good); tasks refuse to write.
+
+    Raised in ``open`` so that Spark fails the query with the driver's reason instead
+    of pre-committing rows that nothing would commit.
+    """
+
+
+class TaskAttempt:
+    """Begin, write, pre-commit and register one attempt's transaction; losers abort themselves."""
+
+    def __init__(self, sink: TwoPhaseCommitSink, registry: PrecommitRegistry, ctx: TxnContext) -> None:
+        self.sink = sink
+        self.registry = registry
+        self.ctx = ctx
+        self._txn: Any = None
+        self.won: bool | None = None  # after close(None): did this attempt's pre-commit win?
+
+    def open(self) -> bool:
+        """Begin the transaction; False if this run already has a winner for the partition."""
+        self.registry.ensure_run(self.ctx.run_id)
+        halted = self.registry.halted(self.ctx.run_id)
+        if halted is not None:
+            raise PhaseTwoHalted(f"twophase stopped run {self.ctx.run_id} of app {self.ctx.app}: {halted}")
+        if self.registry.winner(self.ctx) is not None:
+            return False
+        self.registry.intend(self.ctx)
+        self._txn = self.sink.begin_transaction(self.ctx)
+        return True
+
+    def write(self, row: Any) -> None:
+        self.sink.write(self._txn, row)
+
+    def close(self, error: BaseException | None) -> None:
+        """Pre-commit and register (error is None), or discard the open transaction."""
+        txn, self._txn = self._txn, None
+        if txn is None:
+            return
+        if error is not None:
+            self.sink.abort_transaction(txn)
+            self.registry.drop_intent(self.ctx)  # cleaned up already: nothing for abort_unregistered
+            return
+        handle = self.sink.pre_commit(txn)
+        try:
+            self.won = self.registry.register(self.ctx, handle)
+        except BaseException:
+            self.sink.abort(handle)
+            raise
+        if not self.won:
+            self.sink.abort(handle)
+            self.registry.forget(self.ctx)
