@@ -25,26 +25,29 @@ Usage::
 Any read_committed consumer (confluent-kafka ``isolation.level=read_committed``,
 the default there) then sees every row exactly once.
 
-Apache Kafka 4.1 or newer: the same code works against a real cluster whose
-brokers run with ``transaction.two.phase.commit.enable=true`` (and a principal
-allowed TWO_PHASE_COMMIT on the transactional ids). A 2PC transaction is never
-aborted by the broker's transaction timeout, so an epoch whose commit waits
-for a driver restart, a coordinator failover or an outage of the broker
-itself is still committable when the coordinator gets to it.
+Brokers: today this sink works with the built-in broker (``twophase broker``,
+or ``twophase.broker.Broker`` embedded) and no other. It needs KIP-939, and no
+Apache Kafka release ships it: its client API and coordinator support were
+taken out before the 4.1, 4.2, 4.3 and 4.4 releases (apache/kafka pull
+requests 19985, 21159, 21902, 23356), and the coordinator still answers
+keep_prepared_txn with UNSUPPORTED_VERSION (KAFKA-20739). The client refuses a
+broker whose InitProducerId is older than v6. On the built-in broker a 2PC
+transaction is never aborted by the transaction timeout, so an epoch whose
+commit waits for a driver restart, a coordinator failover or a restart of the
+broker itself is still committable when the coordinator gets to it.
 
-Older Kafka (no KIP-939) cannot be used: the client refuses, naming the
-broker's InitProducerId version. What goes wrong there, and why this sink
-does not try: a sink can only flush an ordinary transaction and, in another
-process, send EndTxn with the stored producer id and epoch (what Flink's Kafka
-sink does through reflection). The broker aborts every transaction older than
-``transaction.timeout.ms`` (at most ``transaction.max.timeout.ms``, 15 minutes
-by default), pre-committed or not. If the coordinator has not committed an
-epoch by then (driver down longer than that, coordinator failover, a long
-ZooKeeper or broker outage), its records are aborted while Spark's checkpoint
-already says the epoch is done: the epoch is silently lost. That is the
-transaction timeout hole of Flink's Kafka sink; its only mitigation is a
-timeout above the worst-case recovery time, which also keeps read_committed
-consumers stalled that long behind a dead writer's open transaction.
+A later issue adds a mode for real Kafka clusters: an ordinary transaction,
+flushed at pre-commit and committed later from another process with EndTxn and
+the stored producer id and epoch (what Flink's Kafka sink does through
+reflection). That works only inside ``transaction.max.timeout.ms`` (15
+minutes by default): the broker aborts every transaction older than its
+``transaction.timeout.ms``, pre-committed or not, so an epoch not committed by
+then (driver down longer than that, coordinator failover, a long ZooKeeper or
+broker outage) would be lost while Spark's checkpoint already says it is done.
+That is the transaction timeout hole of Flink's Kafka sink; its only
+mitigation is a timeout above the worst-case recovery time, which also keeps
+read_committed consumers stalled that long behind a dead writer's open
+transaction.
 
 Attempts that died without closing (a SIGKILLed driver takes its tasks along)
 leave transactions open, and a 2PC transaction never times out: it would hold

@@ -7,7 +7,7 @@ ZooKeeper and the checkpoint, restarts it with the same checkpoint, and then
 checks the output with an independent reader: every input id exactly once,
 and nothing visible but committed ``part-*.jsonl`` files.
 
-Cases (DESIGN.md section 4): 4 driver SIGKILLed mid-batch; 5 driver killed
+Cases (docs/failure-cases.md): 4 driver SIGKILLed mid-batch; 5 driver killed
 after commits/N but before the coordinator committed N; 9 restart with a
 different partition count; 10 a run fails for good.
 """

@@ -11,7 +11,7 @@ Example::
     if api and api.supports(version):
         request_type = api.request_type(version)
 
-Why these ranges (DESIGN.md section 6): Produce starts at 3 (RecordBatch v2, idempotence);
+Why these ranges (docs/kafka-protocol.md): Produce starts at 3 (RecordBatch v2, idempotence);
 Fetch stops at 12 because 13+ addresses topics by id; Metadata stops at 12 (13 adds nothing a
 client here needs); ApiVersions stops at 3, so kafka-python's v4 gets the v0-shaped
 UNSUPPORTED_VERSION answer it falls back on. Consumer groups: OffsetCommit stops at 8 and
