@@ -1,0 +1,87 @@
+"""The driver hook in real local Spark: no Python callbacks to hang on, and no silent stall."""
+
+from __future__ import annotations
+
+import os
+import resource
+
+import pytest
+from pyspark.errors import StreamingQueryException
+
+from examples.file_sink_query import FaultyFileSink, start_query, write_input
+from sinks.files import FileSink, read_committed_rows
+from twophase.spark import TwoPhaseSink
+from twophase.spark.driver import HookFailed
+from twophase.spark.publisher import ProgressPublisher
+from twophase.supervisor import Supervision
+from twophase.verify import count_rows
+from tests.harness import wait_until
+
+pytestmark = pytest.mark.spark
+
+# py4j's callback server select()s its sockets and dies on a descriptor >= 1024 (docs/spark-facts.md).
+DESCRIPTORS = 1100
+
+
+@pytest.fixture
+def many_descriptors():
+    """Hold 1,100 open descriptors in this (the driver's) process for the test's duration."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    needed = DESCRIPTORS + 512
+    if soft < needed:
+        if hard != resource.RLIM_INFINITY and hard < needed:
+            pytest.fail(f"the descriptor limit ({hard}) is below {needed}: cannot run this test")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (needed, hard))
+    fds = [os.open(os.devnull, os.O_RDONLY) for _ in range(DESCRIPTORS)]
+    try:
+        assert max(fds) >= 1024
+        yield fds
+    finally:
+        for fd in fds:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_query_runs_to_the_end_with_1100_descriptors_open_in_the_driver(spark, zk_server, zk_root, tmp_path,
+                                                                       many_descriptors):
+    for b in range(3):
+        write_input(str(tmp_path / "in"), b, range(b * 20, (b + 1) * 20))
+    with TwoPhaseSink(FaultyFileSink(str(tmp_path / "out"), fail_rate=0.3), app="fds", zk=zk_server.hosts,
+                      root=zk_root, spark=spark) as writer:
+        query = start_query(spark, writer, str(tmp_path / "in"), str(tmp_path / "ck"))
+        query.awaitTermination()
+        assert writer.await_committed(query, timeout=120) == 2
+    report = count_rows(range(60), [r["id"] for r in read_committed_rows(str(tmp_path / "out"))])
+    assert report.exact, report
+
+
+def test_a_publisher_failing_for_good_stops_the_query_with_its_cause(spark, zk, zk_server, zk_root, tmp_path,
+                                                                     monkeypatch):
+    publish = ProgressPublisher.publish
+
+    def publish_then_fail(self):
+        publish(self)
+        if any(q.published_run for q in self.queries.values()):  # once a run is there to halt
+            raise RuntimeError("injected publisher failure")
+
+    monkeypatch.setattr(ProgressPublisher, "publish", publish_then_fail)
+    write_input(str(tmp_path / "in"), 0, range(10))
+    quick = Supervision(attempts=3, first_backoff=0.01, max_backoff=0.05)
+    with TwoPhaseSink(FileSink(str(tmp_path / "out")), app="halts", zk=zk_server.hosts, root=zk_root,
+                      supervision=quick, spark=spark) as writer:
+        query = (spark.readStream.schema("id LONG, batch LONG, payload STRING").json(str(tmp_path / "in"))
+                 .writeStream.foreach(writer).option("checkpointLocation", str(tmp_path / "ck"))
+                 .trigger(processingTime="100 milliseconds").start())
+        try:
+            halted = writer.paths.query(str(query.id)).halted(str(query.runId))
+            wait_until(lambda: zk.exists(halted), timeout=120, what="the hook to halt the run")
+            assert b"injected publisher failure" in zk.get(halted)[0]
+            with pytest.raises(HookFailed, match="progress publisher failed for good"):
+                writer.await_committed(query, timeout=60)
+            write_input(str(tmp_path / "in"), 1, range(10, 20))  # the next batch's tasks refuse
+            with pytest.raises(StreamingQueryException, match="injected publisher failure"):
+                query.awaitTermination(120)
+        finally:
+            query.stop()
+    # Nothing of the refused batch became visible.
+    assert {r["id"] for r in read_committed_rows(str(tmp_path / "out"))} <= set(range(10))
