@@ -75,10 +75,18 @@ class Supervisor:
 
     def stop(self, timeout: float | None = 10.0) -> None:
         """Ask the job to stop and wait for it (a job stuck in I/O is left to its daemon thread)."""
+        self.request_stop()
+        self.join(timeout)
+
+    def request_stop(self) -> None:
         self._stop.set()
         self.interrupt()
+
+    def join(self, timeout: float | None = 10.0) -> bool:
+        """Wait for the thread to end; True if it has."""
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout)
+        return not self._thread.is_alive()
 
     @property
     def stopping(self) -> bool:
@@ -92,6 +100,9 @@ class Supervisor:
                 self.job(self._stop)
                 return
             except Exception as error:  # noqa: BLE001 - every failure is logged, retried, then escalated
+                if self._stop.is_set():  # its resources were closed under it to stop it
+                    log.debug("%s ended while stopping: %r", self.name, error)
+                    return
                 if time.monotonic() - started >= self.supervision.healthy_after:
                     failures = 0
                 failures += 1

@@ -142,11 +142,16 @@ class DriverHook:
         self._close()
 
     def _close(self) -> None:
-        self._publisher_job.stop()
-        if self.host is not None:
-            self.host.stop()
+        jobs = [self._publisher_job] + ([self.host.supervisor] if self.host is not None else [])
+        for job in jobs:
+            job.request_stop()
+        if self.client.connected:  # let a commit in flight finish its step; without ZooKeeper none can
+            for job in jobs:
+                job.join(10)
         self.publisher.close()
-        self._close_client()
+        self._close_client()  # a job blocked on ZooKeeper gets ConnectionClosedError and ends
+        for job in jobs:
+            job.join(10)
 
     def _close_client(self) -> None:
         # stop() ends kazoo's connection thread even while ZooKeeper is unreachable, so the

@@ -6,7 +6,7 @@ Usage::
                            supervision, on_give_up=lambda error: publisher.halt(repr(error)))
     host.start()
     host.wake()          # a barrier moved: reconcile now rather than at the next poll
-    host.stop()
+    host.supervisor.stop()
 """
 
 from __future__ import annotations
@@ -43,10 +43,6 @@ class CoordinatorHost:
 
     def wake(self) -> None:
         self.coordinator.wake.set()
-
-    def stop(self) -> None:
-        """Stop after the current step (the coordinator finishes a decided commit first)."""
-        self.supervisor.stop()
 
     def _run(self, stop: threading.Event) -> None:
         try:
