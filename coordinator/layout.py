@@ -10,11 +10,18 @@
     <root>/apps/<app>/queries/<query>/barrier    {"epoch": N, "run": R}  Spark reported N done
     <root>/apps/<app>/queries/<query>/watermark  {"epoch": N}  every epoch <= N is committed
     <root>/apps/<app>/queries/<query>/epochs/<N:019d>                     epoch record
-    <root>/apps/<app>/queries/<query>/epochs/<N>/intents/<run>.<p>.<a>    a task began a transaction
-    <root>/apps/<app>/queries/<query>/epochs/<N>/attempts/<run>.<p>.<a>   signed pre-commit
+    <root>/apps/<app>/queries/<query>/epochs/<N>/intents/<run>.<N>.<p>.<a>    a task began a transaction
+    <root>/apps/<app>/queries/<query>/epochs/<N>/attempts/<run>.<N>.<p>.<a>   signed pre-commit
     <root>/apps/<app>/queries/<query>/epochs/<N>/winners/<run>.<p>        winning attempt name
     <root>/apps/<app>/queries/<query>/epochs/<N>/failures/<attempt>       last phase-two error
     <root>/daemon/election                       leader election of the HA daemons
+
+Attempt and intent names are :attr:`TxnContext.name <twophase.sink.TxnContext.name>`.
+
+Usage::
+
+    qp = AppPaths("/twophase", "orders").query(query_id)
+    client.get_children(qp.attempts(7))
 """
 
 from __future__ import annotations
@@ -26,6 +33,8 @@ DEFAULT_ROOT = "/twophase"
 
 @dataclass(frozen=True)
 class AppPaths:
+    """The znodes of one app under ``root``."""
+
     root: str
     app: str
 
@@ -45,12 +54,14 @@ class AppPaths:
     def queries(self) -> str:
         return f"{self.base}/queries"
 
-    def query(self, query_id: str) -> "QueryPaths":
+    def query(self, query_id: str) -> QueryPaths:
         return QueryPaths(f"{self.queries}/{query_id}", self.app, query_id)
 
 
 @dataclass(frozen=True)
 class QueryPaths:
+    """The znodes of one streaming query of an app (``base`` is the query's own znode)."""
+
     base: str
     app: str
     query_id: str
@@ -91,8 +102,10 @@ class QueryPaths:
 
 
 def election_path(root: str) -> str:
+    """The kazoo Election path the HA daemons contend on."""
     return f"{root}/daemon/election"
 
 
 def app_names(root: str) -> str:
+    """The znode whose children are the app names."""
     return f"{root}/apps"
