@@ -31,6 +31,17 @@ log = logging.getLogger("twophase.daemon")
 
 
 class CoordinatorDaemon:
+    """One HA coordinator daemon: contends for leadership and, while leading, runs phase two
+    of every app published with ``coordinator="daemon"``.
+
+    ::
+
+        stop = threading.Event()
+        daemon = CoordinatorDaemon("zk1:2181,zk2:2181", "/twophase", Signer(load_secret()),
+                                   CommitPolicy(poll_interval=1.0), session_timeout=5.0)
+        daemon.run(stop)        # until stop is set; daemon.leading tells whether it leads
+    """
+
     def __init__(self, hosts: str, root: str, signer: Signer, policy: CommitPolicy | None = None,
                  identifier: str | None = None, session_timeout: float = 10.0) -> None:
         self.hosts = hosts
@@ -44,6 +55,7 @@ class CoordinatorDaemon:
         self._session_lost = threading.Event()
 
     def run(self, stop: threading.Event) -> None:
+        """Contend and, when elected, lead, until ``stop`` is set; rejoins the election after losing it."""
         client = connect(self.hosts, session_timeout=self.session_timeout)
         client.add_listener(self._on_state)
         try:
