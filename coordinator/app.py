@@ -83,6 +83,7 @@ class EpochWork:
 
     @property
     def query_id(self) -> str:
+        """The query the epoch belongs to."""
         return self.paths.query_id
 
 

@@ -40,21 +40,26 @@ class AppPaths:
 
     @property
     def base(self) -> str:
+        """The app's znode: its coordinator mode."""
         return f"{self.root}/apps/{self.app}"
 
     @property
     def sink(self) -> str:
+        """The app's sink, signed."""
         return f"{self.base}/sink"
 
     @property
     def fence(self) -> str:
+        """Its version is the current owner's fencing token."""
         return f"{self.base}/fence"
 
     @property
     def queries(self) -> str:
+        """Parent of the app's queries."""
         return f"{self.base}/queries"
 
     def query(self, query_id: str) -> QueryPaths:
+        """The znodes of one query of the app."""
         return QueryPaths(f"{self.queries}/{query_id}", self.app, query_id)
 
 
@@ -68,36 +73,46 @@ class QueryPaths:
 
     @property
     def runs(self) -> str:
+        """Parent of the query's runs, in start order."""
         return f"{self.base}/runs"
 
     def run(self, run_id: str) -> str:
+        """One run (driver start) of the query."""
         return f"{self.runs}/{run_id}"
 
     @property
     def barrier(self) -> str:
+        """The last epoch Spark reported complete."""
         return f"{self.base}/barrier"
 
     @property
     def watermark(self) -> str:
+        """Every epoch at or below it is committed."""
         return f"{self.base}/watermark"
 
     @property
     def epochs(self) -> str:
+        """Parent of the epoch records."""
         return f"{self.base}/epochs"
 
     def epoch(self, epoch: int) -> str:
+        """One epoch's record (zero-padded, so names sort as numbers)."""
         return f"{self.epochs}/{epoch:019d}"
 
     def intents(self, epoch: int) -> str:
+        """Attempts of the epoch that began a transaction."""
         return f"{self.epoch(epoch)}/intents"
 
     def attempts(self, epoch: int) -> str:
+        """The epoch's registered pre-commits."""
         return f"{self.epoch(epoch)}/attempts"
 
     def winners(self, epoch: int) -> str:
+        """One winning attempt per (run, partition)."""
         return f"{self.epoch(epoch)}/winners"
 
     def failures(self, epoch: int) -> str:
+        """The last phase-two failure per attempt."""
         return f"{self.epoch(epoch)}/failures"
 
 

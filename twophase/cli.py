@@ -51,7 +51,7 @@ def _age(seconds_since_epoch: float | None) -> str:
     return f"{max(0.0, time.time() - seconds_since_epoch):.0f}s"
 
 
-def _require_app(client, paths: AppPaths) -> None:
+def _require_app(client: KazooClient, paths: AppPaths) -> None:
     if not client.exists(paths.base):
         raise CliError(f"no app {paths.app!r} under {paths.root}")
 
