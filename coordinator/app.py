@@ -40,7 +40,7 @@ from coordinator.precommits import Attempt, PrecommitRegistry
 from coordinator.report import (AbortReason, AttemptAborted, AttemptCleanedUp, EpochBlocked, EpochCommitted,
                                 EpochSkipped, Operation, OperationFailed, PassReport, Record, SkipReason)
 from coordinator.state import EPOCH_TRANSITIONS, EpochRecord, EpochState
-from coordinator.zk import dump, read_json
+from coordinator.zk import children, dump, read_json
 from twophase.checkpoint import completed_epochs
 from twophase.signing import Signer
 from twophase.sink import CommitFailed, TwoPhaseCommitSink
@@ -194,21 +194,15 @@ class AppCoordinator:
         """One pass over every query of the app; returns what it did (or, dry, would do)."""
         this_pass = _Pass(options or PassOptions())
         self._sink_checked = False
-        try:
-            query_ids = self.client.retry(self.client.get_children, self.paths.queries)
-        except NoNodeError:
-            query_ids = []
-        for qid in sorted(query_ids):
+        for qid in children(self.client, self.paths.queries):
             self._reconcile_query(self.paths.query(qid), this_pass)
         return PassReport(self.app, this_pass.options.dry_run, tuple(this_pass.records))
 
     def _reconcile_query(self, qp: QueryPaths, this_pass: _Pass) -> None:
         options = this_pass.options
-        try:
-            names = self.client.retry(self.client.get_children, qp.epochs)
-        except NoNodeError:
+        epochs = sorted(int(n) for n in children(self.client, qp.epochs))
+        if not epochs:
             return
-        epochs = sorted(int(n) for n in names)
         watermark = read_json(self.client, qp.watermark, {"epoch": -1})["epoch"]
         registry = PrecommitRegistry(self.client, qp, self.signer)
         if not options.dry_run:

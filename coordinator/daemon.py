@@ -19,12 +19,11 @@ import socket
 import threading
 
 from kazoo.client import KazooState
-from kazoo.exceptions import NoNodeError
 
 from coordinator.app import AppCoordinator, CommitPolicy
 from coordinator.fence import Fenced
 from coordinator.layout import AppPaths, app_names, election_path
-from coordinator.zk import connect, read_json
+from coordinator.zk import children, connect, read_json
 from twophase.signing import Signer
 
 log = logging.getLogger("twophase.daemon")
@@ -104,9 +103,5 @@ class CoordinatorDaemon:
             log.info("daemon %s: no longer leading", self.identifier)
 
     def _daemon_apps(self, client) -> list[str]:
-        try:
-            names = client.retry(client.get_children, app_names(self.root))
-        except NoNodeError:
-            return []
-        return [n for n in sorted(names)
+        return [n for n in children(client, app_names(self.root))
                 if read_json(client, AppPaths(self.root, n).base, {}).get("coordinator") == "daemon"]

@@ -33,6 +33,7 @@ from kazoo.client import KazooClient
 from kazoo.exceptions import NodeExistsError, NoNodeError, RolledBackError
 
 from coordinator.layout import QueryPaths
+from coordinator.zk import children
 from twophase.signing import Signer
 from twophase.sink import TxnContext
 
@@ -117,12 +118,9 @@ class PrecommitRegistry:
 
     def unregistered(self, epoch: int, attempts: list[Attempt]) -> list[TxnContext]:
         """Attempts that began a transaction but hold no registered pre-commit."""
-        try:
-            names = self._client.retry(self._client.get_children, self._paths.intents(epoch))
-        except NoNodeError:
-            return []
         registered = {a.name for a in attempts}
-        return [self._context(name) for name in sorted(set(names) - registered)]
+        return [self._context(name) for name in children(self._client, self._paths.intents(epoch))
+                if name not in registered]
 
     def drop_intent(self, ctx: TxnContext) -> None:
         """Drop an attempt's intent: it cleaned up its transaction itself, or the coordinator did."""
@@ -162,7 +160,7 @@ class PrecommitRegistry:
         return False
 
     def forget(self, ctx: TxnContext) -> None:
-        """Drop a finished attempt's records: a loser that aborted itself, or a committed/aborted pre-commit."""
+        """Drop a loser's records once it aborted its own transaction."""
         self.drop_intent(ctx)
         try:
             self._client.retry(self._client.delete, f"{self._paths.attempts(ctx.epoch)}/{ctx.name}")
@@ -172,12 +170,8 @@ class PrecommitRegistry:
     def load(self, epoch: int) -> list[Attempt]:
         """Every registered attempt of an epoch, oldest first. Raises SignatureError on tampering."""
         base = self._paths.attempts(epoch)
-        try:
-            names = self._client.retry(self._client.get_children, base)
-        except NoNodeError:
-            return []
         # Pipelined reads: one round trip for the whole epoch, not one per partition.
-        pending = [(n, self._client.get_async(f"{base}/{n}")) for n in names]
+        pending = [(n, self._client.get_async(f"{base}/{n}")) for n in children(self._client, base)]
         attempts = []
         for name, result in pending:
             try:
