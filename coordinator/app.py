@@ -258,7 +258,7 @@ class AppCoordinator:
         Those of runs older than the latest one are aborted at once; with
         abort_incomplete (recovery while no query runs) all of them are.
         """
-        latest_run = work.registry.latest_run(list(work.attempts))
+        latest_run = work.registry.latest_run(work.attempts)
         everything = this_pass.options.abort_incomplete
         stale = [_Verdict(a, AbortReason.INCOMPLETE if a.run == latest_run else AbortReason.SUPERSEDED)
                  for a in work.attempts if a.run != latest_run or everything]
@@ -287,7 +287,7 @@ class AppCoordinator:
             # decided) commits: those in flight when the first delete is refused.
             self.fence.check()
         if work.record.state is EpochState.OPEN:
-            run = work.registry.latest_run(list(work.attempts))
+            run = work.registry.latest_run(work.attempts)
             winners = tuple(sorted(a.name for a in work.attempts if a.run == run and a.won))
             work = self._decide(work, work.record.to(EpochState.COMMITTING, run=run, winners=winners), this_pass)
             if work is None:
@@ -402,7 +402,7 @@ class AppCoordinator:
         False if the sink failed (retried on the next pass).
         """
         dry_run = this_pass.options.dry_run
-        for ctx in work.registry.unregistered(work.epoch, list(work.attempts)):
+        for ctx in work.registry.unregistered(work.epoch, work.attempts):
             if not dry_run:
                 self.fence.check()
                 tries, error = self._call(self.sink().abort_unregistered, ctx)

@@ -26,6 +26,7 @@ Usage (in a Spark task)::
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,7 +86,7 @@ class PrecommitRegistry:
             self._client.retry(self._client.ensure_path, self._paths.run(run_id))
             _known_runs.add((self._paths.base, run_id))
 
-    def latest_run(self, attempts: list[Attempt]) -> str | None:
+    def latest_run(self, attempts: Sequence[Attempt]) -> str | None:
         """The most recently started run among those with attempts.
 
         By run start order, not by registration order: a zombie writer of a dead
@@ -116,7 +117,7 @@ class PrecommitRegistry:
         except NodeExistsError:
             pass  # a retried create that went through
 
-    def unregistered(self, epoch: int, attempts: list[Attempt]) -> list[TxnContext]:
+    def unregistered(self, epoch: int, attempts: Sequence[Attempt]) -> list[TxnContext]:
         """Attempts that began a transaction but hold no registered pre-commit."""
         registered = {a.name for a in attempts}
         return [self._context(name) for name in children(self._client, self._paths.intents(epoch))
