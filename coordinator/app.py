@@ -24,8 +24,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 from kazoo.client import KazooClient
 from kazoo.exceptions import BadVersionError, KazooException, NoNodeError, NodeExistsError
@@ -35,8 +37,10 @@ from tenacity import Retrying, retry_if_not_exception_type, stop_after_attempt, 
 from coordinator.fence import Fence, Fenced
 from coordinator.layout import AppPaths, QueryPaths
 from coordinator.precommits import Attempt, PrecommitRegistry
-from coordinator.state import EpochRecord, EpochState
-from coordinator.zk import dump, read_json
+from coordinator.report import (AbortReason, AttemptAborted, AttemptCleanedUp, EpochBlocked, EpochCommitted,
+                                EpochSkipped, Operation, OperationFailed, PassReport, Record, SkipReason)
+from coordinator.state import EPOCH_TRANSITIONS, EpochRecord, EpochState
+from coordinator.zk import children, dump, read_json
 from twophase.checkpoint import completed_epochs
 from twophase.signing import Signer
 from twophase.sink import CommitFailed, TwoPhaseCommitSink
@@ -48,14 +52,14 @@ log = logging.getLogger("twophase.coordinator")
 class CommitPolicy:
     """How hard phase two tries before it records a failure and moves on to the next round."""
 
-    attempts: int = 5
+    attempts: int = 5             # tries per commit, abort or cleanup call in one pass
     max_backoff: float = 5.0
-    retain_epochs: int = 10   # committed epoch records kept for `twophase status`
+    retain_epochs: int = 10       # committed epoch records kept for `twophase status`
     poll_interval: float = 2.0
     max_commit_threads: int = 16  # upper bound on the sink's own commit_concurrency
 
 
-@dataclass
+@dataclass(frozen=True)
 class PassOptions:
     """How one reconcile pass behaves; the defaults are the coordinator's loop."""
 
@@ -64,7 +68,42 @@ class PassOptions:
     abort_incomplete: bool = False  # no query runs: abort every pre-commit of incomplete epochs
     retry_failed: bool = False      # put FAILED epochs back to COMMITTING
     checkpoint: str | None = None   # read commits/N here instead of the recorded location
-    actions: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class EpochWork:
+    """One epoch of one query as a pass read it: its record (at ``version``) and registered attempts."""
+
+    paths: QueryPaths
+    epoch: int
+    record: EpochRecord
+    version: int                    # of the epoch znode, for the conditional decision write
+    attempts: tuple[Attempt, ...]
+    registry: PrecommitRegistry
+
+    @property
+    def query_id(self) -> str:
+        """The query the epoch belongs to."""
+        return self.paths.query_id
+
+
+@dataclass(frozen=True)
+class _Verdict:
+    attempt: Attempt
+    abort_reason: AbortReason | None  # None: commit it
+
+    @classmethod
+    def decided(cls, attempt: Attempt, record: EpochRecord) -> _Verdict:
+        """What a COMMITTING record says of an attempt: commit the winners of its run, abort the rest."""
+        if attempt.name in record.winners:
+            return cls(attempt, None)
+        return cls(attempt, AbortReason.LOST if attempt.run == record.run else AbortReason.SUPERSEDED)
+
+
+@dataclass
+class _Pass:
+    options: PassOptions
+    records: list[Record] = field(default_factory=list)  # appended from commit threads: list.append is atomic
 
 
 def publish_app(client: KazooClient, paths: AppPaths, signer: Signer, sink: TwoPhaseCommitSink, mode: str) -> None:
@@ -75,6 +114,20 @@ def publish_app(client: KazooClient, paths: AppPaths, signer: Signer, sink: TwoP
 
 
 class AppCoordinator:
+    """Runs phase two of one app: the embedded coordinator, a daemon's, or ``twophase recover``.
+
+    Only the latest owner (see :class:`~coordinator.fence.Fence`) changes anything; a deposed
+    one gets :class:`~coordinator.fence.Fenced`.
+
+    ::
+
+        app = AppCoordinator(client, "/twophase", "orders", signer, owner="recover host-1")
+        app.acquire()
+        report = app.reconcile(PassOptions(recovering=True, abort_incomplete=True))
+        if not report.ok:
+            ...            # an epoch is FAILED or blocked: report.records says which and why
+    """
+
     def __init__(self, client: KazooClient, root: str, app: str, signer: Signer,
                  owner: str, policy: CommitPolicy | None = None,
                  wake: threading.Event | None = None) -> None:
@@ -91,8 +144,10 @@ class AppCoordinator:
         self._sink_checked = False  # per pass: the stored sink is read at most once
         self._watched: set[str] = set()
         self._unclean: set[tuple[str, int]] = set()  # committed epochs whose dead attempts await cleanup
+        self._failure_lock = threading.Lock()  # concurrent failures of one epoch update its record in turn
 
     def acquire(self) -> None:
+        """Take ownership of the app's phase two, fencing any previous owner."""
         token = self.fence.acquire(self.owner)
         log.info("app %s: %s owns phase two (fence token %d)", self.app, self.owner, token)
 
@@ -135,53 +190,58 @@ class AppCoordinator:
 
     # -- reconcile --------------------------------------------------------
 
-    def reconcile(self, options: PassOptions | None = None) -> list[str]:
-        """One pass over every query of the app; returns what it did (or would do), for the CLI."""
-        options = options or PassOptions()
+    def reconcile(self, options: PassOptions | None = None) -> PassReport:
+        """One pass over every query of the app; returns what it did (or, dry, would do)."""
+        this_pass = _Pass(options or PassOptions())
         self._sink_checked = False
-        try:
-            query_ids = self.client.retry(self.client.get_children, self.paths.queries)
-        except NoNodeError:
-            return options.actions
-        for qid in sorted(query_ids):
-            self._reconcile_query(qid, self.paths.query(qid), options)
-        return options.actions
+        for qid in children(self.client, self.paths.queries):
+            self._reconcile_query(self.paths.query(qid), this_pass)
+        return PassReport(self.app, this_pass.options.dry_run, tuple(this_pass.records))
 
-    def _reconcile_query(self, qid: str, qp: QueryPaths, options: PassOptions) -> None:
-        try:
-            names = self.client.retry(self.client.get_children, qp.epochs)
-        except NoNodeError:
+    def _reconcile_query(self, qp: QueryPaths, this_pass: _Pass) -> None:
+        options = this_pass.options
+        epochs = sorted(int(n) for n in children(self.client, qp.epochs))
+        if not epochs:
             return
-        epochs = sorted(int(n) for n in names)
         watermark = read_json(self.client, qp.watermark, {"epoch": -1})["epoch"]
+        registry = PrecommitRegistry(self.client, qp, self.signer)
         if not options.dry_run:
-            self._retry_cleanups(qid, qp, options)
-            self._collect_garbage(qp, [n for n in epochs if n <= watermark], options)
+            self._retry_cleanups(qp, registry, this_pass)
+            self._collect_garbage(qp, registry, [n for n in epochs if n <= watermark], this_pass)
         pending = [n for n in epochs if n > watermark]
         if not pending:
             return
         barrier = read_json(self.client, qp.barrier, {"epoch": -1})["epoch"]
-        in_checkpoint = self._checkpoint_epochs(options.checkpoint or read_json(self.client, qp.base, {}).get("checkpoint"))
-        registry = PrecommitRegistry(self.client, qp, self.signer)
+        checkpoint = options.checkpoint or read_json(self.client, qp.base, {}).get("checkpoint")
+        in_checkpoint = self._checkpoint_epochs(checkpoint)
         for epoch in pending:
+            work = self._load(qp, registry, epoch)
+            if work is None:
+                return
             complete = epoch < epochs[-1] or epoch <= barrier or epoch in in_checkpoint
-            raw, stat = self.client.retry(self.client.get, qp.epoch(epoch))
-            record = EpochRecord.decode(raw)
-            attempts = registry.load(epoch)
-            if record.state is EpochState.FAILED:
+            if work.record.state is EpochState.FAILED:
                 if not options.retry_failed:
                     log.error("app %s epoch %d is FAILED (%s); later epochs wait: run `twophase recover "
-                              "--retry-failed`", self.app, epoch, record.error)
-                    options.actions.append(f"epoch {epoch}: FAILED ({record.error}), blocks later epochs")
+                              "--retry-failed`", self.app, epoch, work.record.error)
+                    this_pass.records.append(EpochBlocked(qp.query_id, epoch, work.record.error))
                     return
-                record = self._decide(qp, epoch, record.to(EpochState.COMMITTING, error=None), stat.version, options)
-                if record is None:
+                work = self._decide(work, work.record.to(EpochState.COMMITTING, error=None), this_pass)
+                if work is None:
                     return
             if not complete:
-                self._abort_incomplete(qp, epoch, attempts, options, registry)
+                self._abort_incomplete(work, this_pass)
+                this_pass.records.append(EpochSkipped(qp.query_id, epoch, SkipReason.INCOMPLETE))
                 return
-            if not self._phase_two(qid, qp, epoch, record, stat.version, attempts, options, registry):
+            if not self._phase_two(work, this_pass):
                 return
+
+    def _load(self, qp: QueryPaths, registry: PrecommitRegistry, epoch: int) -> EpochWork | None:
+        """The epoch's record and attempts; None if its record is gone (collected)."""
+        try:
+            raw, stat = self.client.retry(self.client.get, qp.epoch(epoch))
+        except NoNodeError:
+            return None
+        return EpochWork(qp, epoch, EpochRecord.decode(raw), stat.version, tuple(registry.load(epoch)), registry)
 
     def _checkpoint_epochs(self, checkpoint: str | None) -> set[int]:
         if not checkpoint:
@@ -192,89 +252,88 @@ class AppCoordinator:
             log.warning("app %s: cannot read checkpoint %s: %s", self.app, checkpoint, e)
             return set()
 
-    def _abort_incomplete(self, qp: QueryPaths, epoch: int, attempts: list[Attempt], options: PassOptions,
-                          registry: PrecommitRegistry) -> None:
+    def _abort_incomplete(self, work: EpochWork, this_pass: _Pass) -> None:
         """Pre-commits of an epoch that Spark will re-run are never reused.
 
         Those of runs older than the latest one are aborted at once; with
         abort_incomplete (recovery while no query runs) all of them are.
         """
-        latest_run = registry.latest_run(attempts)
-        stale = [(a, False) for a in attempts if a.run != latest_run or options.abort_incomplete]
-        if self._finish_all(qp, epoch, stale, recovering=True, options=options) and options.abort_incomplete:
-            self._abort_unregistered(epoch, attempts, options, registry)
+        latest_run = work.registry.latest_run(work.attempts)
+        everything = this_pass.options.abort_incomplete
+        stale = [_Verdict(a, AbortReason.INCOMPLETE if a.run == latest_run else AbortReason.SUPERSEDED)
+                 for a in work.attempts if a.run != latest_run or everything]
+        if self._finish_all(work, stale, recovering=True, this_pass=this_pass) and everything:
+            self._abort_unregistered(work, this_pass)
 
-    def _decide(self, qp: QueryPaths, epoch: int, decided: EpochRecord, version: int,
-                options: PassOptions) -> EpochRecord | None:
+    def _decide(self, work: EpochWork, decided: EpochRecord, this_pass: _Pass) -> EpochWork | None:
         """Record the decision before acting on it; None if the record changed under us."""
-        if options.dry_run:
-            return decided
+        if this_pass.options.dry_run:
+            return replace(work, record=decided)
         txn = self.fence.transaction()
-        txn.set_data(qp.epoch(epoch), decided.encode(), version=version)
+        txn.set_data(work.paths.epoch(work.epoch), decided.encode(), version=work.version)
         try:
             self.fence.commit(txn)
         except BadVersionError:
+            this_pass.records.append(EpochSkipped(work.query_id, work.epoch, SkipReason.CHANGED))
             return None  # the next round re-reads it
-        return decided
+        return replace(work, record=decided, version=work.version + 1)
 
-    def _phase_two(self, qid: str, qp: QueryPaths, epoch: int, record: EpochRecord, version: int,
-                   attempts: list[Attempt], options: PassOptions, registry: PrecommitRegistry) -> bool:
-        recovering = options.recovering or record.state is not EpochState.OPEN
-        if not options.dry_run:
+    def _phase_two(self, work: EpochWork, this_pass: _Pass) -> bool:
+        dry_run = this_pass.options.dry_run
+        recovering = this_pass.options.recovering or work.record.state is not EpochState.OPEN
+        if not dry_run:
             # A deposed owner must not touch the external system. Past this check, the fenced
             # delete after each commit stops it after at most commit_concurrency (idempotent,
             # decided) commits: those in flight when the first delete is refused.
             self.fence.check()
-        if record.state is EpochState.OPEN:
-            run = registry.latest_run(attempts)
-            winners = tuple(sorted(a.name for a in attempts if a.run == run and a.won))
-            record = self._decide(qp, epoch, record.to(EpochState.COMMITTING, run=run, winners=winners),
-                                  version, options)
-            if record is None:
+        if work.record.state is EpochState.OPEN:
+            run = work.registry.latest_run(work.attempts)
+            winners = tuple(sorted(a.name for a in work.attempts if a.run == run and a.won))
+            work = self._decide(work, work.record.to(EpochState.COMMITTING, run=run, winners=winners), this_pass)
+            if work is None:
                 return False
-        if not self._finish_all(qp, epoch, [(a, a.name in record.winners) for a in attempts], recovering, options):
+        record = work.record
+        if not self._finish_all(work, [_Verdict.decided(a, record) for a in work.attempts], recovering, this_pass):
             return False
         # Before the watermark moves, so that an epoch seen committed has no dead attempt's
         # transaction left open (a log sink's would hold back read_committed readers); but a
         # failing cleanup must not hold back the epoch: it is retried on later passes (and by GC).
-        if not self._abort_unregistered(epoch, attempts, options, registry):
-            self._unclean.add((qid, epoch))
-        if options.dry_run:
-            options.actions.append(f"epoch {epoch}: would commit {len(record.winners)} pre-commit(s) of run {record.run}")
-            return True
-        txn = self.fence.transaction()
-        txn.set_data(qp.epoch(epoch), record.to(EpochState.COMMITTED).encode())
-        txn.set_data(qp.watermark, dump({"epoch": epoch}))
-        self.client.retry(self.client.ensure_path, qp.watermark)
-        self.fence.commit(txn)
-        log.info("app %s query %s: epoch %d committed (%d partitions from run %s)",
-                 self.app, qid, epoch, len(record.winners), record.run)
-        options.actions.append(f"epoch {epoch}: committed {len(record.winners)} pre-commit(s) of run {record.run}")
+        if not self._abort_unregistered(work, this_pass):
+            self._unclean.add((work.query_id, work.epoch))
+        committed = EpochCommitted(work.query_id, work.epoch, record.run, record.winners, dry_run)
+        if not dry_run:
+            txn = self.fence.transaction()
+            txn.set_data(work.paths.epoch(work.epoch), record.to(EpochState.COMMITTED).encode())
+            txn.set_data(work.paths.watermark, dump({"epoch": work.epoch}))
+            self.client.retry(self.client.ensure_path, work.paths.watermark)
+            self.fence.commit(txn)
+            log.info("app %s query %s: epoch %d committed (%d partitions from run %s)",
+                     self.app, work.query_id, work.epoch, len(record.winners), record.run)
+        this_pass.records.append(committed)
         return True
 
-    def _finish_all(self, qp: QueryPaths, epoch: int, work: list[tuple[Attempt, bool]],
-                    recovering: bool, options: PassOptions) -> bool:
-        """Commit or abort each (attempt, commit?) pair; False if any failed.
+    def _finish_all(self, work: EpochWork, verdicts: list[_Verdict], recovering: bool, this_pass: _Pass) -> bool:
+        """Commit or abort each attempt as its verdict says; False if any failed.
 
         Up to the sink's ``commit_concurrency`` run at once: an epoch of hundreds of partitions
         would otherwise pay every external round trip in sequence. The first failure stops
         those not yet started, as they would fail the same way.
         """
-        if not work:
+        if not verdicts:
             return True
-        threads = 1 if options.dry_run else min(self.sink().commit_concurrency, self.policy.max_commit_threads,
-                                                len(work))
+        threads = 1 if this_pass.options.dry_run else min(
+            self.sink().commit_concurrency, self.policy.max_commit_threads, len(verdicts))
         if threads <= 1:
-            return all(self._finish(qp, epoch, attempt, commit, recovering, options) for attempt, commit in work)
+            return all(self._finish(work, verdict, recovering, this_pass) for verdict in verdicts)
         # Once one call finds us fenced (or fails), the rest are not started: a deposed owner makes at
         # most ``threads`` more (idempotent, decided) sink calls, the ones already in flight.
         stop = threading.Event()
 
-        def finish(item: tuple[Attempt, bool]) -> bool:
+        def finish(verdict: _Verdict) -> bool:
             if stop.is_set():
                 return False
             try:
-                done = self._finish(qp, epoch, item[0], item[1], recovering, options)
+                done = self._finish(work, verdict, recovering, this_pass)
             except BaseException:
                 stop.set()
                 raise
@@ -283,110 +342,129 @@ class AppCoordinator:
             return done
 
         with ThreadPoolExecutor(threads, thread_name_prefix=f"twophase-commit-{self.app}") as pool:
-            results = list(pool.map(finish, work))
+            results = list(pool.map(finish, verdicts))
         return all(results)
 
-    def _finish(self, qp: QueryPaths, epoch: int, attempt: Attempt, commit: bool,
-                recovering: bool, options: PassOptions) -> bool:
-        """Commit or abort one pre-commit with retries, then drop its record. False if it failed."""
-        if options.dry_run:
-            if not commit:
-                options.actions.append(f"epoch {epoch}: would abort {attempt.name}")
+    def _finish(self, work: EpochWork, verdict: _Verdict, recovering: bool, this_pass: _Pass) -> bool:
+        """Commit or abort one pre-commit with retries, then drop its records. False if it failed."""
+        attempt, reason, dry_run = verdict.attempt, verdict.abort_reason, this_pass.options.dry_run
+        if dry_run:
+            if reason is not None:
+                this_pass.records.append(AttemptAborted(work.query_id, work.epoch, attempt.name, reason, dry_run))
             return True
         sink = self.sink()
-        if commit:
-            operation = sink.recover_and_commit if recovering else sink.commit
+        if reason is None:
+            operation, call = Operation.COMMIT, sink.recover_and_commit if recovering else sink.commit
         else:
-            operation = sink.recover_and_abort if recovering else sink.abort
-        try:
-            self._retrying()(operation, attempt.handle)
-        except Exception as e:
-            self._record_failure(qp, epoch, attempt, commit, e)
+            operation, call = Operation.ABORT, sink.recover_and_abort if recovering else sink.abort
+        tries, error = self._call(call, attempt.handle)
+        if error is not None:
+            self._record_failure(work, attempt.name, operation, error, tries, this_pass)
             return False
-        attempt_path = f"{qp.attempts(epoch)}/{attempt.name}"
         txn = self.fence.transaction()
-        txn.delete(attempt_path)
-        txn.delete(f"{qp.intents(epoch)}/{attempt.name}")
+        txn.delete(f"{work.paths.attempts(work.epoch)}/{attempt.name}")
+        txn.delete(f"{work.paths.intents(work.epoch)}/{attempt.name}")
         try:
             self.fence.commit(txn)
         except NoNodeError:
-            # No intent (registered by a writer that predates intents) or deleted meanwhile.
-            txn = self.fence.transaction()
-            txn.delete(attempt_path)
-            try:
-                self.fence.commit(txn)
-            except NoNodeError:
-                pass
-        if not commit:
-            options.actions.append(f"epoch {epoch}: aborted {attempt.name}")
+            # A loser's own task drops its records after aborting itself (forget(): the intent,
+            # then the attempt) while we abort it too; GC removes whatever it leaves.
+            pass
+        if reason is not None:
+            this_pass.records.append(AttemptAborted(work.query_id, work.epoch, attempt.name, reason))
         return True
 
-    def _retrying(self) -> Retrying:
-        return Retrying(
+    def _call(self, call: Callable[[Any], None], argument: Any) -> tuple[int, Exception | None]:
+        """Call with the policy's retries (none after CommitFailed): the tries made and the last error."""
+        tries = 0
+
+        def counted() -> None:
+            nonlocal tries
+            tries += 1
+            call(argument)
+
+        retrying = Retrying(
             stop=stop_after_attempt(self.policy.attempts),
             wait=wait_exponential(multiplier=0.05, max=self.policy.max_backoff),
             retry=retry_if_not_exception_type(CommitFailed),
             reraise=True,
         )
+        try:
+            retrying(counted)
+        except Exception as e:  # whatever the sink raises: recorded, and retried on a later pass
+            return tries, e
+        return tries, None
 
-    def _abort_unregistered(self, epoch: int, attempts: list[Attempt], options: PassOptions,
-                            registry: PrecommitRegistry) -> bool:
+    def _abort_unregistered(self, work: EpochWork, this_pass: _Pass) -> bool:
         """Have the sink clean up after attempts that began a transaction and never registered it.
 
         Only once the epoch is settled: until then such an attempt may still be running.
         False if the sink failed (retried on the next pass).
         """
-        for ctx in registry.unregistered(epoch, attempts):
-            if options.dry_run:
-                options.actions.append(f"epoch {epoch}: would abort unregistered attempt {ctx.name}")
-                continue
-            self.fence.check()
-            try:
-                self._retrying()(self.sink().abort_unregistered, ctx)
-            except Exception as e:
-                log.error("app %s epoch %d: cleaning up unregistered attempt %s failed: %r; retried next pass",
-                          self.app, epoch, ctx.name, e)
-                return False
-            registry.drop_intent(ctx)
-            options.actions.append(f"epoch {epoch}: aborted unregistered attempt {ctx.name}")
+        dry_run = this_pass.options.dry_run
+        for ctx in work.registry.unregistered(work.epoch, work.attempts):
+            if not dry_run:
+                self.fence.check()
+                tries, error = self._call(self.sink().abort_unregistered, ctx)
+                if error is not None:
+                    log.error("app %s epoch %d: cleaning up unregistered attempt %s failed %d times: %r; "
+                              "retried next pass", self.app, work.epoch, ctx.name, tries, error)
+                    this_pass.records.append(OperationFailed(work.query_id, work.epoch, ctx.name, Operation.CLEANUP,
+                                                             repr(error), tries, isinstance(error, CommitFailed)))
+                    return False
+                work.registry.drop_intent(ctx)
+            this_pass.records.append(AttemptCleanedUp(work.query_id, work.epoch, ctx.name, dry_run))
         return True
 
-    def _record_failure(self, qp: QueryPaths, epoch: int, attempt: Attempt, commit: bool, error: Exception) -> None:
-        verb = "commit" if commit else "abort"
-        path = f"{qp.failures(epoch)}/{attempt.name}"
-        previous = read_json(self.client, path, {"count": 0})
-        failure = {"operation": verb, "error": repr(error), "count": previous["count"] + self.policy.attempts,
-                   "at": time.time(), "permanent": isinstance(error, CommitFailed)}
-        log.error("app %s epoch %d: %s of %s failed %d times: %r; epoch stays uncommitted",
-                  self.app, epoch, verb, attempt.name, failure["count"], error)
-        txn = self.fence.transaction()
-        if isinstance(error, CommitFailed):
-            raw, stat = self.client.retry(self.client.get, qp.epoch(epoch))
-            failed = EpochRecord.decode(raw).to(EpochState.FAILED, error=f"{attempt.name}: {error}")
-            txn.set_data(qp.epoch(epoch), failed.encode(), version=stat.version)
-        self.client.retry(self.client.ensure_path, qp.failures(epoch))
-        try:
-            self.client.create(path)
-        except NodeExistsError:
-            pass
-        txn.set_data(path, dump(failure))
-        self.fence.commit(txn)
+    def _record_failure(self, work: EpochWork, attempt: str, operation: Operation, error: Exception,
+                        tries: int, this_pass: _Pass) -> None:
+        """Store the failure for `twophase status`; a permanent one (CommitFailed) also marks the epoch FAILED."""
+        permanent = isinstance(error, CommitFailed)
+        path = f"{work.paths.failures(work.epoch)}/{attempt}"
+        with self._failure_lock:
+            previous = read_json(self.client, path, {"count": 0})
+            failure = {"operation": operation.value, "error": repr(error), "count": previous["count"] + tries,
+                       "at": time.time(), "permanent": permanent}
+            log.error("app %s epoch %d: %s of %s failed %d times (%d in all): %r; epoch stays uncommitted",
+                      self.app, work.epoch, operation.value, attempt, tries, failure["count"], error)
+            txn = self.fence.transaction()
+            if permanent:
+                raw, stat = self.client.retry(self.client.get, work.paths.epoch(work.epoch))
+                current = EpochRecord.decode(raw)
+                # Not from COMMITTED (a late attempt's abort, in GC) nor twice.
+                if EPOCH_TRANSITIONS.allows(current.state, EpochState.FAILED):
+                    failed = current.to(EpochState.FAILED, error=f"{attempt}: {error}")
+                    txn.set_data(work.paths.epoch(work.epoch), failed.encode(), version=stat.version)
+            self.client.retry(self.client.ensure_path, work.paths.failures(work.epoch))
+            try:
+                self.client.create(path)
+            except NodeExistsError:
+                pass
+            txn.set_data(path, dump(failure))
+            self.fence.commit(txn)
+        this_pass.records.append(OperationFailed(work.query_id, work.epoch, attempt, operation, repr(error),
+                                                 tries, permanent))
 
-    def _retry_cleanups(self, qid: str, qp: QueryPaths, options: PassOptions) -> None:
-        registry = PrecommitRegistry(self.client, qp, self.signer)
-        for q, epoch in sorted(self._unclean):
-            if q == qid and self._abort_unregistered(epoch, registry.load(epoch), options, registry):
-                self._unclean.discard((q, epoch))
+    def _retry_cleanups(self, qp: QueryPaths, registry: PrecommitRegistry, this_pass: _Pass) -> None:
+        for qid, epoch in sorted(self._unclean):
+            if qid != qp.query_id:
+                continue
+            work = self._load(qp, registry, epoch)
+            if work is None or self._abort_unregistered(work, this_pass):
+                self._unclean.discard((qid, epoch))
 
-    def _collect_garbage(self, qp: QueryPaths, committed: list[int], options: PassOptions) -> None:
+    def _collect_garbage(self, qp: QueryPaths, registry: PrecommitRegistry, committed: list[int],
+                         this_pass: _Pass) -> None:
         """Drop committed epoch records beyond the retention bound, aborting any late leftovers."""
-        registry = PrecommitRegistry(self.client, qp, self.signer)
         for epoch in committed[: max(0, len(committed) - self.policy.retain_epochs)]:
+            work = self._load(qp, registry, epoch)
+            if work is None:
+                continue
             # Anything registered here after the commit is a zombie attempt: never committed.
-            registered = registry.load(epoch)
-            if not self._finish_all(qp, epoch, [(a, False) for a in registered], recovering=True, options=options):
+            late = [_Verdict(a, AbortReason.LATE) for a in work.attempts]
+            if not self._finish_all(work, late, recovering=True, this_pass=this_pass):
                 return
-            if not self._abort_unregistered(epoch, registered, options, registry):
+            if not self._abort_unregistered(work, this_pass):
                 return
             self.fence.check()
             self.client.retry(self.client.delete, qp.epoch(epoch), recursive=True)

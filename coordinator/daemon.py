@@ -19,18 +19,28 @@ import socket
 import threading
 
 from kazoo.client import KazooState
-from kazoo.exceptions import NoNodeError
 
 from coordinator.app import AppCoordinator, CommitPolicy
 from coordinator.fence import Fenced
 from coordinator.layout import AppPaths, app_names, election_path
-from coordinator.zk import connect, read_json
+from coordinator.zk import children, connect, read_json
 from twophase.signing import Signer
 
 log = logging.getLogger("twophase.daemon")
 
 
 class CoordinatorDaemon:
+    """One HA coordinator daemon: contends for leadership and, while leading, runs phase two
+    of every app published with ``coordinator="daemon"``.
+
+    ::
+
+        stop = threading.Event()
+        daemon = CoordinatorDaemon("zk1:2181,zk2:2181", "/twophase", Signer(load_secret()),
+                                   CommitPolicy(poll_interval=1.0), session_timeout=5.0)
+        daemon.run(stop)        # until stop is set; daemon.leading tells whether it leads
+    """
+
     def __init__(self, hosts: str, root: str, signer: Signer, policy: CommitPolicy | None = None,
                  identifier: str | None = None, session_timeout: float = 10.0) -> None:
         self.hosts = hosts
@@ -44,6 +54,7 @@ class CoordinatorDaemon:
         self._session_lost = threading.Event()
 
     def run(self, stop: threading.Event) -> None:
+        """Contend and, when elected, lead, until ``stop`` is set; rejoins the election after losing it."""
         client = connect(self.hosts, session_timeout=self.session_timeout)
         client.add_listener(self._on_state)
         try:
@@ -92,9 +103,5 @@ class CoordinatorDaemon:
             log.info("daemon %s: no longer leading", self.identifier)
 
     def _daemon_apps(self, client) -> list[str]:
-        try:
-            names = client.retry(client.get_children, app_names(self.root))
-        except NoNodeError:
-            return []
-        return [n for n in sorted(names)
+        return [n for n in children(client, app_names(self.root))
                 if read_json(client, AppPaths(self.root, n).base, {}).get("coordinator") == "daemon"]

@@ -25,12 +25,15 @@ class Fenced(RuntimeError):
 
 
 class Fence:
+    """The ownership token of one app; see the module docstring for an example."""
+
     def __init__(self, client: KazooClient, path: str) -> None:
         self._client = client
         self.path = path
         self.token: int | None = None
 
     def acquire(self, owner: str) -> int:
+        """Take ownership for ``owner`` (fencing the previous owner); return the new token."""
         self._client.retry(self._client.ensure_path, self.path)
         stat = self._client.retry(self._client.set, self.path, owner.encode())
         self.token = stat.version
@@ -43,6 +46,7 @@ class Fence:
             raise Fenced(f"{self.path}: ownership moved to token {stat.version}, ours is {self.token}")
 
     def transaction(self) -> TransactionRequest:
+        """A multi-op that starts with the token check; run it with :meth:`commit`."""
         txn = self._client.transaction()
         txn.check(self.path, self.token)
         return txn

@@ -11,11 +11,18 @@
     <root>/apps/<app>/queries/<query>/barrier    {"epoch": N, "run": R}  Spark reported N done
     <root>/apps/<app>/queries/<query>/watermark  {"epoch": N}  every epoch <= N is committed
     <root>/apps/<app>/queries/<query>/epochs/<N:019d>                     epoch record
-    <root>/apps/<app>/queries/<query>/epochs/<N>/intents/<run>.<p>.<a>    a task began a transaction
-    <root>/apps/<app>/queries/<query>/epochs/<N>/attempts/<run>.<p>.<a>   signed pre-commit
+    <root>/apps/<app>/queries/<query>/epochs/<N>/intents/<run>.<N>.<p>.<a>    a task began a transaction
+    <root>/apps/<app>/queries/<query>/epochs/<N>/attempts/<run>.<N>.<p>.<a>   signed pre-commit
     <root>/apps/<app>/queries/<query>/epochs/<N>/winners/<run>.<p>        winning attempt name
     <root>/apps/<app>/queries/<query>/epochs/<N>/failures/<attempt>       last phase-two error
     <root>/daemon/election                       leader election of the HA daemons
+
+Attempt and intent names are :attr:`TxnContext.name <twophase.sink.TxnContext.name>`.
+
+Usage::
+
+    qp = AppPaths("/twophase", "orders").query(query_id)
+    client.get_children(qp.attempts(7))
 """
 
 from __future__ import annotations
@@ -27,40 +34,51 @@ DEFAULT_ROOT = "/twophase"
 
 @dataclass(frozen=True)
 class AppPaths:
+    """The znodes of one app under ``root``."""
+
     root: str
     app: str
 
     @property
     def base(self) -> str:
+        """The app's znode: its coordinator mode."""
         return f"{self.root}/apps/{self.app}"
 
     @property
     def sink(self) -> str:
+        """The app's sink, signed."""
         return f"{self.base}/sink"
 
     @property
     def fence(self) -> str:
+        """Its version is the current owner's fencing token."""
         return f"{self.base}/fence"
 
     @property
     def queries(self) -> str:
+        """Parent of the app's queries."""
         return f"{self.base}/queries"
 
-    def query(self, query_id: str) -> "QueryPaths":
+    def query(self, query_id: str) -> QueryPaths:
+        """The znodes of one query of the app."""
         return QueryPaths(f"{self.queries}/{query_id}", self.app, query_id)
 
 
 @dataclass(frozen=True)
 class QueryPaths:
+    """The znodes of one streaming query of an app (``base`` is the query's own znode)."""
+
     base: str
     app: str
     query_id: str
 
     @property
     def runs(self) -> str:
+        """Parent of the query's runs, in start order."""
         return f"{self.base}/runs"
 
     def run(self, run_id: str) -> str:
+        """One run (driver start) of the query."""
         return f"{self.runs}/{run_id}"
 
     def halted(self, run_id: str) -> str:
@@ -69,35 +87,45 @@ class QueryPaths:
 
     @property
     def barrier(self) -> str:
+        """The last epoch Spark reported complete."""
         return f"{self.base}/barrier"
 
     @property
     def watermark(self) -> str:
+        """Every epoch at or below it is committed."""
         return f"{self.base}/watermark"
 
     @property
     def epochs(self) -> str:
+        """Parent of the epoch records."""
         return f"{self.base}/epochs"
 
     def epoch(self, epoch: int) -> str:
+        """One epoch's record (zero-padded, so names sort as numbers)."""
         return f"{self.epochs}/{epoch:019d}"
 
     def intents(self, epoch: int) -> str:
+        """Attempts of the epoch that began a transaction."""
         return f"{self.epoch(epoch)}/intents"
 
     def attempts(self, epoch: int) -> str:
+        """The epoch's registered pre-commits."""
         return f"{self.epoch(epoch)}/attempts"
 
     def winners(self, epoch: int) -> str:
+        """One winning attempt per (run, partition)."""
         return f"{self.epoch(epoch)}/winners"
 
     def failures(self, epoch: int) -> str:
+        """The last phase-two failure per attempt."""
         return f"{self.epoch(epoch)}/failures"
 
 
 def election_path(root: str) -> str:
+    """The kazoo Election path the HA daemons contend on."""
     return f"{root}/daemon/election"
 
 
 def app_names(root: str) -> str:
+    """The znode whose children are the app names."""
     return f"{root}/apps"

@@ -8,6 +8,9 @@ Before it begins, an attempt records its intent: a task killed between
 pre_commit and registration leaves an intent without an attempt, which tells the
 coordinator to have the sink clean up after it (``abort_unregistered``).
 
+Attempt and intent nodes are named by :attr:`TxnContext.name <twophase.sink.TxnContext.name>`
+(``<run>.<epoch>.<partition>.<attempt>``), the name sinks use for the attempt's own resources.
+
 Usage (in a Spark task)::
 
     registry = PrecommitRegistry(client, app_paths.query(ctx.query_id), signer)
@@ -23,6 +26,7 @@ Usage (in a Spark task)::
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +34,7 @@ from kazoo.client import KazooClient
 from kazoo.exceptions import NodeExistsError, NoNodeError, RolledBackError
 
 from coordinator.layout import QueryPaths
+from coordinator.zk import children
 from twophase.signing import Signer
 from twophase.sink import TxnContext
 
@@ -37,11 +42,8 @@ from twophase.sink import TxnContext
 _known_runs: set[tuple[str, str]] = set()  # per process: Spark reuses Python workers across tasks
 
 
-def attempt_name(ctx: TxnContext) -> str:
-    return f"{ctx.run_id}.{ctx.partition}.{ctx.attempt}"
-
-
 def winner_name(ctx: TxnContext) -> str:
+    """The name of the slot one attempt per (run, epoch, partition) wins: ``<run>.<partition>``."""
     return f"{ctx.run_id}.{ctx.partition}"
 
 
@@ -49,7 +51,7 @@ def winner_name(ctx: TxnContext) -> str:
 class Attempt:
     """A registered pre-commit, as the coordinator reads it back."""
 
-    name: str
+    name: str          # TxnContext.name
     run: str
     partition: int
     attempt: int
@@ -60,6 +62,19 @@ class Attempt:
 
 
 class PrecommitRegistry:
+    """The pre-commits of one query in ZooKeeper: writers record them, the coordinator reads them.
+
+    Writers (Spark tasks) call :meth:`ensure_run`, :meth:`winner`, :meth:`intend`,
+    :meth:`register` and :meth:`forget` or :meth:`drop_intent`; the coordinator calls
+    :meth:`load`, :meth:`latest_run` and :meth:`unregistered`. See the module docstring for
+    a task's sequence.
+
+    ::
+
+        registry = PrecommitRegistry(client, AppPaths("/twophase", "orders").query(query_id), signer)
+        attempts = registry.load(epoch)            # what the coordinator commits or aborts
+    """
+
     def __init__(self, client: KazooClient, paths: QueryPaths, signer: Signer) -> None:
         self._client = client
         self._paths = paths
@@ -79,7 +94,7 @@ class PrecommitRegistry:
             return None
         return raw.decode() or "no reason recorded"
 
-    def latest_run(self, attempts: list[Attempt]) -> str | None:
+    def latest_run(self, attempts: Sequence[Attempt]) -> str | None:
         """The most recently started run among those with attempts.
 
         By run start order, not by registration order: a zombie writer of a dead
@@ -104,28 +119,22 @@ class PrecommitRegistry:
 
     def intend(self, ctx: TxnContext) -> None:
         """Record that this attempt is about to begin a transaction."""
-        path = f"{self._paths.intents(ctx.epoch)}/{attempt_name(ctx)}"
+        path = f"{self._paths.intents(ctx.epoch)}/{ctx.name}"
         try:
             self._client.retry(self._client.create, path, makepath=True)
         except NodeExistsError:
             pass  # a retried create that went through
 
-    def unregistered(self, epoch: int, attempts: list[Attempt]) -> list[TxnContext]:
+    def unregistered(self, epoch: int, attempts: Sequence[Attempt]) -> list[TxnContext]:
         """Attempts that began a transaction but hold no registered pre-commit."""
-        try:
-            names = self._client.retry(self._client.get_children, self._paths.intents(epoch))
-        except NoNodeError:
-            return []
         registered = {a.name for a in attempts}
-        contexts = []
-        for name in sorted(set(names) - registered):
-            run, partition, attempt = name.rsplit(".", 2)
-            contexts.append(TxnContext(self._paths.app, self._paths.query_id, run, epoch, int(partition), int(attempt)))
-        return contexts
+        return [self._context(name) for name in children(self._client, self._paths.intents(epoch))
+                if name not in registered]
 
     def drop_intent(self, ctx: TxnContext) -> None:
+        """Drop an attempt's intent: it cleaned up its transaction itself, or the coordinator did."""
         try:
-            self._client.retry(self._client.delete, f"{self._paths.intents(ctx.epoch)}/{attempt_name(ctx)}")
+            self._client.retry(self._client.delete, f"{self._paths.intents(ctx.epoch)}/{ctx.name}")
         except NoNodeError:
             pass
 
@@ -136,7 +145,7 @@ class PrecommitRegistry:
     def _register(self, ctx: TxnContext, handle: Any) -> bool:
         # Idempotent, so that client.retry can repeat it after a connection loss
         # that hid whether the multi-op went through.
-        name = attempt_name(ctx)
+        name = ctx.name
         attempt_path = f"{self._paths.attempts(ctx.epoch)}/{name}"
         txn = self._client.transaction()
         txn.create(attempt_path, self._signer.dumps({"handle": handle, "won": True}))
@@ -160,22 +169,18 @@ class PrecommitRegistry:
         return False
 
     def forget(self, ctx: TxnContext) -> None:
-        """Drop a finished attempt's records: a loser that aborted itself, or a committed/aborted pre-commit."""
+        """Drop a loser's records once it aborted its own transaction."""
         self.drop_intent(ctx)
         try:
-            self._client.retry(self._client.delete, f"{self._paths.attempts(ctx.epoch)}/{attempt_name(ctx)}")
+            self._client.retry(self._client.delete, f"{self._paths.attempts(ctx.epoch)}/{ctx.name}")
         except NoNodeError:
             pass
 
     def load(self, epoch: int) -> list[Attempt]:
         """Every registered attempt of an epoch, oldest first. Raises SignatureError on tampering."""
         base = self._paths.attempts(epoch)
-        try:
-            names = self._client.retry(self._client.get_children, base)
-        except NoNodeError:
-            return []
         # Pipelined reads: one round trip for the whole epoch, not one per partition.
-        pending = [(n, self._client.get_async(f"{base}/{n}")) for n in names]
+        pending = [(n, self._client.get_async(f"{base}/{n}")) for n in children(self._client, base)]
         attempts = []
         for name, result in pending:
             try:
@@ -183,8 +188,11 @@ class PrecommitRegistry:
             except NoNodeError:
                 continue  # deleted meanwhile: already handled
             record = self._signer.loads(raw, what=f"pre-commit {base}/{name}")
-            run, partition, attempt = name.rsplit(".", 2)
-            attempts.append(Attempt(name, run, int(partition), int(attempt), record["won"],
+            ctx = self._context(name)
+            attempts.append(Attempt(name, ctx.run_id, ctx.partition, ctx.attempt, record["won"],
                                     record["handle"], stat.ctime / 1000.0, stat.czxid))
         return sorted(attempts, key=lambda a: a.zxid)
+
+    def _context(self, name: str) -> TxnContext:
+        return TxnContext.from_name(self._paths.app, self._paths.query_id, name)
 

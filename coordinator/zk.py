@@ -47,12 +47,22 @@ def shared_client(hosts: str) -> KazooClient:
 
 
 def dump(obj: Any) -> bytes:
+    """JSON for a znode, keys sorted so that equal data is equal bytes."""
     return json.dumps(obj, sort_keys=True).encode()
 
 
 def read_json(client: KazooClient, path: str, default: Any = None) -> Any:
+    """The JSON stored at ``path``; ``default`` if the znode is missing or empty."""
     try:
         raw, _ = client.retry(client.get, path)
     except NoNodeError:
         return default
     return json.loads(raw) if raw else default
+
+
+def children(client: KazooClient, path: str) -> list[str]:
+    """The sorted child names of ``path``; none if it does not exist."""
+    try:
+        return sorted(client.retry(client.get_children, path))
+    except NoNodeError:
+        return []

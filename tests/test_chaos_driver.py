@@ -33,6 +33,7 @@ from coordinator.layout import AppPaths, QueryPaths
 from examples.file_sink_query import write_input
 from sinks.files import read_committed_rows
 from tests.driver_job import POISON_ENV, POISON_EPOCH
+from twophase.sink import TxnContext
 from twophase.verify import count_rows
 
 pytestmark = [pytest.mark.chaos, pytest.mark.spark]
@@ -279,7 +280,7 @@ def kill_mid_batch(zk: KazooClient, job: Job, run: Run) -> tuple[int, set[str], 
     epoch, attempts = wait_for("pre-commits of an uncommitted epoch", lambda: precommitted_open_epoch(zk, job),
                                job, run)
     kill_run(run)
-    killed_runs = {name.rsplit(".", 2)[0] for name in attempts}
+    killed_runs = {TxnContext.from_name(APP, "", name).run_id for name in attempts}  # only the run matters
     rerun = not spark_completed(job, epoch)  # else commits/N landed in the instant before the kill
     assert watermark(zk, job) < epoch or not rerun, "a killed run's incomplete epoch was committed"
     return epoch, killed_runs, rerun

@@ -11,6 +11,7 @@ import pytest
 
 from sinks.files import FileSink
 from tests.harness import QUERY, Pipeline, ids_out
+from twophase import cli
 from twophase.verify import count_rows
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -50,8 +51,25 @@ def test_status_shows_pending_transactions_and_the_watermark(pipe, zk_server, zk
     pipe.task("r1", 0, 0, range(10))
     result = twophase("status", "--zk", zk_server.hosts, "--root", zk_root, "--app", "app")
     assert result.returncode == 0, result.stderr
-    assert "committed watermark: -1" in result.stdout
-    assert "r1.0.0  partition 0 attempt 0  winner  pending" in result.stdout
+    assert "committed watermark: -1" in result.stdout and "r1.0.0.0" in result.stdout
+
+
+def test_status_json_describes_queries_runs_epochs_and_attempts(pipe, zk_server, zk_root, zk):
+    pipe.registry.ensure_run("r1")
+    zk.create(f"{pipe.qp.run('r1')}/alive", ephemeral=True)
+    pipe.task("r1", 0, 0, range(10))
+    result = twophase("status", "--zk", zk_server.hosts, "--root", zk_root, "--app", "app", "--json")
+    assert result.returncode == 0, result.stderr
+    status = json.loads(result.stdout)
+    assert (status["app"], status["coordinator"]) == ("app", "embedded")
+    [query] = status["queries"]
+    assert (query["query_id"], query["watermark"], query["barrier"]) == (QUERY, -1, -1)
+    assert [(r["run_id"], r["alive"]) for r in query["runs"]] == [("r1", True)]
+    [epoch] = query["epochs"]
+    assert (epoch["epoch"], epoch["state"], epoch["committed"], epoch["failures"]) == (0, "open", False, [])
+    [attempt] = epoch["attempts"]
+    assert {k: attempt[k] for k in ("name", "run_id", "partition", "attempt", "won", "in_doubt")} == {
+        "name": "r1.0.0.0", "run_id": "r1", "partition": 0, "attempt": 0, "won": True, "in_doubt": False}
 
 
 def test_recover_commits_completed_epochs_and_aborts_the_rest(pipe, zk_server, zk_root, tmp_path):
@@ -61,18 +79,68 @@ def test_recover_commits_completed_epochs_and_aborts_the_rest(pipe, zk_server, z
     checkpoint = fake_checkpoint(tmp_path / "ck", completed=[0])
     args = ("recover", "--zk", zk_server.hosts, "--root", zk_root, "--app", "app", "--checkpoint", checkpoint)
 
-    dry = twophase(*args, "--dry-run")
+    def records(dry_run):
+        return [
+            {"kind": "epoch_committed", "query_id": QUERY, "epoch": 0, "run": "r1",
+             "attempts": ["r1.0.0.0", "r1.0.1.0"], "dry_run": dry_run},
+            {"kind": "attempt_aborted", "query_id": QUERY, "epoch": 1, "attempt": "r1.1.0.0",
+             "reason": "incomplete", "dry_run": dry_run},
+            {"kind": "epoch_skipped", "query_id": QUERY, "epoch": 1, "reason": "incomplete"},
+        ]
+
+    dry = twophase(*args, "--dry-run", "--json")
     assert dry.returncode == 0, dry.stderr
-    assert "[dry-run] epoch 0: would commit 2 pre-commit(s) of run r1" in dry.stdout
-    assert "[dry-run] epoch 1: would abort r1.0.0" in dry.stdout
+    assert json.loads(dry.stdout) == {"app": "app", "dry_run": True, "ok": True, "records": records(True)}
     assert ids_out(pipe) == []
 
-    done = twophase(*args)
+    done = twophase(*args, "--json")
     assert done.returncode == 0, done.stderr
-    assert "epoch 0: committed 2 pre-commit(s) of run r1" in done.stdout
-    assert "epoch 1: aborted r1.0.0" in done.stdout
+    assert json.loads(done.stdout)["records"] == records(False)
     assert count_rows(range(20), ids_out(pipe)).exact
     assert pipe.watermark() == 0 and pipe.registry.load(1) == []
+
+    again = twophase(*args, "--json")  # only the epoch Spark will re-run is left, with nothing in it
+    assert again.returncode == 0 and json.loads(again.stdout)["records"] == records(False)[2:]
+
+
+def test_recover_exits_1_while_an_epoch_is_failed(pipe, zk_server, zk_root, tmp_path):
+    pipe.task("r1", 0, 0, range(10))
+    pipe.task("r1", 1, 0, range(10, 20))
+    [attempt] = pipe.registry.load(0)
+    os.remove(attempt.handle.pending)  # the pre-committed file is lost: its commit can never succeed
+    args = ("--zk", zk_server.hosts, "--root", zk_root, "--app", "app")
+
+    failed = twophase("recover", *args, "--json")
+    assert failed.returncode == 1, failed.stderr
+    [record] = json.loads(failed.stdout)["records"]
+    assert {k: record[k] for k in ("kind", "epoch", "attempt", "operation", "tries", "permanent")} == {
+        "kind": "operation_failed", "epoch": 0, "attempt": "r1.0.0.0", "operation": "commit", "tries": 1,
+        "permanent": True}
+
+    blocked = twophase("recover", *args, "--json")
+    assert blocked.returncode == 1, blocked.stderr
+    assert [(r["kind"], r["epoch"]) for r in json.loads(blocked.stdout)["records"]] == [("epoch_blocked", 0)]
+    assert twophase("recover", *args).returncode == 1
+
+    status = twophase("status", *args, "--json")
+    assert status.returncode == 1, status.stderr
+    [epoch0, epoch1] = json.loads(status.stdout)["queries"][0]["epochs"]
+    assert epoch0["state"] == "failed" and epoch1["state"] == "open"
+    assert [(f["attempt"], f["count"], f["permanent"]) for f in epoch0["failures"]] == [("r1.0.0.0", 1, True)]
+
+
+def test_a_bug_in_a_command_raises_instead_of_passing_for_a_user_error(pipe, zk_server, zk_root, monkeypatch):
+    def broken(*args):
+        raise TypeError("a bug")
+
+    monkeypatch.setattr(cli, "read_status", broken)
+    with pytest.raises(TypeError, match="a bug"):
+        cli.main(["status", "--zk", zk_server.hosts, "--root", zk_root, "--app", "app"])
+
+
+def test_an_unreadable_secret_file_is_an_error(tmp_path):
+    result = twophase("status", "--zk", "127.0.0.1:1", "--app", "app", "--secret-file", str(tmp_path / "none"))
+    assert result.returncode == 2 and "secret" in result.stderr
 
 
 def test_recover_refuses_while_a_run_is_alive(pipe, zk_server, zk_root, zk):

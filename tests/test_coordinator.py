@@ -9,12 +9,21 @@ import pytest
 
 from coordinator.app import PassOptions
 from coordinator.fence import Fenced
-from coordinator.state import EpochState
+from coordinator.report import (AbortReason, AttemptAborted, AttemptCleanedUp, EpochBlocked, EpochCommitted,
+                                EpochSkipped, Operation, OperationFailed, SkipReason)
+from coordinator.state import EpochRecord, EpochState
+from coordinator.zk import read_json
 from sinks.files import FileSink
 from tests.harness import QUERY, Pipeline, ids_out, stage
 from twophase.signing import SignatureError
 from twophase.sink import CommitFailed, TxnContext
+from twophase.states import IllegalTransition
 from twophase.verify import count_rows
+
+
+def records_of(report, kind):
+    return [r for r in report.records if isinstance(r, kind)]
+
 
 @pytest.fixture
 def pipe(zk, zk_root, tmp_path):
@@ -25,10 +34,11 @@ def test_nothing_visible_until_the_barrier(pipe):
     pipe.task("r1", 0, 0, range(0, 10))
     pipe.task("r1", 0, 1, range(10, 20))
     app = pipe.coordinator()
-    app.reconcile()
+    assert app.reconcile().records == (EpochSkipped(QUERY, 0, SkipReason.INCOMPLETE),)
     assert ids_out(pipe) == [] and pipe.watermark() == -1
     pipe.barrier(0, "r1")
-    app.reconcile()
+    report = app.reconcile()
+    assert report.ok and report.records == (EpochCommitted(QUERY, 0, "r1", ("r1.0.0.0", "r1.0.1.0")),)
     assert count_rows(range(20), ids_out(pipe)).exact
     assert pipe.watermark() == 0 and pipe.record(0).state is EpochState.COMMITTED
 
@@ -153,10 +163,15 @@ def test_a_failing_commit_is_retried_then_recorded_and_blocks_the_epoch(zk, zk_r
     pipe.barrier(0, "r1")
     app = pipe.coordinator(attempts=2, max_backoff=0.01)
     app.sink().failures = 100
-    app.reconcile()
+    report = app.reconcile()
+    assert not report.ok
+    assert [(r.attempt, r.operation, r.tries, r.permanent) for r in report.records] == [
+        ("r1.0.0.0", Operation.COMMIT, 2, False)]
     assert ids_out(pipe) == [] and pipe.watermark() == -1
     assert pipe.record(0).state is EpochState.COMMITTING
-    assert zk.get_children(pipe.qp.failures(0)) == [pipe.registry.load(0)[0].name]
+    assert zk.get_children(pipe.qp.failures(0)) == ["r1.0.0.0"]
+    app.reconcile()
+    assert read_json(zk, f"{pipe.qp.failures(0)}/r1.0.0.0")["count"] == 4  # the tries really made: 2 per pass
     zk.delete(zk_root + "-b", recursive=True)
 
 
@@ -165,10 +180,14 @@ def test_a_handle_that_can_never_commit_marks_the_epoch_failed_until_retried(zk,
     pipe.task("r1", 0, 0, range(10))
     pipe.task("r1", 1, 0, range(10, 20))
     app = pipe.coordinator(max_backoff=0.01)
-    app.reconcile()
+    failed = app.reconcile()
+    assert [(r.operation, r.tries, r.permanent) for r in failed.records] == [(Operation.COMMIT, 1, True)]
+    assert read_json(pipe.zk, f"{pipe.qp.failures(0)}/r1.0.0.0")["count"] == 1  # CommitFailed is not retried
     assert pipe.record(0).state is EpochState.FAILED and pipe.watermark() == -1
-    assert "FAILED" in app.reconcile()[0]  # stays failed, later epochs wait
-    app.reconcile(PassOptions(retry_failed=True))  # the operator fixed the cause
+    blocked = app.reconcile()  # stays failed, later epochs wait
+    assert blocked.records == (EpochBlocked(QUERY, 0, "r1.0.0.0: injected commit failure"),) and not blocked.ok
+    retried = app.reconcile(PassOptions(retry_failed=True))  # the operator fixed the cause
+    assert retried.ok and records_of(retried, EpochCommitted) == [EpochCommitted(QUERY, 0, "r1", ("r1.0.0.0",))]
     assert count_rows(range(10), ids_out(pipe)).exact and pipe.watermark() == 0
 
 
@@ -213,7 +232,7 @@ def test_one_failing_commit_among_concurrent_ones_holds_the_epoch_and_is_retried
     app.reconcile()
     assert pipe.watermark() == -1 and pipe.record(0).state is EpochState.COMMITTING
     assert sorted(ids_out(pipe)) == [i for i in range(80) if not 50 <= i < 60]
-    assert [a.name for a in pipe.registry.load(0)] == ["r1.5.0"]  # only the failed one is left to do
+    assert [a.name for a in pipe.registry.load(0)] == ["r1.0.5.0"]  # only the failed one is left to do
     sink = app.sink()
     sink.failing_partition, sink.barrier = -1, threading.Barrier(1)
     app.reconcile()
@@ -233,11 +252,11 @@ def test_an_attempt_killed_before_registering_is_cleaned_up_when_its_epoch_commi
     pipe.task("r1", 0, 1, range(10, 20), attempt=1)  # Spark's retry
     assert pending_files(pipe) == ["r1.0.0.0.jsonl", "r1.0.1.0.jsonl", "r1.0.1.1.jsonl"]
     app = pipe.coordinator()
-    app.reconcile(PassOptions(dry_run=True))
+    assert records_of(app.reconcile(PassOptions(dry_run=True)), AttemptCleanedUp) == []
     assert len(pending_files(pipe)) == 3  # nothing settled yet: the dead attempt might still be running
     pipe.barrier(0, "r1")
-    actions = app.reconcile()
-    assert "epoch 0: aborted unregistered attempt r1.0.1.0" in actions
+    report = app.reconcile()
+    assert records_of(report, AttemptCleanedUp) == [AttemptCleanedUp(QUERY, 0, "r1.0.1.0")]
     assert count_rows(range(20), ids_out(pipe)).exact and pending_files(pipe) == []
     assert pipe.zk.get_children(pipe.qp.intents(0)) == []
 
@@ -308,11 +327,14 @@ def test_a_failing_cleanup_of_a_dead_attempt_does_not_hold_back_the_epoch(zk, zk
     pipe.task("r1", 1, 0, range(20, 30))
     pipe.barrier(1, "r1")
     app = pipe.coordinator(attempts=1)
-    app.reconcile()
+    report = app.reconcile()
+    assert [(r.epoch, r.attempt, r.operation) for r in records_of(report, OperationFailed)] == [
+        (0, "r1.0.1.0", Operation.CLEANUP)]
+    assert [r.epoch for r in records_of(report, EpochCommitted)] == [0, 1] and not report.ok
     assert pipe.watermark() == 1 and count_rows(range(30), ids_out(pipe)).exact
     assert pending_files(pipe) == ["r1.0.1.0.jsonl"]  # still there, and retried on the next passes
     app.sink().cleanup_works = True
-    assert "epoch 0: aborted unregistered attempt r1.0.1.0" in app.reconcile()
+    assert app.reconcile().records == (AttemptCleanedUp(QUERY, 0, "r1.0.1.0"),)
     assert pending_files(pipe) == []
 
 
@@ -359,3 +381,58 @@ def test_registration_wins_while_another_task_is_halfway_through_creating_the_ep
     pipe.barrier(0, "r1")
     pipe.coordinator().reconcile()
     assert count_rows(range(10), ids_out(pipe)).exact
+
+
+def test_a_pass_reports_what_it_aborted_and_why(pipe):
+    pipe.registry.ensure_run("r0")
+    pipe.task("r0", 0, 0, range(5))                                 # a run that died mid-epoch
+    pipe.registry.ensure_run("r1")
+    pipe.task("r1", 0, 0, range(10))
+    loser = TxnContext("app", QUERY, "r1", 0, 0, 1)                  # a speculative copy that lost and died
+    pipe.registry.intend(loser)
+    assert not pipe.registry.register(loser, pipe.sink.pre_commit(stage(pipe.sink, loser, [{"id": 0}])))
+    pipe.barrier(0, "r1")
+    app = pipe.coordinator()
+    dry = app.reconcile(PassOptions(dry_run=True))
+    assert dry.dry_run and all(r.dry_run for r in dry.records)
+    report = app.reconcile()
+    assert sorted(records_of(report, AttemptAborted), key=lambda r: r.attempt) == [
+        AttemptAborted(QUERY, 0, "r0.0.0.0", AbortReason.SUPERSEDED),
+        AttemptAborted(QUERY, 0, "r1.0.0.1", AbortReason.LOST)]
+    assert records_of(report, EpochCommitted) == [EpochCommitted(QUERY, 0, "r1", ("r1.0.0.0",))]
+    assert app.reconcile().records == ()  # nothing left to do
+    assert count_rows(range(10), ids_out(pipe)).exact and pending_files(pipe) == []
+
+
+def test_recovery_aborts_every_pre_commit_of_an_epoch_spark_never_completed(pipe):
+    pipe.task("r1", 0, 0, range(10))
+    report = pipe.coordinator().reconcile(PassOptions(recovering=True, abort_incomplete=True))
+    assert report.records == (AttemptAborted(QUERY, 0, "r1.0.0.0", AbortReason.INCOMPLETE),
+                              EpochSkipped(QUERY, 0, SkipReason.INCOMPLETE))
+    assert pipe.registry.load(0) == [] and pending_files(pipe) == []
+
+
+def test_attempt_and_intent_nodes_are_named_by_the_txn_context():
+    ctx = TxnContext("app", QUERY, "run.with.dots", 7, 3, 2)
+    assert ctx.name == "run.with.dots.7.3.2"
+    assert TxnContext.from_name("app", QUERY, ctx.name) == ctx
+    with pytest.raises(ValueError):
+        TxnContext.from_name("app", QUERY, "r1.3.0")
+
+
+def test_registered_nodes_use_the_txn_context_name(pipe):
+    ctx = TxnContext("app", QUERY, "r1", 4, 2, 0)
+    pipe.registry.intend(ctx)
+    assert pipe.zk.get_children(pipe.qp.intents(4)) == [ctx.name]
+    pipe.registry.register(ctx, "handle")
+    assert pipe.zk.get_children(pipe.qp.attempts(4)) == [ctx.name]
+    assert [(a.name, a.run, a.partition, a.attempt) for a in pipe.registry.load(4)] == [("r1.4.2.0", "r1", 2, 0)]
+
+
+def test_epoch_records_refuse_undeclared_moves():
+    committing = EpochRecord().to(EpochState.COMMITTING, run="r1")
+    assert committing.to(EpochState.FAILED).to(EpochState.COMMITTING).state is EpochState.COMMITTING
+    with pytest.raises(IllegalTransition, match="epoch: open -> committed is not allowed"):
+        EpochRecord().to(EpochState.COMMITTED)
+    with pytest.raises(IllegalTransition):
+        committing.to(EpochState.COMMITTED).to(EpochState.COMMITTING)

@@ -1,15 +1,20 @@
 """The `twophase` command: status, recovery and the HA coordinator daemon.
 
-    twophase status --zk HOSTS --app NAME [--root /twophase]
-    twophase recover --zk HOSTS --app NAME [--checkpoint DIR] [--dry-run] [--retry-failed]
+    twophase status --zk HOSTS --app NAME [--root /twophase] [--json]
+    twophase recover --zk HOSTS --app NAME [--checkpoint DIR] [--dry-run] [--retry-failed] [--json]
     twophase coordinator --zk HOSTS [--root /twophase]
     twophase broker --data-dir DIR [--port 9092]
     twophase txns --bootstrap-server HOST:PORT list|describe|abort
+
+Exit codes of status and recover: 0 fine; 1 an epoch is FAILED or blocked, or (recover) a sink
+call failed; 2 the command could not run (no such app, bad checkpoint, bad signature,
+ZooKeeper unreachable, another coordinator took over).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -19,32 +24,36 @@ import sys
 import threading
 import time
 
-from kazoo.exceptions import KazooException, NoNodeError
+from kazoo.client import KazooClient
+from kazoo.exceptions import KazooException
+from kazoo.handlers.threading import KazooTimeoutError
 
 from coordinator.app import AppCoordinator, CommitPolicy, PassOptions
 from coordinator.daemon import CoordinatorDaemon
-from coordinator.layout import DEFAULT_ROOT, AppPaths, QueryPaths
-from coordinator.precommits import PrecommitRegistry
-from coordinator.state import EpochRecord
-from coordinator.zk import connect, read_json
+from coordinator.fence import Fenced
+from coordinator.layout import DEFAULT_ROOT, AppPaths
+from coordinator.report import (AbortReason, AttemptAborted, AttemptCleanedUp, EpochBlocked, EpochCommitted,
+                                EpochSkipped, Operation, OperationFailed, Record, SkipReason, as_json)
+from coordinator.status import AppStatus, read_status
+from coordinator.zk import children, connect
 from twophase.broker.cli import add_broker_parser
 from twophase.client.cli import add_txns_parser
 from twophase.signing import SignatureError, Signer, load_secret
 
 
 class CliError(Exception):
-    """A failure the user can act on; printed without a traceback."""
+    """A failure the user can act on; printed without a traceback, exit code 2."""
 
 
-def _age(seconds_since_epoch: float) -> str:
+def _age(seconds_since_epoch: float | None) -> str:
+    if seconds_since_epoch is None:
+        return "?"
     return f"{max(0.0, time.time() - seconds_since_epoch):.0f}s"
 
 
-def _children(client, path: str) -> list[str]:
-    try:
-        return sorted(client.get_children(path))
-    except NoNodeError:
-        return []
+def _require_app(client: KazooClient, paths: AppPaths) -> None:
+    if not client.exists(paths.base):
+        raise CliError(f"no app {paths.app!r} under {paths.root}")
 
 
 def _checkpoint_query_id(checkpoint: str) -> str:
@@ -55,59 +64,99 @@ def _checkpoint_query_id(checkpoint: str) -> str:
         raise CliError(f"{checkpoint} is not a Spark streaming checkpoint: {e}") from e
 
 
-def cmd_status(args, client, signer: Signer) -> int:
+def _print_json(data: dict) -> None:
+    print(json.dumps(data, indent=2))
+
+
+# -- status -----------------------------------------------------------------
+
+def cmd_status(args: argparse.Namespace, client: KazooClient, signer: Signer) -> int:
+    """``twophase status``: print the app's state; exit code 1 if an epoch is FAILED."""
     paths = AppPaths(args.root, args.app)
-    if not client.exists(paths.base):
-        raise CliError(f"no app {args.app!r} under {args.root}")
-    config = read_json(client, paths.base, {})
-    owner, _ = client.get(paths.fence) if client.exists(paths.fence) else (b"-", None)
-    print(f"app {args.app}  coordinator: {config.get('coordinator', '?')}  owner: {owner.decode() or '-'}")
-    for qid in _children(client, paths.queries):
-        qp = paths.query(qid)
-        info = read_json(client, qp.base, {})
-        watermark = read_json(client, qp.watermark, {"epoch": -1})["epoch"]
-        barrier = read_json(client, qp.barrier, {"epoch": -1})
-        print(f"  query {qid}\n    checkpoint: {info.get('checkpoint', 'unknown')}")
-        print(f"    committed watermark: {watermark}   spark barrier: {barrier['epoch']}")
-        for run in _children(client, qp.runs):
-            started = read_json(client, qp.run(run), {}).get("started", time.time())
-            alive = "alive" if client.exists(f"{qp.run(run)}/alive") else "ended"
-            print(f"    run {run}  {alive}  started {_age(started)} ago")
-        _print_epochs(client, qp, signer, watermark)
-    return 0
+    _require_app(client, paths)
+    status = read_status(client, paths, signer)
+    if args.json:
+        _print_json(as_json(status))
+    else:
+        print_status(status)
+    return 1 if status.failed_epochs else 0
 
 
-def _print_epochs(client, qp: QueryPaths, signer: Signer, watermark: int) -> None:
-    registry = PrecommitRegistry(client, qp, signer)
-    for name in _children(client, qp.epochs):
-        epoch = int(name)
-        record = EpochRecord.decode(client.get(qp.epoch(epoch))[0])
-        attempts = registry.load(epoch)
-        if epoch <= watermark and not attempts:
-            continue  # committed and settled: not worth a line
-        print(f"    epoch {epoch}: {record.state.value}" + (f"  error: {record.error}" if record.error else ""))
-        for a in attempts:
-            role = "winner" if a.won else "loser"
-            doubt = "in-doubt" if record.state.value != "open" else "pending"
-            print(f"      {a.name}  partition {a.partition} attempt {a.attempt}  {role}  {doubt}  "
-                  f"age {_age(a.registered)}")
-        for failed in _children(client, qp.failures(epoch)):
-            f = read_json(client, f"{qp.failures(epoch)}/{failed}", {})
-            print(f"      FAILURE {failed}: {f.get('operation')} x{f.get('count')}: {f.get('error')}")
+def print_status(status: AppStatus) -> None:
+    """Word an app's state for people: runs, unsettled epochs with their attempts and failures."""
+    print(f"app {status.app}  coordinator: {status.coordinator or '?'}  owner: {status.owner or '-'}")
+    for query in status.queries:
+        print(f"  query {query.query_id}\n    checkpoint: {query.checkpoint or 'unknown'}")
+        print(f"    committed watermark: {query.watermark}   spark barrier: {query.barrier}")
+        for run in query.runs:
+            print(f"    run {run.run_id}  {'alive' if run.alive else 'ended'}  started {_age(run.started)} ago")
+        for epoch in query.epochs:
+            if epoch.committed and not epoch.attempts and not epoch.failures:
+                continue  # committed and settled: not worth a line
+            print(f"    epoch {epoch.epoch}: {epoch.state.value}" + (f"  error: {epoch.error}" if epoch.error else ""))
+            for a in epoch.attempts:
+                print(f"      {a.name}  partition {a.partition} attempt {a.attempt}  {'winner' if a.won else 'loser'}  "
+                      f"{'in-doubt' if a.in_doubt else 'pending'}  age {_age(a.registered)}")
+            for f in epoch.failures:
+                print(f"      FAILURE {f.attempt}: {f.operation} x{f.count}: {f.error}")
 
 
-def cmd_recover(args, client, signer: Signer) -> int:
+# -- recover ----------------------------------------------------------------
+
+_ABORTED_BECAUSE = {
+    AbortReason.LOST: "another attempt of its run won the partition",
+    AbortReason.SUPERSEDED: "its run did not complete the epoch",
+    AbortReason.INCOMPLETE: "Spark never completed the epoch and will re-run it",
+    AbortReason.LATE: "registered after the epoch was committed",
+}
+_SKIPPED_BECAUSE = {
+    SkipReason.INCOMPLETE: "not completed by Spark; left open",
+    SkipReason.CHANGED: "changed during this pass; left for the next one",
+}
+
+
+def describe(record: Record) -> str:
+    """One line for people about one record of a reconcile pass."""
+    where = f"query {record.query_id} epoch {record.epoch}"
+    dry = getattr(record, "dry_run", False)
+    if isinstance(record, EpochCommitted):
+        verb = "would commit" if dry else "committed"
+        return f"{where}: {verb} {len(record.attempts)} pre-commit(s) of run {record.run}"
+    if isinstance(record, AttemptAborted):
+        verb = "would abort" if dry else "aborted"
+        return f"{where}: {verb} {record.attempt} ({_ABORTED_BECAUSE[record.reason]})"
+    if isinstance(record, AttemptCleanedUp):
+        verb = "would clean up" if dry else "cleaned up"
+        return f"{where}: {verb} after unregistered attempt {record.attempt}"
+    if isinstance(record, OperationFailed):
+        if record.operation is Operation.CLEANUP:
+            then = "retried on the next pass"
+        elif record.permanent:
+            then = "the epoch is now FAILED"
+        else:
+            then = "the epoch stays uncommitted"
+        return (f"{where}: {record.operation.value} of {record.attempt} failed "
+                f"({record.tries} {'try' if record.tries == 1 else 'tries'}): {record.error}; {then}")
+    if isinstance(record, EpochBlocked):
+        return (f"{where}: FAILED ({record.error}); it and every later epoch wait: "
+                f"fix the cause, then run `twophase recover --retry-failed`")
+    if isinstance(record, EpochSkipped):
+        return f"{where}: {_SKIPPED_BECAUSE[record.reason]}"
+    raise TypeError(f"unknown record {record!r}")
+
+
+def cmd_recover(args: argparse.Namespace, client: KazooClient, signer: Signer) -> int:
+    """``twophase recover``: one recovery pass; exit code 1 if an epoch is FAILED or a sink call failed."""
     paths = AppPaths(args.root, args.app)
-    if not client.exists(paths.base):
-        raise CliError(f"no app {args.app!r} under {args.root}")
-    queries = _children(client, paths.queries)
+    _require_app(client, paths)
+    queries = children(client, paths.queries)
     if args.checkpoint:
         qid = _checkpoint_query_id(args.checkpoint)
         if qid not in queries:
             raise CliError(f"checkpoint {args.checkpoint} belongs to query {qid}, which has no state in app {args.app}")
-    live = [f"{q}/{r}" for q in queries for r in _children(client, paths.query(q).runs)
-            if client.exists(f"{paths.query(q).run(r)}/alive")]
-    if live and not args.force:
+    live = [f"{q}/{r}" for q in queries for r in children(client, paths.query(q).runs)
+            if client.exists(f"{paths.query(q).run(r)}/alive")] if not args.force else []
+    if live:
         raise CliError(f"runs still alive ({', '.join(live)}); recover while no query runs, or pass --force")
     options = PassOptions(recovering=True, dry_run=args.dry_run, abort_incomplete=True,
                           retry_failed=args.retry_failed, checkpoint=args.checkpoint)
@@ -115,13 +164,17 @@ def cmd_recover(args, client, signer: Signer) -> int:
                          CommitPolicy(attempts=args.attempts))
     if not args.dry_run:
         app.acquire()
-    actions = app.reconcile(options)
-    for line in actions or ["nothing to do"]:
-        print(("[dry-run] " if args.dry_run else "") + line)
-    return 1 if any("FAILED" in line for line in actions) else 0
+    report = app.reconcile(options)
+    if args.json:
+        _print_json(report.to_json())
+    else:
+        for line in [describe(r) for r in report.records] or ["nothing to do"]:
+            print(("[dry-run] " if args.dry_run else "") + line)
+    return 0 if report.ok else 1
 
 
-def cmd_coordinator(args, client, signer: Signer) -> int:
+def cmd_coordinator(args: argparse.Namespace, client: KazooClient, signer: Signer) -> int:
+    """``twophase coordinator``: run an HA coordinator daemon until SIGTERM or SIGINT."""
     client.stop()  # the daemon manages its own session
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -131,7 +184,15 @@ def cmd_coordinator(args, client, signer: Signer) -> int:
     return 0
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
+    """The ``twophase`` argument parser, every subcommand included."""
     parser = argparse.ArgumentParser(prog="twophase", description="Exactly-once 2PC sinks for Spark: operations.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -146,6 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("status", help="show runs, epochs, pending and in-doubt transactions, the watermark")
     common(p)
+    p.add_argument("--json", action="store_true", help="print the state as JSON")
     p.set_defaults(func=cmd_status)
 
     p = sub.add_parser("recover", help="commit pre-commits of completed epochs, abort the rest")
@@ -154,7 +216,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="print what would be done, change nothing")
     p.add_argument("--retry-failed", action="store_true", help="retry epochs marked FAILED")
     p.add_argument("--force", action="store_true", help="run even though a query run looks alive")
-    p.add_argument("--attempts", type=int, default=3, help="tries per commit or abort (default %(default)s)")
+    p.add_argument("--attempts", type=_positive_int, default=3,
+                   help="tries per commit or abort (default %(default)s)")
+    p.add_argument("--json", action="store_true", help="print what was done as JSON")
     p.set_defaults(func=cmd_recover)
 
     p = sub.add_parser("coordinator", help="run an HA coordinator daemon (leader election among daemons)")
@@ -170,6 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the ``twophase`` command line; returns the exit code."""
     args = build_parser().parse_args(argv)
     daemon = args.command in ("coordinator", "broker")
     logging.basicConfig(level=logging.INFO if args.verbose or daemon else logging.WARNING,
@@ -177,15 +242,19 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "needs_zookeeper", True):
         return args.func(args)
     try:
-        secret = open(args.secret_file).read().strip() if args.secret_file else None
-        signer = Signer(load_secret(secret))
+        with open(args.secret_file) if args.secret_file else contextlib.nullcontext() as f:
+            signer = Signer(load_secret(f.read().strip() if f else None))
+    except (OSError, ValueError) as e:  # unreadable secret file, a secret too short
+        print(f"twophase: secret: {e}", file=sys.stderr)
+        return 2
+    try:
         client = connect(args.zk, timeout=10)
-    except Exception as e:
-        print(f"twophase: {e}", file=sys.stderr)
+    except (KazooTimeoutError, ValueError) as e:  # unreachable, or a malformed connection string
+        print(f"twophase: ZooKeeper at {args.zk}: {e}", file=sys.stderr)
         return 2
     try:
         return args.func(args, client, signer)
-    except (CliError, SignatureError, KazooException, ValueError) as e:
+    except (CliError, SignatureError, Fenced, KazooException) as e:
         print(f"twophase {args.command}: {e}", file=sys.stderr)
         return 2
     finally:

@@ -50,6 +50,17 @@ class TxnContext:
         """A name unique to this attempt, safe in file names and ZooKeeper paths."""
         return f"{self.run_id}.{self.epoch}.{self.partition}.{self.attempt}"
 
+    @classmethod
+    def from_name(cls, app: str, query_id: str, name: str) -> TxnContext:
+        """The context whose :attr:`name` is ``name``; ValueError if it is not such a name.
+
+        ::
+
+            TxnContext.from_name("orders", "q-1", "r1.7.3.0")   # run r1, epoch 7, partition 3, attempt 0
+        """
+        run_id, epoch, partition, attempt = name.rsplit(".", 3)  # a run id may itself hold dots
+        return cls(app, query_id, run_id, int(epoch), int(partition), int(attempt))
+
 
 class CommitFailed(Exception):
     """Raised by commit() when the handle can never be committed.

@@ -1,0 +1,143 @@
+"""What an app's 2PC state looks like right now, read from ZooKeeper for ``twophase status``.
+
+Read-only and lock-free: it may run beside a live coordinator, so what it shows can be a
+moment old. The CLI words an :class:`AppStatus` for people, or prints :func:`as_json` of it.
+
+Usage::
+
+    status = read_status(client, AppPaths("/twophase", "orders"), signer)
+    for query in status.queries:
+        print(query.query_id, query.watermark, [e.state for e in query.epochs])
+    status.failed_epochs          # [(query id, epoch), ...] of FAILED epochs
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kazoo.client import KazooClient
+from kazoo.exceptions import NoNodeError
+
+from coordinator.layout import AppPaths, QueryPaths
+from coordinator.precommits import PrecommitRegistry
+from coordinator.state import EpochRecord, EpochState
+from coordinator.zk import children, read_json
+from twophase.signing import Signer
+
+
+@dataclass(frozen=True)
+class RunStatus:
+    """One run (start) of a query: ``alive`` while its driver holds its ephemeral node."""
+
+    run_id: str
+    alive: bool
+    started: float | None          # seconds since the epoch
+
+
+@dataclass(frozen=True)
+class AttemptStatus:
+    """A registered pre-commit: pending while its epoch is OPEN, in doubt once decided."""
+
+    name: str                      # TxnContext.name
+    run_id: str
+    partition: int
+    attempt: int
+    won: bool
+    in_doubt: bool
+    registered: float              # seconds since the epoch
+
+
+@dataclass(frozen=True)
+class FailureStatus:
+    """The last failure of phase two on one attempt, and how many tries failed in all."""
+
+    attempt: str
+    operation: str | None
+    error: str | None
+    count: int
+    at: float | None
+    permanent: bool
+
+
+@dataclass(frozen=True)
+class EpochStatus:
+    """One retained epoch: its record, its attempts not yet finished, and their failures."""
+
+    epoch: int
+    state: EpochState
+    run: str | None
+    winners: tuple[str, ...]
+    error: str | None
+    updated: float
+    committed: bool                # at or below the watermark
+    attempts: tuple[AttemptStatus, ...]
+    failures: tuple[FailureStatus, ...]
+
+
+@dataclass(frozen=True)
+class QueryStatus:
+    """One streaming query of the app."""
+
+    query_id: str
+    checkpoint: str | None
+    watermark: int                 # every epoch at or below it is committed; -1: none yet
+    barrier: int                   # the last epoch Spark reported complete; -1: none yet
+    runs: tuple[RunStatus, ...]
+    epochs: tuple[EpochStatus, ...]
+
+
+@dataclass(frozen=True)
+class AppStatus:
+    """One app: its coordinator mode, the current owner of its phase two, its queries."""
+
+    app: str
+    root: str
+    coordinator: str | None        # "embedded" or "daemon"
+    owner: str | None              # who holds the fence
+    queries: tuple[QueryStatus, ...]
+
+    @property
+    def failed_epochs(self) -> list[tuple[str, int]]:
+        """(query id, epoch) of every FAILED epoch: each blocks its query's later epochs."""
+        return [(q.query_id, e.epoch) for q in self.queries for e in q.epochs if e.state is EpochState.FAILED]
+
+
+def read_status(client: KazooClient, paths: AppPaths, signer: Signer) -> AppStatus:
+    """The state of an existing app. SignatureError if a stored handle was tampered with."""
+    config = read_json(client, paths.base)
+    try:
+        owner = client.retry(client.get, paths.fence)[0].decode() or None
+    except NoNodeError:
+        owner = None
+    queries = tuple(_query_status(client, paths.query(qid), signer) for qid in children(client, paths.queries))
+    return AppStatus(paths.app, paths.root, (config or {}).get("coordinator"), owner, queries)
+
+
+def _query_status(client: KazooClient, qp: QueryPaths, signer: Signer) -> QueryStatus:
+    watermark = read_json(client, qp.watermark, {"epoch": -1})["epoch"]
+    runs = tuple(RunStatus(run, client.retry(client.exists, f"{qp.run(run)}/alive") is not None,
+                           read_json(client, qp.run(run), {}).get("started"))
+                 for run in children(client, qp.runs))
+    registry = PrecommitRegistry(client, qp, signer)
+    epochs = []
+    for name in children(client, qp.epochs):
+        epoch = int(name)
+        try:
+            record = EpochRecord.decode(client.retry(client.get, qp.epoch(epoch))[0])
+        except NoNodeError:
+            continue  # collected meanwhile
+        in_doubt = record.state is not EpochState.OPEN
+        attempts = tuple(AttemptStatus(a.name, a.run, a.partition, a.attempt, a.won, in_doubt, a.registered)
+                         for a in registry.load(epoch))
+        failures = tuple(_failure(client, qp, epoch, attempt) for attempt in children(client, qp.failures(epoch)))
+        epochs.append(EpochStatus(epoch, record.state, record.run, record.winners, record.error, record.updated,
+                                  epoch <= watermark, attempts, failures))
+    return QueryStatus(qp.query_id, read_json(client, qp.base, {}).get("checkpoint"), watermark,
+                       read_json(client, qp.barrier, {"epoch": -1})["epoch"], runs, tuple(epochs))
+
+
+def _failure(client: KazooClient, qp: QueryPaths, epoch: int, attempt: str) -> FailureStatus:
+    data = read_json(client, f"{qp.failures(epoch)}/{attempt}", {})
+    return FailureStatus(attempt, data.get("operation"), data.get("error"), data.get("count", 0), data.get("at"),
+                         data.get("permanent", False))
+
