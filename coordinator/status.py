@@ -32,6 +32,7 @@ class RunStatus:
     run_id: str
     alive: bool
     started: float | None          # seconds since the epoch
+    halted: str | None = None      # why the driver stopped phase two for the run, if it did
 
 
 @dataclass(frozen=True)
@@ -115,10 +116,10 @@ def read_status(client: KazooClient, paths: AppPaths, signer: Signer) -> AppStat
 
 def _query_status(client: KazooClient, qp: QueryPaths, signer: Signer) -> QueryStatus:
     watermark = read_json(client, qp.watermark, {"epoch": -1})["epoch"]
-    runs = tuple(RunStatus(run, client.retry(client.exists, f"{qp.run(run)}/alive") is not None,
-                           read_json(client, qp.run(run), {}).get("started"))
-                 for run in children(client, qp.runs))
     registry = PrecommitRegistry(client, qp, signer)
+    runs = tuple(RunStatus(run, client.retry(client.exists, f"{qp.run(run)}/alive") is not None,
+                           read_json(client, qp.run(run), {}).get("started"), registry.halted(run))
+                 for run in children(client, qp.runs))
     epochs = []
     for name in children(client, qp.epochs):
         epoch = int(name)

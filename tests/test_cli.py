@@ -12,6 +12,7 @@ import pytest
 from sinks.files import FileSink
 from tests.harness import QUERY, Pipeline, ids_out
 from twophase import cli
+from twophase.task import PhaseTwoHalted
 from twophase.verify import count_rows
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -70,6 +71,18 @@ def test_status_json_describes_queries_runs_epochs_and_attempts(pipe, zk_server,
     [attempt] = epoch["attempts"]
     assert {k: attempt[k] for k in ("name", "run_id", "partition", "attempt", "won", "in_doubt")} == {
         "name": "r1.0.0.0", "run_id": "r1", "partition": 0, "attempt": 0, "won": True, "in_doubt": False}
+
+
+def test_status_shows_a_halted_run_and_tasks_of_it_refuse_to_write(pipe, zk_server, zk_root, zk):
+    pipe.task("r1", 0, 0, range(10))
+    zk.create(pipe.qp.halted("r1"), b"the progress publisher failed for good: RuntimeError('boom')")
+    with pytest.raises(PhaseTwoHalted, match="boom"):
+        pipe.task("r1", 1, 0, range(10, 20))
+    result = twophase("status", "--zk", zk_server.hosts, "--root", zk_root, "--app", "app")
+    assert "HALTED: the progress publisher failed for good" in result.stdout, result.stderr
+    result = twophase("status", "--zk", zk_server.hosts, "--root", zk_root, "--app", "app", "--json")
+    [run] = json.loads(result.stdout)["queries"][0]["runs"]
+    assert "boom" in run["halted"]
 
 
 def test_recover_commits_completed_epochs_and_aborts_the_rest(pipe, zk_server, zk_root, tmp_path):

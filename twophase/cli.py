@@ -90,6 +90,8 @@ def print_status(status: AppStatus) -> None:
         print(f"    committed watermark: {query.watermark}   spark barrier: {query.barrier}")
         for run in query.runs:
             print(f"    run {run.run_id}  {'alive' if run.alive else 'ended'}  started {_age(run.started)} ago")
+            if run.halted:
+                print(f"      HALTED: {run.halted}")
         for epoch in query.epochs:
             if epoch.committed and not epoch.attempts and not epoch.failures:
                 continue  # committed and settled: not worth a line
