@@ -11,7 +11,7 @@ import os
 import pytest
 
 from twophase.broker.groups import OffsetStore
-from twophase.broker.storage import UnknownTopicOrPartitionError
+from twophase.wire.errors import UnknownTopicOrPartitionError
 from twophase.broker.txn import (
     ALLOWED_TRANSITIONS, IllegalTransition, TransactionCoordinator, TransactionLog, TxnMetadata, TxnSettings,
     TxnState)

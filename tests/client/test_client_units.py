@@ -12,8 +12,8 @@ from kafka.record import MemoryRecords
 
 from tests.broker.batches import batch as independent_batch
 from tests.broker.batches import kafka_batch
-from twophase.broker.storage.errors import CorruptRecordError
-from twophase.broker.storage.records import (
+from twophase.wire.errors import CorruptRecordError
+from twophase.wire.records import (
     COMPRESSION_GZIP, Record, control_batch, decode_batch_records, record_batch, set_base_offset, validate_batch,
 )
 from twophase.client.consumer import records_of

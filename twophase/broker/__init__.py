@@ -9,7 +9,7 @@ and consume from it. Layout:
 - :mod:`.server` - asyncio TCP server: framing, size limit, per-connection request loop;
 - :mod:`.protocol` - the registry of supported APIs and version ranges;
 - :mod:`.apis` - one module per API (Produce, Fetch, ListOffsets, Metadata, ...);
-- :mod:`.codec` - bounds-checked request decoding and response encoding on top of kio;
+- :mod:`twophase.wire` (shared with the client) - the wire codec, record batches, API keys, errors;
 - :mod:`.broker` - the embeddable :class:`Broker` (start/stop, port, data directory state);
 - :mod:`.cli` - the ``twophase broker`` command.
 

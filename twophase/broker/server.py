@@ -40,8 +40,9 @@ import logging
 import struct
 from collections.abc import Awaitable, Callable
 
+from twophase.wire.codec import DecodeFailed, decode_request, encode_response, peek_header
+
 from .apis import api_versions
-from .codec import DecodeFailed, decode_request, encode_response, peek_header
 from .protocol import API_BY_KEY, Request
 
 log = logging.getLogger("twophase.broker")

@@ -26,11 +26,13 @@ from collections.abc import Sequence
 
 from kio.schema.errors import ErrorCode
 
-from twophase.broker.storage.records import COMPRESSION_GZIP, COMPRESSION_NONE, INT32_MAX, record_batch
+from twophase.wire.api_keys import ApiKey
+from twophase.wire.errors import KafkaError
+from twophase.wire.records import COMPRESSION_GZIP, COMPRESSION_NONE, INT32_MAX, record_batch
 
 from .cluster import Cluster, CoordinatorType
-from .connection import MS, ApiKey, Connection, message, part
-from .errors import KafkaError, KafkaTimeout, ProducerFenced, TransactionStateError, check, error_for
+from .connection import MS, Connection, message, part
+from .errors import KafkaTimeout, ProducerFenced, TransactionStateError, check, error_for
 from .partitioner import StickyPartitions, partition_for_key
 from .prepared import complete_prepared
 from .retry import retry

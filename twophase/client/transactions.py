@@ -18,8 +18,11 @@ import enum
 import json
 from typing import Any
 
-from .connection import MS, ApiKey, Connection, message
-from .errors import KafkaError, TransactionStateError, check
+from twophase.wire.api_keys import ApiKey
+from twophase.wire.errors import KafkaError
+
+from .connection import MS, Connection, message
+from .errors import TransactionStateError, check
 
 
 class TxnState(enum.Enum):

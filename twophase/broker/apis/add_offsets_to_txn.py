@@ -6,7 +6,8 @@ import time
 
 from kio.schema.errors import ErrorCode
 
-from ..codec import build
+from twophase.wire.codec import build
+
 from ._common import NO_THROTTLE
 from ._txn import txn_error
 

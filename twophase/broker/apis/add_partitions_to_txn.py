@@ -12,7 +12,8 @@ import time
 
 from kio.schema.errors import ErrorCode
 
-from ..codec import build, nested
+from twophase.wire.codec import build, nested
+
 from ._common import NO_THROTTLE
 from ._txn import txn_error
 

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from kio.schema.errors import ErrorCode
 
-from ..codec import build, nested
-from ..storage import KafkaError
+from twophase.wire.codec import build, nested
+from twophase.wire.errors import KafkaError
+
 from ._common import NO_THROTTLE, NONE, error, valid_topic_name
 
 def _check(broker, topic) -> tuple[ErrorCode, str | None, int]:

@@ -5,7 +5,8 @@ Authorized operations are never computed (no ACLs): they are reported as omitted
 
 from __future__ import annotations
 
-from ..codec import build, nested
+from twophase.wire.codec import build, nested
+
 from ._common import NO_THROTTLE, NONE, OPERATIONS_OMITTED
 
 

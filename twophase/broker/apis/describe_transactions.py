@@ -11,7 +11,8 @@ import datetime
 
 from kio.schema.errors import ErrorCode
 
-from ..codec import build, nested
+from twophase.wire.codec import build, nested
+
 from ._common import NO_THROTTLE, NONE
 
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import time
 
-from ..codec import build
+from twophase.wire.codec import build
+
 from ._common import NO_THROTTLE
 from ._txn import txn_error
 

@@ -24,8 +24,9 @@ import time
 
 from kio.schema.errors import ErrorCode
 
-from ..codec import build, nested
-from ..storage import KafkaError
+from twophase.wire.codec import build, nested
+from twophase.wire.errors import KafkaError
+
 from ._common import NO_THROTTLE, NONE, READ_COMMITTED, error
 
 

@@ -3,7 +3,8 @@ FENCED_INSTANCE_ID (v3+) that another instance took over its group instance id."
 
 from __future__ import annotations
 
-from ..codec import build
+from twophase.wire.codec import build
+
 from ._common import NO_THROTTLE, error
 
 

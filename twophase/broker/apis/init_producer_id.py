@@ -18,7 +18,8 @@ import time
 
 from kio.schema.errors import ErrorCode
 
-from ..codec import build
+from twophase.wire.codec import build
+
 from ._common import NO_THROTTLE, NONE
 from ._txn import txn_error
 

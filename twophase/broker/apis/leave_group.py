@@ -6,7 +6,8 @@ v3+ members name their group instance id: a static member can be removed by inst
 
 from __future__ import annotations
 
-from ..codec import build, nested
+from twophase.wire.codec import build, nested
+
 from ._common import NO_THROTTLE, NONE, error
 
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from ..codec import build, nested
+from twophase.wire.codec import build, nested
+
 from ._common import NO_THROTTLE, NONE
 
 

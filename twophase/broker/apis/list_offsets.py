@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from kio.schema.errors import ErrorCode
 
-from ..codec import build, nested
-from ..storage import KafkaError
+from twophase.wire.codec import build, nested
+from twophase.wire.errors import KafkaError
+
 from ._common import NO_THROTTLE, NONE, READ_COMMITTED, error
 
 LATEST, EARLIEST, MAX_TIMESTAMP = -1, -2, -3

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import time
 
-from ..codec import build, nested
+from twophase.wire.codec import build, nested
+
 from ._common import NO_THROTTLE, error
 
 

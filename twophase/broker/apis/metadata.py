@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from kio.schema.errors import ErrorCode
 
-from ..codec import build, nested
-from ..storage import KafkaError
+from twophase.wire.codec import build, nested
+from twophase.wire.errors import KafkaError
+
 from ._common import NO_THROTTLE, NONE, OPERATIONS_OMITTED, error, valid_topic_name
 
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from kio.schema.errors import ErrorCode
 
-from ..codec import build, nested
+from twophase.wire.codec import build, nested
+
 from ._common import NO_THROTTLE, NONE
 
 

@@ -23,10 +23,10 @@ from datetime import datetime, timezone
 
 from kio.schema.errors import ErrorCode
 
-from ..codec import build, nested
-from ..storage import KafkaError
-from ..storage.errors import CorruptRecordError
-from ..storage.records import iter_batches
+from twophase.wire.codec import build, nested
+from twophase.wire.errors import CorruptRecordError, KafkaError
+from twophase.wire.records import iter_batches
+
 from ..txn.coordinator import NOT_ENOUGH_REPLICAS
 from ._common import NO_THROTTLE, NONE, error
 

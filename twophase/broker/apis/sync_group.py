@@ -7,7 +7,8 @@ goes away (no answer then).
 
 from __future__ import annotations
 
-from ..codec import build
+from twophase.wire.codec import build
+
 from ._common import NO_THROTTLE, error
 from .join_group import unless_gone
 

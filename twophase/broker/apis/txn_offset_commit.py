@@ -13,7 +13,8 @@ import time
 
 from kio.schema.errors import ErrorCode
 
-from ..codec import build, nested
+from twophase.wire.codec import build, nested
+
 from ..groups.coordinator import MAX_METADATA_BYTES
 from ._common import NO_THROTTLE, NONE, error
 from ._txn import txn_error

@@ -33,8 +33,9 @@ from collections.abc import Callable, Iterable
 
 import re2
 
+from twophase.wire.errors import KafkaError, UnknownTopicOrPartitionError
+
 from ..groups.offsets import CommittedOffset, OffsetStore
-from ..storage import KafkaError, UnknownTopicOrPartitionError
 from .failpoints import Failpoint
 from .log import TransactionLog, TransactionLogFailed
 from .metadata import TxnMetadata

@@ -249,7 +249,7 @@ def encode_response(correlation_id: int, response: Any) -> memoryview:
 
 
 def encode_request(correlation_id: int, request: Any, client_id: str | None = "twophase") -> bytes:
-    """A length-prefixed request frame (used by tests and, later, by the client)."""
+    """A length-prefixed request frame (the client's, and tests')."""
     header_type = request.__header_schema__
     buf = io.BytesIO()
     buf.write(b"\0\0\0\0")
