@@ -40,6 +40,7 @@ import logging
 import struct
 from collections.abc import Awaitable, Callable
 
+from twophase.wire.api_keys import ApiKey
 from twophase.wire.codec import DecodeFailed, decode_request, encode_response, peek_header
 
 from .apis import api_versions
@@ -58,7 +59,7 @@ READ_AHEAD_BYTES = 64 * 1024
 MIN_REQUEST_BYTES = 10  # api key, version, correlation id, client id length
 # Produce requests a connection handles at once: a client's in-flight batches share an fsync.
 PIPELINED_PRODUCE = 5
-_PIPELINED_APIS = frozenset({0})  # Produce
+_PIPELINED_APIS = frozenset({ApiKey.PRODUCE})
 _SIZE = struct.Struct(">i")
 
 
