@@ -26,6 +26,8 @@ from typing import Any
 
 from kio.serial import entity_reader, entity_writer
 
+from .varint import decode_uvarint
+
 _HEAD = struct.Struct(">hhi")
 _I16 = struct.Struct(">h")
 _I32 = struct.Struct(">i")
@@ -56,18 +58,10 @@ def peek_header(frame: bytes) -> tuple[int, int, int]:
 
 
 def _uvarint(buf: bytes, pos: int, end: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        if pos >= end:
-            raise DecodeFailed("truncated varint")
-        b = buf[pos]
-        pos += 1
-        value |= (b & 0x7F) << shift
-        if not b & 0x80:
-            return value, pos
-        shift += 7
-        if shift > 63:
-            raise DecodeFailed("varint too long")
+    try:
+        return decode_uvarint(buf, pos, end)
+    except ValueError as exc:
+        raise DecodeFailed(str(exc)) from None
 
 
 def _length(buf: bytes, pos: int, end: int, compact: bool, wide: bool) -> tuple[int, int]:
