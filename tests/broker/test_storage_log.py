@@ -12,6 +12,7 @@ import pytest
 
 import twophase.broker.storage.segment as segment_module
 from twophase.broker.storage import LogConfig, PartitionLog
+from twophase.broker.storage.segment import Segment, index_path
 from twophase.wire.errors import (
     CorruptRecordError,
     InvalidRecordError,
@@ -20,7 +21,6 @@ from twophase.wire.errors import (
     OffsetOutOfRangeError,
 )
 from twophase.wire.records import control_batch, iter_batches
-from twophase.broker.storage.segment import Segment, index_path
 
 from .batches import batch, batch_offsets, decode, kafka_batch
 

@@ -21,6 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from twophase.broker.storage import LogConfig, PartitionLog
+from twophase.broker.storage.txnindex import ENTRY, AbortedTxn, txn_index_path
 from twophase.wire.errors import (
     InvalidProducerEpochError,
     InvalidRecordError,
@@ -29,7 +30,6 @@ from twophase.wire.errors import (
     TransactionCoordinatorFencedError,
 )
 from twophase.wire.records import iter_batches
-from twophase.broker.storage.txnindex import ENTRY, AbortedTxn, txn_index_path
 
 from .batches import batch, decode
 
