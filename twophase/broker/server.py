@@ -249,7 +249,7 @@ class Dispatcher:
         if api is None:
             raise CloseConnection(f"unknown API key {api_key} (version {version})")
         if not api.supports(version):
-            if api_key == 18:
+            if api_key == ApiKey.API_VERSIONS:
                 return encode_response(correlation_id, api_versions.unsupported_version_response())
             raise CloseConnection(f"{api.name} v{version} is not supported "
                                   f"(v{api.min_version}-v{api.max_version} are)")
