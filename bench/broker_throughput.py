@@ -95,7 +95,7 @@ import confluent_kafka  # noqa: E402
 from confluent_kafka import Consumer, Producer, TopicPartition  # noqa: E402
 from confluent_kafka.admin import AdminClient, NewTopic  # noqa: E402
 
-from twophase.broker.storage import iter_batches  # noqa: E402
+from twophase.wire.records import iter_batches  # noqa: E402
 from wire_load import WireLoad  # noqa: E402  (bench/ is on sys.path when run as a script)
 
 REPO = Path(__file__).resolve().parents[1]

@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from confluent_kafka.admin import AdminClient, NewTopic  # noqa: E402
 
 from broker_throughput import BrokerRunner, plain_append  # noqa: E402  (bench/ is on sys.path as a script)
-from twophase.broker.storage.records import record_batch  # noqa: E402
+from twophase.wire.records import record_batch  # noqa: E402
 from wire_load import WireLoad  # noqa: E402
 
 

@@ -25,9 +25,10 @@ import time
 from collections import deque
 from collections.abc import Sequence
 
-from twophase.broker.codec import encode_request
-from twophase.broker.storage.records import HEADER_SIZE, parse_header, set_base_offset
-from twophase.client.connection import ApiKey, decode_response, message, part, read_frame
+from twophase.client.connection import decode_response, message, part, read_frame
+from twophase.wire.api_keys import ApiKey
+from twophase.wire.codec import encode_request
+from twophase.wire.records import HEADER_SIZE, parse_header, set_base_offset
 
 PRODUCE_VERSION = 9  # librdkafka 2.x sends Produce v7-v9; the body of v3-v8 is the same
 FETCH_VERSION = 11  # librdkafka 2.x's Fetch, the last version before flexible encoding

@@ -25,7 +25,7 @@ from kio.index import load_request_schema, load_response_schema
 from kio.serial import entity_reader
 
 from twophase.broker import Broker
-from twophase.broker.codec import build, encode_request, nested
+from twophase.wire.codec import build, encode_request, nested
 
 
 @pytest.fixture

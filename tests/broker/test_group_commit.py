@@ -16,10 +16,11 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 import twophase.broker.storage.segment as segment_module
-from twophase.broker.codec import encode_request
 from twophase.broker.group_commit import GroupCommit
-from twophase.broker.storage import KafkaStorageError, LogConfig, PartitionLog
-from twophase.broker.storage.records import iter_batches
+from twophase.broker.storage import LogConfig, PartitionLog
+from twophase.wire.codec import encode_request
+from twophase.wire.errors import KafkaStorageError
+from twophase.wire.records import iter_batches
 
 from ..harness import wait_until
 from .batches import batch

@@ -6,10 +6,11 @@ import asyncio
 
 import pytest
 
-from twophase.broker.groups import ALLOWED_TRANSITIONS, Group, GroupCoordinator, GroupState, IllegalTransition
+from twophase.broker.groups import TRANSITIONS, Group, GroupCoordinator, GroupState
 from twophase.broker.groups.coordinator import (
     ILLEGAL_GENERATION, INCONSISTENT_GROUP_PROTOCOL, MEMBER_ID_REQUIRED, NONE, REBALANCE_IN_PROGRESS,
     UNKNOWN_MEMBER_ID)
+from twophase.states import IllegalTransition
 
 PROTOCOLS = [("range", b"meta-range"), ("roundrobin", b"meta-rr")]
 
@@ -40,9 +41,8 @@ def test_transitions_are_explicit():
     g.transition(GroupState.STABLE)
     with pytest.raises(IllegalTransition):
         g.transition(GroupState.EMPTY)
-    assert ALLOWED_TRANSITIONS[GroupState.DEAD] == frozenset()
-    assert all(GroupState.DEAD in targets for state, targets in ALLOWED_TRANSITIONS.items()
-               if state is not GroupState.DEAD)
+    assert TRANSITIONS.targets(GroupState.DEAD) == frozenset()
+    assert all(TRANSITIONS.allows(state, GroupState.DEAD) for state in GroupState if state is not GroupState.DEAD)
 
 
 def test_single_member_join_sync_heartbeat(tmp_path):

@@ -15,7 +15,8 @@ from typing import Self
 import pytest
 from kio.schema.errors import ErrorCode
 
-from twophase.broker.storage import InvalidProducerEpochError, LogConfig, OffsetOutOfRangeError, PartitionLog
+from twophase.broker.storage import LogConfig, PartitionLog
+from twophase.wire.errors import InvalidProducerEpochError, OffsetOutOfRangeError
 
 from ..harness import wait_until
 from .batches import batch, decode

@@ -28,8 +28,8 @@ from tests.broker.conftest import (
     sub,
 )
 from twophase.broker import APIS, Broker
-from twophase.broker.codec import build, encode_request, nested
 from twophase.broker.storage import DataDirLockedError
+from twophase.wire.codec import build, encode_request, nested
 
 # -- ApiVersions --------------------------------------------------------------------------------
 

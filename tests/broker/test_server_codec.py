@@ -15,7 +15,7 @@ from kio.serial import entity_reader, entity_writer
 from kio.static.primitive import Records, i64Timedelta
 
 from twophase.broker import APIS
-from twophase.broker.codec import DecodeFailed, check_entity, decode_request, encode_request, peek_header
+from twophase.wire.codec import DecodeFailed, check_entity, decode_request, encode_request, peek_header
 
 from .conftest import MS
 

@@ -15,8 +15,8 @@ from kio.schema.errors import ErrorCode
 
 from tests.broker.batches import batch, decode
 from tests.broker.conftest import WireClient, fetch_request, only_partition, produce_request, req
-from twophase.broker.codec import encode_request
 from twophase.broker.server import ByteBudget
+from twophase.wire.codec import encode_request
 
 API_VERSIONS = req(18, 3, client_software_name="limits-test", client_software_version="1")
 

@@ -11,18 +11,16 @@ import struct
 import pytest
 
 import twophase.broker.storage.segment as segment_module
-from twophase.broker.storage import (
+from twophase.broker.storage import LogConfig, PartitionLog
+from twophase.broker.storage.segment import Segment, index_path
+from twophase.wire.errors import (
     CorruptRecordError,
     InvalidRecordError,
     KafkaStorageError,
-    LogConfig,
     MessageTooLargeError,
     OffsetOutOfRangeError,
-    PartitionLog,
-    control_batch,
-    iter_batches,
 )
-from twophase.broker.storage.segment import Segment, index_path
+from twophase.wire.records import control_batch, iter_batches
 
 from .batches import batch, batch_offsets, decode, kafka_batch
 

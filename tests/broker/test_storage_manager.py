@@ -9,17 +9,13 @@ import uuid
 
 import pytest
 
-from twophase.broker.storage import (
-    DataDirLockedError,
+from twophase.broker.storage import DataDirLockedError, LogConfig, LogManager, TopicInfo, run_flushes
+from twophase.wire.errors import (
     InvalidConfigError,
     InvalidPartitionsError,
     InvalidTopicError,
-    LogConfig,
-    LogManager,
     TopicAlreadyExistsError,
-    TopicInfo,
     UnknownTopicOrPartitionError,
-    run_flushes,
 )
 
 from .batches import batch, decode

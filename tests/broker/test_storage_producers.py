@@ -10,15 +10,14 @@ import textwrap
 
 import pytest
 
-from twophase.broker.storage import (
+from twophase.broker.storage import LogConfig, PartitionLog
+from twophase.wire.errors import (
     InvalidProducerEpochError,
     InvalidTxnStateError,
-    LogConfig,
     OutOfOrderSequenceError,
-    PartitionLog,
     TransactionCoordinatorFencedError,
-    control_batch,
 )
+from twophase.wire.records import control_batch
 
 from .batches import batch, decode
 
@@ -110,7 +109,7 @@ def test_multi_batch_append_is_atomic_with_producer_checks(log):
 
 
 def test_check_single_header(log):
-    from twophase.broker.storage import validate_batch
+    from twophase.wire.records import validate_batch
 
     log.append(pbatch(0, 2), 0)
     dup = log.producers.check(validate_batch(pbatch(0, 2)))

@@ -9,17 +9,17 @@ from hypothesis import given
 from hypothesis import strategies as st
 from kafka.record import MemoryRecords
 
-from twophase.broker.storage import (
-    CorruptRecordError,
+from twophase.wire.errors import CorruptRecordError
+from twophase.wire.records import (
     control_batch,
     iter_batches,
+    iter_record_timestamps,
     parse_control_record,
     parse_header,
     set_base_offset,
     validate_batch,
 )
-from twophase.broker.storage.records import iter_record_timestamps
-from twophase.broker.storage.varint import decode_varint, encode_varint
+from twophase.wire.varint import decode_varint, encode_varint
 
 from .batches import batch, decode, kafka_batch
 

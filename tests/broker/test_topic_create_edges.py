@@ -25,7 +25,7 @@ import socket
 import pytest
 
 from twophase.broker import Broker
-from twophase.broker.storage import KafkaStorageError
+from twophase.wire.errors import KafkaStorageError
 from twophase.zkserver import free_port
 
 from .batches import batch

@@ -11,15 +11,15 @@ import os
 import pytest
 
 from twophase.broker.groups import OffsetStore
-from twophase.broker.storage import UnknownTopicOrPartitionError
 from twophase.broker.txn import (
-    ALLOWED_TRANSITIONS, IllegalTransition, TransactionCoordinator, TransactionLog, TxnMetadata, TxnSettings,
-    TxnState)
+    TRANSITIONS, TransactionCoordinator, TransactionLog, TxnMetadata, TxnSettings, TxnState)
 from twophase.broker.txn.coordinator import (
     CONCURRENT_TRANSACTIONS, INVALID_PRODUCER_EPOCH, INVALID_PRODUCER_ID_MAPPING, INVALID_TRANSACTION_TIMEOUT,
     INVALID_TXN_STATE, NONE, PRODUCER_FENCED, TRANSACTIONAL_ID_AUTHORIZATION_FAILED)
 from twophase.broker.txn.log import LOG_FILE
 from twophase.broker.txn.metadata import MAX_EPOCH
+from twophase.states import IllegalTransition
+from twophase.wire.errors import UnknownTopicOrPartitionError
 
 T0 = 1_700_000_000_000
 
@@ -93,15 +93,15 @@ def test_every_transition_not_listed_fails_loudly():
     for source in TxnState:
         for target in TxnState:
             meta = TxnMetadata("x", 1, 0, 1000, state=source)
-            if target in ALLOWED_TRANSITIONS[source]:
+            if TRANSITIONS.allows(source, target):
                 meta.transition(target)
                 assert meta.state is target
             else:
                 with pytest.raises(IllegalTransition):
                     meta.transition(target)
-    assert not ALLOWED_TRANSITIONS[TxnState.DEAD]
+    assert not TRANSITIONS.targets(TxnState.DEAD)
     # A decision, once logged, can only be completed the same way.
-    assert ALLOWED_TRANSITIONS[TxnState.PREPARE_COMMIT] == {TxnState.COMPLETE_COMMIT}
+    assert TRANSITIONS.targets(TxnState.PREPARE_COMMIT) == {TxnState.COMPLETE_COMMIT}
 
 
 def test_metadata_round_trips_through_its_log_form():

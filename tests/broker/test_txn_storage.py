@@ -20,17 +20,16 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from twophase.broker.storage import (
+from twophase.broker.storage import LogConfig, PartitionLog
+from twophase.broker.storage.txnindex import ENTRY, AbortedTxn, txn_index_path
+from twophase.wire.errors import (
     InvalidProducerEpochError,
     InvalidRecordError,
     InvalidTxnStateError,
-    LogConfig,
     OutOfOrderSequenceError,
-    PartitionLog,
     TransactionCoordinatorFencedError,
-    iter_batches,
 )
-from twophase.broker.storage.txnindex import ENTRY, AbortedTxn, txn_index_path
+from twophase.wire.records import iter_batches
 
 from .batches import batch, decode
 
@@ -86,7 +85,7 @@ def committed_view(log: PartitionLog, max_bytes: int = 1 << 20, start: int | Non
 
 
 def _is_abort(control: bytes) -> bool:
-    from twophase.broker.storage import parse_control_record
+    from twophase.wire.records import parse_control_record
 
     return not parse_control_record(control).commit
 
@@ -165,7 +164,7 @@ def test_transaction_state_rules(tmp_path):
     with pytest.raises(TransactionCoordinatorFencedError):
         log.append_marker(1, 0, commit=False, coordinator_epoch=4, now_ms=0)
     with pytest.raises(InvalidRecordError):             # clients never write markers
-        from twophase.broker.storage import control_batch
+        from twophase.wire.records import control_batch
         log.append(control_batch(1, 0, True, 5, 0), 0)
     w.write(1, b"z", transactional=False)               # after the marker, idempotent writes are fine again
     assert log.last_stable_offset == log.high_watermark

@@ -14,7 +14,8 @@ from confluent_kafka import Producer as ConfluentProducer
 from tests.broker.batches import batch_offsets
 from tests.broker.conftest import fetch_request
 from twophase.client import Admin, Consumer, KafkaConnectionError, KafkaError, Producer
-from twophase.client.connection import ApiKey, Connection
+from twophase.client.connection import Connection
+from twophase.wire.api_keys import ApiKey
 
 from .conftest import confluent_drain, drain, refuse_requests
 

@@ -17,7 +17,7 @@ from confluent_kafka import TopicPartition
 
 from twophase.client import (Admin, Consumer, KafkaConnectionError, KafkaTimeout, PreparedTxn, PreparedTxnLost,
                              Producer, ProducerFenced, TransactionStateError)
-from twophase.client.connection import ApiKey
+from twophase.wire.api_keys import ApiKey
 
 from .conftest import confluent_drain, drain, refuse_requests
 

@@ -12,15 +12,16 @@ from kafka.record import MemoryRecords
 
 from tests.broker.batches import batch as independent_batch
 from tests.broker.batches import kafka_batch
-from twophase.broker.storage.errors import CorruptRecordError
-from twophase.broker.storage.records import (
-    COMPRESSION_GZIP, Record, control_batch, decode_batch_records, record_batch, set_base_offset, validate_batch,
-)
 from twophase.client.consumer import records_of
-from twophase.client.errors import KafkaError, ProducerFenced, RetriableError, TransactionStateError, error_for
+from twophase.client.errors import ProducerFenced, RetriableError, TransactionStateError, error_for
 from twophase.client.group import decode_assignment, encode_subscription, range_assign
 from twophase.client.partitioner import StickyPartitions, murmur2, partition_for_key
 from twophase.client.transactions import PreparedTxn, TxnState, TxnStateMachine
+from twophase.states import IllegalTransition
+from twophase.wire.errors import CorruptRecordError, KafkaError
+from twophase.wire.records import (
+    COMPRESSION_GZIP, Record, control_batch, decode_batch_records, record_batch, set_base_offset, validate_batch,
+)
 
 
 def test_murmur2_matches_java_reference_values():
@@ -129,15 +130,16 @@ def test_range_assignor_splits_each_topic_over_its_subscribers():
 
 def test_transaction_state_machine_refuses_undeclared_transitions():
     s = TxnStateMachine()
-    with pytest.raises(TransactionStateError):
-        s.to(TxnState.IN_TRANSACTION)
+    with pytest.raises(IllegalTransition, match="uninitialized -> in_transaction"):
+        s.transition(TxnState.IN_TRANSACTION)
     for target in (TxnState.READY, TxnState.IN_TRANSACTION, TxnState.PREPARED, TxnState.COMMITTING, TxnState.READY):
-        s.to(target)
-    with pytest.raises(TransactionStateError, match="needs in_transaction"):
+        s.transition(target)
+    with pytest.raises(TransactionStateError, match="cannot send in transaction state ready .needs in_transaction"):
         s.require(TxnState.IN_TRANSACTION, action="send")
-    s.to(TxnState.FATAL_ERROR)
-    with pytest.raises(TransactionStateError):
-        s.to(TxnState.READY)
+    s.transition(TxnState.FATAL_ERROR)
+    s.transition(TxnState.FATAL_ERROR)  # reachable from every state
+    with pytest.raises(IllegalTransition):
+        s.transition(TxnState.READY)
 
 
 def test_prepared_txn_handle_round_trips_through_json():
@@ -154,3 +156,15 @@ def test_error_codes_map_to_exception_kinds():
     assert isinstance(error_for(88, "x"), RetriableError)        # UNSTABLE_OFFSET_COMMIT
     e = error_for(48, "EndTxn")
     assert type(e) is KafkaError and not e.retriable and "INVALID_TXN_STATE (48)" in str(e)
+
+
+def test_broker_and_client_errors_share_one_base_with_the_code():
+    import twophase.client
+    from twophase.wire.errors import KafkaStorageError
+
+    assert twophase.client.KafkaError is KafkaError
+    assert all(issubclass(cls, KafkaError) for cls in (ProducerFenced, RetriableError, TransactionStateError,
+                                                        CorruptRecordError, KafkaStorageError))
+    assert error_for(90, "x").code == 90 and KafkaStorageError("disk").code == 56
+    assert KafkaError("gave up").code == -1  # no code: UNKNOWN_SERVER_ERROR
+    assert KafkaError("answered", 48).code == 48 and str(CorruptRecordError("bad crc", 7)) == "bad crc (at byte 7)"

@@ -7,9 +7,9 @@ and consume from it. Layout:
 - :mod:`.txn` - the transaction coordinator: transactional ids, state machine, durable transaction log;
 - :mod:`.groups` - the consumer-group coordinator and committed offsets;
 - :mod:`.server` - asyncio TCP server: framing, size limit, per-connection request loop;
-- :mod:`.protocol` - the registry of supported APIs and version ranges;
+- :mod:`.protocol` - the registry of served APIs and version ranges (each handler registers itself);
 - :mod:`.apis` - one module per API (Produce, Fetch, ListOffsets, Metadata, ...);
-- :mod:`.codec` - bounds-checked request decoding and response encoding on top of kio;
+- :mod:`twophase.wire` (shared with the client) - the wire codec, record batches, API keys, errors;
 - :mod:`.broker` - the embeddable :class:`Broker` (start/stop, port, data directory state);
 - :mod:`.cli` - the ``twophase broker`` command.
 
@@ -21,7 +21,7 @@ Example::
         print(broker.bootstrap)      # "127.0.0.1:<port>"
 """
 
+from .apis import APIS
 from .broker import Broker, BrokerConfig
-from .protocol import APIS
 
 __all__ = ["APIS", "Broker", "BrokerConfig"]

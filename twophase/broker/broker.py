@@ -38,9 +38,10 @@ from typing import Literal
 from .groups import GroupCoordinator
 from .server import DEFAULT_MAX_REQUEST_BYTES, Dispatcher, KafkaServer
 from .group_commit import GroupCommit
-from .storage import LogConfig, LogManager, TopicInfo, UnknownTopicOrPartitionError, run_flushes
+from .storage import LogConfig, LogManager, TopicInfo, run_flushes
 from .txn import TXN_DIR, Failpoint, TransactionCoordinator, TxnSettings
 from twophase.durable import atomic_write
+from twophase.wire.errors import UnknownTopicOrPartitionError
 
 log = logging.getLogger("twophase.broker")
 

@@ -22,9 +22,11 @@ import logging
 import signal
 import sys
 
+from twophase.wire.errors import KafkaError
+
 from .broker import Broker, BrokerConfig
 from .server import DEFAULT_MAX_REQUEST_BYTES
-from .storage import DataDirLockedError, KafkaError
+from .storage import DataDirLockedError
 from .txn.log import TransactionLogCorrupt
 
 log = logging.getLogger("twophase.broker")

@@ -24,7 +24,9 @@ import errno
 import logging
 from collections.abc import Callable
 
-from .storage import KafkaError, KafkaStorageError, PartitionLog
+from twophase.wire.errors import KafkaError, KafkaStorageError
+
+from .storage import PartitionLog
 
 log = logging.getLogger("twophase.broker")
 

@@ -40,8 +40,10 @@ import logging
 import struct
 from collections.abc import Awaitable, Callable
 
+from twophase.wire.api_keys import ApiKey
+from twophase.wire.codec import DecodeFailed, decode_request, encode_response, peek_header
+
 from .apis import api_versions
-from .codec import DecodeFailed, decode_request, encode_response, peek_header
 from .protocol import API_BY_KEY, Request
 
 log = logging.getLogger("twophase.broker")
@@ -57,7 +59,7 @@ READ_AHEAD_BYTES = 64 * 1024
 MIN_REQUEST_BYTES = 10  # api key, version, correlation id, client id length
 # Produce requests a connection handles at once: a client's in-flight batches share an fsync.
 PIPELINED_PRODUCE = 5
-_PIPELINED_APIS = frozenset({0})  # Produce
+_PIPELINED_APIS = frozenset({ApiKey.PRODUCE})
 _SIZE = struct.Struct(">i")
 
 
@@ -247,7 +249,7 @@ class Dispatcher:
         if api is None:
             raise CloseConnection(f"unknown API key {api_key} (version {version})")
         if not api.supports(version):
-            if api_key == 18:
+            if api_key == ApiKey.API_VERSIONS:
                 return encode_response(correlation_id, api_versions.unsupported_version_response())
             raise CloseConnection(f"{api.name} v{version} is not supported "
                                   f"(v{api.min_version}-v{api.max_version} are)")

@@ -14,10 +14,11 @@ Example::
     Producer.complete_prepared("127.0.0.1:9092", PreparedTxn.from_json(handle.to_json()), commit=True)
 """
 
+from twophase.wire.errors import KafkaError
+
 from .admin import Admin, TransactionDescription, TransactionListing
 from .consumer import Consumer, Message
-from .errors import (KafkaConnectionError, KafkaError, KafkaTimeout, PreparedTxnLost, ProducerFenced,
-                     TransactionStateError)
+from .errors import KafkaConnectionError, KafkaTimeout, PreparedTxnLost, ProducerFenced, TransactionStateError
 from .producer import Producer
 from .transactions import PreparedTxn
 

@@ -19,9 +19,12 @@ from collections.abc import Iterable, Mapping
 
 from kio.schema.errors import ErrorCode
 
+from twophase.wire.api_keys import ApiKey
+from twophase.wire.errors import KafkaError
+
 from .cluster import Cluster, CoordinatorType
-from .connection import MS, ApiKey, Connection, message, part
-from .errors import KafkaError, check
+from .connection import MS, Connection, message, part
+from .errors import check
 from .retry import retry
 from .transactions import init_producer_id
 

@@ -17,8 +17,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from twophase.wire.errors import KafkaError
+
 from .admin import Admin, TransactionDescription
-from .errors import KafkaError
 
 _COLUMNS = ("TRANSACTIONAL ID", "STATE", "PRODUCER", "EPOCH", "AGE", "TIMEOUT", "PARTITIONS")
 

@@ -16,8 +16,11 @@ import threading
 
 from kio.schema.errors import ErrorCode
 
-from .connection import ApiKey, Connection, message, part
-from .errors import KafkaConnectionError, KafkaError, RetriableError, check
+from twophase.wire.api_keys import ApiKey
+from twophase.wire.errors import KafkaError
+
+from .connection import Connection, message, part
+from .errors import KafkaConnectionError, RetriableError, check
 from .retry import retry
 
 

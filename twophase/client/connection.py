@@ -15,7 +15,6 @@ Example::
 from __future__ import annotations
 
 import datetime
-import enum
 import socket
 import struct
 import threading
@@ -27,34 +26,14 @@ from kio.schema.api_versions.v3.request import ApiVersionsRequest as ApiVersions
 from kio.schema.errors import ErrorCode
 from kio.serial import entity_reader
 
-from twophase.broker.codec import build, encode_request, nested
+from twophase.wire.codec import build, encode_request, nested
+from twophase.wire.errors import KafkaError
 
-from .errors import KafkaConnectionError, KafkaError, check
+from .errors import KafkaConnectionError, check
 
 _SIZE = struct.Struct(">i")
 MAX_RESPONSE_BYTES = 1 << 30
 MS = datetime.timedelta(milliseconds=1)
-
-
-class ApiKey(enum.IntEnum):
-    PRODUCE = 0
-    FETCH = 1
-    LIST_OFFSETS = 2
-    METADATA = 3
-    OFFSET_COMMIT = 8
-    OFFSET_FETCH = 9
-    FIND_COORDINATOR = 10
-    JOIN_GROUP = 11
-    HEARTBEAT = 12
-    LEAVE_GROUP = 13
-    SYNC_GROUP = 14
-    CREATE_TOPICS = 19
-    DELETE_TOPICS = 20
-    INIT_PRODUCER_ID = 22
-    ADD_PARTITIONS_TO_TXN = 24
-    END_TXN = 26
-    DESCRIBE_TRANSACTIONS = 65
-    LIST_TRANSACTIONS = 66
 
 
 def message(api_key: int, version: int, **fields: Any) -> Any:

@@ -28,13 +28,15 @@ from collections.abc import Iterable
 
 from kio.schema.errors import ErrorCode
 
-from twophase.broker.storage.records import (
+from twophase.wire.api_keys import ApiKey
+from twophase.wire.errors import KafkaError
+from twophase.wire.records import (
     HEADER_SIZE, LOG_OVERHEAD, decode_batch_records, parse_control_record, parse_header, validate_batch,
 )
 
 from .cluster import Cluster
-from .connection import MS, ApiKey, message, part
-from .errors import KafkaError, error_for
+from .connection import MS, message, part
+from .errors import error_for
 from .group import GroupMember, TopicPartitionKey
 from .retry import retry
 

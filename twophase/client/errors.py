@@ -1,4 +1,8 @@
-"""Client exceptions: Kafka error codes as exceptions, plus the client's own failures.
+"""Client exceptions: the client's failures, as subclasses of the shared :class:`KafkaError`.
+
+:class:`~twophase.wire.errors.KafkaError` (a broker answered with an error code, ``code``; or the
+client gave up) is the base the broker shares; here are the client's refinements of it, and
+:func:`error_for`, which picks the right one for an error code.
 
 Example::
 
@@ -14,19 +18,12 @@ from __future__ import annotations
 
 from kio.schema.errors import ErrorCode
 
-
-class KafkaError(Exception):
-    """A broker answered with an error code (``code``), or the client gave up (``retriable`` says if a
-    later attempt may succeed)."""
-
-    retriable = False
-
-    def __init__(self, message: str, code: ErrorCode | None = None) -> None:
-        super().__init__(message)
-        self.code = code
+from twophase.wire.errors import KafkaError
 
 
 class RetriableError(KafkaError):
+    """An error a later attempt may not see (a retriable error code, a lost connection)."""
+
     retriable = True
 
 

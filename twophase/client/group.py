@@ -29,9 +29,12 @@ from kio.schema.consumer_protocol_subscription.v0.data import ConsumerProtocolSu
 from kio.schema.errors import ErrorCode
 from kio.serial import entity_reader, entity_writer
 
+from twophase.wire.api_keys import ApiKey
+from twophase.wire.errors import KafkaError
+
 from .cluster import Cluster, CoordinatorType
-from .connection import MS, ApiKey, Connection, message, part
-from .errors import KafkaError, RetriableError, check, error_for
+from .connection import MS, Connection, message, part
+from .errors import RetriableError, check, error_for
 from .retry import retry
 
 log = logging.getLogger("twophase.client")

@@ -25,10 +25,13 @@ import time
 
 from kio.schema.errors import ErrorCode
 
+from twophase.wire.api_keys import ApiKey
+from twophase.wire.errors import KafkaError
+
 from .admin import Admin, TransactionDescription
 from .cluster import CoordinatorType
-from .connection import ApiKey, Connection, message
-from .errors import KafkaError, PreparedTxnLost, ProducerFenced, RetriableError, check
+from .connection import Connection, message
+from .errors import PreparedTxnLost, ProducerFenced, RetriableError, check
 from .retry import retry
 from .transactions import PreparedTxn, init_producer_id
 

@@ -26,11 +26,13 @@ from collections.abc import Sequence
 
 from kio.schema.errors import ErrorCode
 
-from twophase.broker.storage.records import COMPRESSION_GZIP, COMPRESSION_NONE, INT32_MAX, record_batch
+from twophase.wire.api_keys import ApiKey
+from twophase.wire.errors import KafkaError
+from twophase.wire.records import COMPRESSION_GZIP, COMPRESSION_NONE, INT32_MAX, record_batch
 
 from .cluster import Cluster, CoordinatorType
-from .connection import MS, ApiKey, Connection, message, part
-from .errors import KafkaError, KafkaTimeout, ProducerFenced, TransactionStateError, check, error_for
+from .connection import MS, Connection, message, part
+from .errors import KafkaTimeout, ProducerFenced, TransactionStateError, check, error_for
 from .partitioner import StickyPartitions, partition_for_key
 from .prepared import complete_prepared
 from .retry import retry
@@ -160,9 +162,9 @@ class Producer:
             errors, self._errors = self._errors, []
         if errors:
             if any(isinstance(e, ProducerFenced) for e in errors):
-                self._txn.to(TxnState.FATAL_ERROR)
+                self._txn.transition(TxnState.FATAL_ERROR)
             elif self._txn.state is TxnState.IN_TRANSACTION:
-                self._txn.to(TxnState.ABORTABLE_ERROR)
+                self._txn.transition(TxnState.ABORTABLE_ERROR)
             raise errors[0]
 
     # --- sender thread ------------------------------------------------------------------------
@@ -341,10 +343,12 @@ class Producer:
             raise TransactionStateError("init_transactions needs a transactional_id")
         self._txn.require(TxnState.UNINITIALIZED, action="init_transactions")
         self._guard(self._init_producer_id)
-        self._txn.to(TxnState.READY)
+        self._txn.transition(TxnState.READY)
 
     def begin_transaction(self) -> None:
-        self._txn.to(TxnState.IN_TRANSACTION)
+        """Open a transaction: records sent from now on are committed or aborted together."""
+        self._txn.require(TxnState.READY, action="begin_transaction")
+        self._txn.transition(TxnState.IN_TRANSACTION)
 
     def prepare_transaction(self) -> PreparedTxn:
         """Flush and hand out what another process needs to finish this transaction (KIP-939)."""
@@ -352,7 +356,7 @@ class Producer:
             raise TransactionStateError("prepare_transaction needs enable_2pc=True")
         self._txn.require(TxnState.IN_TRANSACTION, action="prepare_transaction")
         self.flush()
-        self._txn.to(TxnState.PREPARED)
+        self._txn.transition(TxnState.PREPARED)
         return PreparedTxn(self.transactional_id, self._producer_id, self._producer_epoch)
 
     def commit_transaction(self) -> None:
@@ -361,7 +365,7 @@ class Producer:
                           action="commit_transaction")
         if self._txn.state is not TxnState.COMMITTING:
             self.flush()
-            self._txn.to(TxnState.COMMITTING)
+            self._txn.transition(TxnState.COMMITTING)
         self._end_transaction(commit=True)
 
     def abort_transaction(self) -> None:
@@ -370,7 +374,7 @@ class Producer:
         self._txn.require(TxnState.IN_TRANSACTION, TxnState.PREPARED, TxnState.ABORTABLE_ERROR, TxnState.ABORTING,
                           action="abort_transaction")
         if self._txn.state is not TxnState.ABORTING:
-            self._txn.to(TxnState.ABORTING)
+            self._txn.transition(TxnState.ABORTING)
         try:
             self.flush()
         except ProducerFenced:
@@ -386,7 +390,7 @@ class Producer:
         if self._txn_partitions:  # nothing was added: the coordinator has no transaction to end
             self._guard(lambda: self._send_end_txn(commit))
         self._txn_partitions.clear()
-        self._txn.to(TxnState.READY)
+        self._txn.transition(TxnState.READY)
 
     def _send_end_txn(self, commit: bool) -> None:
         def call(conn: Connection) -> None:
@@ -403,7 +407,7 @@ class Producer:
         try:
             return action()
         except ProducerFenced:
-            self._txn.to(TxnState.FATAL_ERROR)
+            self._txn.transition(TxnState.FATAL_ERROR)
             raise
 
     @staticmethod

@@ -12,7 +12,9 @@ from typing import TypeVar
 
 from tenacity import RetryError, Retrying, retry_if_exception, stop_after_delay, wait_exponential
 
-from .errors import KafkaError, KafkaTimeout
+from twophase.wire.errors import KafkaError
+
+from .errors import KafkaTimeout
 
 T = TypeVar("T")
 

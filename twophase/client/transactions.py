@@ -1,12 +1,18 @@
 """Client-side transaction state (an enum with explicit allowed transitions) and the handle of a
 prepared transaction.
 
+Two kinds of refusal: :meth:`TxnStateMachine.require` is the producer's precondition check and
+raises :class:`TransactionStateError` ("cannot send in transaction state ready"), an error of the
+caller's; :meth:`TxnStateMachine.transition` raises :class:`~twophase.states.IllegalTransition`
+for a move the table forbids, which the producer's own preconditions rule out (a bug if seen).
+
 Example::
 
     state = TxnStateMachine()
-    state.to(TxnState.READY)                 # after InitProducerId
-    state.to(TxnState.IN_TRANSACTION)
-    state.to(TxnState.COMMITTING)            # TransactionStateError if not allowed from here
+    state.transition(TxnState.READY)                   # after InitProducerId
+    state.require(TxnState.READY, action="begin_transaction")
+    state.transition(TxnState.IN_TRANSACTION)
+    state.transition(TxnState.COMMITTING)
     handle = PreparedTxn("t1", producer_id=7, producer_epoch=3)
     PreparedTxn.from_json(handle.to_json()) == handle
 """
@@ -18,11 +24,17 @@ import enum
 import json
 from typing import Any
 
-from .connection import MS, ApiKey, Connection, message
-from .errors import KafkaError, TransactionStateError, check
+from twophase.states import Transitions
+from twophase.wire.api_keys import ApiKey
+from twophase.wire.errors import KafkaError
+
+from .connection import MS, Connection, message
+from .errors import TransactionStateError, check
 
 
 class TxnState(enum.Enum):
+    """Where a transactional producer is: its transaction's state as the client sees it."""
+
     UNINITIALIZED = "uninitialized"
     READY = "ready"                      # no transaction open
     IN_TRANSACTION = "in_transaction"
@@ -33,32 +45,30 @@ class TxnState(enum.Enum):
     FATAL_ERROR = "fatal_error"          # fenced or broken: the producer must be closed
 
 
-_ALLOWED: dict[TxnState, frozenset[TxnState]] = {
-    TxnState.UNINITIALIZED: frozenset({TxnState.READY}),
-    TxnState.READY: frozenset({TxnState.IN_TRANSACTION}),
-    TxnState.IN_TRANSACTION: frozenset({TxnState.PREPARED, TxnState.COMMITTING, TxnState.ABORTING,
-                                        TxnState.ABORTABLE_ERROR}),
-    TxnState.PREPARED: frozenset({TxnState.COMMITTING, TxnState.ABORTING}),
-    TxnState.COMMITTING: frozenset({TxnState.READY, TxnState.ABORTABLE_ERROR}),
-    TxnState.ABORTING: frozenset({TxnState.READY}),
-    TxnState.ABORTABLE_ERROR: frozenset({TxnState.ABORTING}),
-    TxnState.FATAL_ERROR: frozenset(),
-}
+TRANSITIONS: Transitions[TxnState] = Transitions("producer transaction", {
+    TxnState.UNINITIALIZED: {TxnState.READY},
+    TxnState.READY: {TxnState.IN_TRANSACTION},
+    TxnState.IN_TRANSACTION: {TxnState.PREPARED, TxnState.COMMITTING, TxnState.ABORTING, TxnState.ABORTABLE_ERROR},
+    TxnState.PREPARED: {TxnState.COMMITTING, TxnState.ABORTING},
+    TxnState.COMMITTING: {TxnState.READY, TxnState.ABORTABLE_ERROR},
+    TxnState.ABORTING: {TxnState.READY},
+    TxnState.ABORTABLE_ERROR: {TxnState.ABORTING},
+    TxnState.FATAL_ERROR: (),
+}, from_any={TxnState.FATAL_ERROR})  # fenced or broken, whatever it was doing
 
 
 class TxnStateMachine:
-    """The current TxnState; every change goes through :meth:`to`, which refuses undeclared moves.
-    FATAL_ERROR is reachable from every state."""
+    """A producer's current :class:`TxnState`; every change goes through :meth:`transition`."""
 
     def __init__(self) -> None:
         self.state = TxnState.UNINITIALIZED
 
-    def to(self, target: TxnState) -> None:
-        if target is not TxnState.FATAL_ERROR and target not in _ALLOWED[self.state]:
-            raise TransactionStateError(f"transaction state {self.state.value} cannot move to {target.value}")
-        self.state = target
+    def transition(self, target: TxnState) -> None:
+        """Move to ``target``; IllegalTransition if TRANSITIONS forbids it."""
+        self.state = TRANSITIONS.check(self.state, target)
 
     def require(self, *states: TxnState, action: str) -> None:
+        """TransactionStateError ("cannot ``action`` in transaction state ...") unless in one of ``states``."""
         if self.state not in states:
             raise TransactionStateError(f"cannot {action} in transaction state {self.state.value} "
                                         f"(needs {' or '.join(s.value for s in states)})")
@@ -66,7 +76,14 @@ class TxnStateMachine:
 
 @dataclasses.dataclass(frozen=True)
 class PreparedTxn:
-    """What another process needs to commit or abort a prepared transaction: plain data."""
+    """What another process needs to commit or abort a prepared transaction: plain data.
+
+    Example::
+
+        handle = producer.prepare_transaction()
+        store(handle.to_json())                                      # durably, before voting yes
+        Producer.complete_prepared(bootstrap, PreparedTxn.from_json(load()), commit=True)
+    """
 
     transactional_id: str
     producer_id: int

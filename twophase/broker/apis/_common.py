@@ -6,7 +6,9 @@ import datetime
 
 from kio.schema.errors import ErrorCode
 
-from ..storage import InvalidTopicError, validate_topic_name
+from twophase.wire.errors import InvalidTopicError
+
+from ..storage import validate_topic_name
 
 NO_THROTTLE = datetime.timedelta(0)
 NONE = ErrorCode.none

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 from kio.schema.errors import ErrorCode
 
+from twophase.wire.api_keys import ApiKey
+
 from ..txn.coordinator import PRODUCER_FENCED
 from ._common import error
 
 # The first version of each API that may answer PRODUCER_FENCED (90, KIP-588); older versions
 # get INVALID_PRODUCER_EPOCH (47), as Kafka answers them.
-PRODUCER_FENCED_SINCE = {22: 4, 24: 2, 25: 2, 26: 2, 28: 3}
+PRODUCER_FENCED_SINCE = {ApiKey.INIT_PRODUCER_ID: 4, ApiKey.ADD_PARTITIONS_TO_TXN: 2, ApiKey.ADD_OFFSETS_TO_TXN: 2,
+                         ApiKey.END_TXN: 2, ApiKey.TXN_OFFSET_COMMIT: 3}
 
 
 def txn_error(code: int, request) -> ErrorCode:

@@ -6,11 +6,15 @@ import time
 
 from kio.schema.errors import ErrorCode
 
-from ..codec import build
+from twophase.wire.api_keys import ApiKey
+from twophase.wire.codec import build
+
+from ..protocol import handles
 from ._common import NO_THROTTLE
 from ._txn import txn_error
 
 
+@handles(ApiKey.ADD_OFFSETS_TO_TXN, 0, 3)
 async def handle(broker, request):
     body, rt = request.body, request.response_type()
     if not body.group_id:

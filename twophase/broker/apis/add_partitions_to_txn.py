@@ -12,11 +12,15 @@ import time
 
 from kio.schema.errors import ErrorCode
 
-from ..codec import build, nested
+from twophase.wire.api_keys import ApiKey
+from twophase.wire.codec import build, nested
+
+from ..protocol import handles
 from ._common import NO_THROTTLE
 from ._txn import txn_error
 
 
+@handles(ApiKey.ADD_PARTITIONS_TO_TXN, 0, 3)  # 4+ is broker-to-broker verification
 async def handle(broker, request):
     body, rt = request.body, request.response_type()
     TopicResult = nested(rt, "AddPartitionsToTxnTopicResult")

@@ -1,4 +1,4 @@
-"""CreateTopics (key 19): create topics in the log manager.
+"""CreateTopics (key 19), v2-v7: create topics in the log manager.
 
 A single broker holds every replica, so the replication factor must be 1 (or -1, the default);
 manual assignments must name this broker only. num_partitions -1 means the broker default.
@@ -11,8 +11,11 @@ from __future__ import annotations
 
 from kio.schema.errors import ErrorCode
 
-from ..codec import build, nested
-from ..storage import KafkaError
+from twophase.wire.api_keys import ApiKey
+from twophase.wire.codec import build, nested
+from twophase.wire.errors import KafkaError
+
+from ..protocol import handles
 from ._common import NO_THROTTLE, NONE, error, valid_topic_name
 
 def _check(broker, topic) -> tuple[ErrorCode, str | None, int]:
@@ -42,6 +45,7 @@ def _check(broker, topic) -> tuple[ErrorCode, str | None, int]:
     return NONE, None, partitions
 
 
+@handles(ApiKey.CREATE_TOPICS, 2, 7)
 async def handle(broker, request):
     body, rt = request.body, request.response_type()
     Result = nested(rt, "CreatableTopicResult")

@@ -1,4 +1,4 @@
-"""DeleteTopics (key 20): delete topics by name (v1-v5) or by name or topic id (v6).
+"""DeleteTopics (key 20), v1-v6: delete topics by name (v1-v5) or by name or topic id (v6).
 
 A v6 entry names a topic either by name or by id, never both (Kafka answers INVALID_REQUEST: a name
 with the id of a deleted predecessor must not delete the topic recreated under that name).
@@ -8,11 +8,15 @@ from __future__ import annotations
 
 from kio.schema.errors import ErrorCode
 
-from ..codec import build, nested
-from ..storage import KafkaError
+from twophase.wire.api_keys import ApiKey
+from twophase.wire.codec import build, nested
+from twophase.wire.errors import KafkaError
+
+from ..protocol import handles
 from ._common import NO_THROTTLE, error
 
 
+@handles(ApiKey.DELETE_TOPICS, 1, 6)
 async def handle(broker, request):
     body, rt = request.body, request.response_type()
     Result = nested(rt, "DeletableTopicResult")

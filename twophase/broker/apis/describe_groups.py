@@ -5,10 +5,14 @@ Authorized operations are never computed (no ACLs): they are reported as omitted
 
 from __future__ import annotations
 
-from ..codec import build, nested
+from twophase.wire.api_keys import ApiKey
+from twophase.wire.codec import build, nested
+
+from ..protocol import handles
 from ._common import NO_THROTTLE, NONE, OPERATIONS_OMITTED
 
 
+@handles(ApiKey.DESCRIBE_GROUPS, 0, 5)
 async def handle(broker, request):
     rt = request.response_type()
     Described, Member = nested(rt, "DescribedGroup"), nested(rt, "DescribedGroupMember")

@@ -11,7 +11,10 @@ import datetime
 
 from kio.schema.errors import ErrorCode
 
-from ..codec import build, nested
+from twophase.wire.api_keys import ApiKey
+from twophase.wire.codec import build, nested
+
+from ..protocol import handles
 from ._common import NO_THROTTLE, NONE
 
 
@@ -19,6 +22,7 @@ def _time(ms: int) -> datetime.datetime:
     return datetime.datetime.fromtimestamp(max(ms, 0) / 1000, datetime.timezone.utc)
 
 
+@handles(ApiKey.DESCRIBE_TRANSACTIONS, 0, 0)
 async def handle(broker, request):
     rt = request.response_type()
     State, TopicData = nested(rt, "TransactionState"), nested(rt, "TopicData")

@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import time
 
-from ..codec import build
+from twophase.wire.api_keys import ApiKey
+from twophase.wire.codec import build
+
+from ..protocol import handles
 from ._common import NO_THROTTLE
 from ._txn import txn_error
 
 
+@handles(ApiKey.END_TXN, 0, 4)  # 5 is KIP-890's epoch bump per transaction
 async def handle(broker, request):
     body, rt = request.body, request.response_type()
     code = broker.transactions.end_txn(body.transactional_id, body.producer_id, body.producer_epoch,

@@ -24,8 +24,11 @@ import time
 
 from kio.schema.errors import ErrorCode
 
-from ..codec import build, nested
-from ..storage import KafkaError
+from twophase.wire.api_keys import ApiKey
+from twophase.wire.codec import build, nested
+from twophase.wire.errors import KafkaError
+
+from ..protocol import handles
 from ._common import NO_THROTTLE, NONE, READ_COMMITTED, error
 
 
@@ -81,6 +84,7 @@ def _read_within(plog, offset: int, limit: int, upper: int | None) -> tuple[byte
     return (data, end) if len(data) <= limit else (b"", offset)
 
 
+@handles(ApiKey.FETCH, 4, 12)  # 13+ addresses topics by id
 async def handle(broker, request):
     body, rt = request.body, request.response_type()
     version = request.version

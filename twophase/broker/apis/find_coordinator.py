@@ -1,4 +1,4 @@
-"""FindCoordinator (key 10): this broker coordinates every group and every transactional id.
+"""FindCoordinator (key 10), v0-v4: this broker coordinates every group and every transactional id.
 
 v0-v3 ask for one key; v4 batches keys (coordinator_keys) and answers one Coordinator each.
 Key types: 0 group, 1 transaction; anything else is INVALID_REQUEST.
@@ -8,10 +8,14 @@ from __future__ import annotations
 
 from kio.schema.errors import ErrorCode
 
-from ..codec import build, nested
+from twophase.wire.api_keys import ApiKey
+from twophase.wire.codec import build, nested
+
+from ..protocol import handles
 from ._common import NO_THROTTLE, NONE
 
 
+@handles(ApiKey.FIND_COORDINATOR, 0, 4)
 async def handle(broker, request):
     body, rt = request.body, request.response_type()
     key_type = getattr(body, "key_type", 0)

@@ -3,10 +3,14 @@ FENCED_INSTANCE_ID (v3+) that another instance took over its group instance id."
 
 from __future__ import annotations
 
-from ..codec import build
+from twophase.wire.api_keys import ApiKey
+from twophase.wire.codec import build
+
+from ..protocol import handles
 from ._common import NO_THROTTLE, error
 
 
+@handles(ApiKey.HEARTBEAT, 0, 4)
 async def handle(broker, request):
     body = request.body
     code = broker.groups.heartbeat(body.group_id, body.generation_id, body.member_id,

@@ -18,13 +18,17 @@ import time
 
 from kio.schema.errors import ErrorCode
 
-from ..codec import build
+from twophase.wire.api_keys import ApiKey
+from twophase.wire.codec import build
+
+from ..protocol import handles
 from ._common import NO_THROTTLE, NONE
 from ._txn import txn_error
 
 log = logging.getLogger("twophase.broker")
 
 
+@handles(ApiKey.INIT_PRODUCER_ID, 0, 6)  # 6: KIP-939 two-phase commit
 async def handle(broker, request):
     body, rt = request.body, request.response_type()
     if body.transactional_id is None:

@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import asyncio
 
-from ..codec import build, nested
+from twophase.wire.api_keys import ApiKey
+from twophase.wire.codec import build, nested
+
+from ..protocol import handles
 from ._common import NO_THROTTLE, error
 
 
@@ -36,6 +39,7 @@ async def unless_gone(request, coro):
     return task.result()
 
 
+@handles(ApiKey.JOIN_GROUP, 0, 7)  # 8 adds only a reason, 9 static-member assignment skipping
 async def handle(broker, request):
     body, rt, version = request.body, request.response_type(), request.version
     session_ms = _ms(body.session_timeout)

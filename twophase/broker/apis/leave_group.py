@@ -6,10 +6,14 @@ v3+ members name their group instance id: a static member can be removed by inst
 
 from __future__ import annotations
 
-from ..codec import build, nested
+from twophase.wire.api_keys import ApiKey
+from twophase.wire.codec import build, nested
+
+from ..protocol import handles
 from ._common import NO_THROTTLE, NONE, error
 
 
+@handles(ApiKey.LEAVE_GROUP, 0, 5)
 async def handle(broker, request):
     body, rt = request.body, request.response_type()
     if request.version < 3:

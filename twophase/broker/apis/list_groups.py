@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
-from ..codec import build, nested
+from twophase.wire.api_keys import ApiKey
+from twophase.wire.codec import build, nested
+
+from ..protocol import handles
 from ._common import NO_THROTTLE, NONE
 
 
+@handles(ApiKey.LIST_GROUPS, 0, 4)
 async def handle(broker, request):
     rt = request.response_type()
     Listed = nested(rt, "ListedGroup")

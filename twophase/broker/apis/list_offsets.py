@@ -10,8 +10,11 @@ from __future__ import annotations
 
 from kio.schema.errors import ErrorCode
 
-from ..codec import build, nested
-from ..storage import KafkaError
+from twophase.wire.api_keys import ApiKey
+from twophase.wire.codec import build, nested
+from twophase.wire.errors import KafkaError
+
+from ..protocol import handles
 from ._common import NO_THROTTLE, NONE, READ_COMMITTED, error
 
 LATEST, EARLIEST, MAX_TIMESTAMP = -1, -2, -3
@@ -30,6 +33,7 @@ def _lookup(plog, timestamp: int, isolation_level: int) -> tuple[int, int]:
     return (found.offset, found.timestamp) if found is not None else (-1, -1)
 
 
+@handles(ApiKey.LIST_OFFSETS, 1, 7)
 async def handle(broker, request):
     body, rt = request.body, request.response_type()
     TopicResponse = nested(rt, "ListOffsetsTopicResponse")

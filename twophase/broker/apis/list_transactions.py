@@ -11,10 +11,14 @@ from __future__ import annotations
 
 import time
 
-from ..codec import build, nested
+from twophase.wire.api_keys import ApiKey
+from twophase.wire.codec import build, nested
+
+from ..protocol import handles
 from ._common import NO_THROTTLE, error
 
 
+@handles(ApiKey.LIST_TRANSACTIONS, 0, 2)
 async def handle(broker, request):
     body, rt = request.body, request.response_type()
     Listed = nested(rt, "TransactionState")

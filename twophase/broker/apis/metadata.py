@@ -1,4 +1,4 @@
-"""Metadata (key 3): this single broker, the cluster id, the controller, and topic layouts.
+"""Metadata (key 3), v0-v12: this single broker, the cluster id, the controller, and topic layouts.
 
 Every partition is led by this broker with leader epoch -1, so librdkafka skips
 OffsetForLeaderEpoch. Requested topics that do not exist are created when both the client
@@ -9,11 +9,15 @@ from __future__ import annotations
 
 from kio.schema.errors import ErrorCode
 
-from ..codec import build, nested
-from ..storage import KafkaError
+from twophase.wire.api_keys import ApiKey
+from twophase.wire.codec import build, nested
+from twophase.wire.errors import KafkaError
+
+from ..protocol import handles
 from ._common import NO_THROTTLE, NONE, OPERATIONS_OMITTED, error, valid_topic_name
 
 
+@handles(ApiKey.METADATA, 0, 12)  # 13 adds nothing a client here needs
 async def handle(broker, request):
     body, version = request.body, request.version
     rt = request.response_type()

@@ -12,11 +12,15 @@ from __future__ import annotations
 
 from kio.schema.errors import ErrorCode
 
-from ..codec import build, nested
+from twophase.wire.api_keys import ApiKey
+from twophase.wire.codec import build, nested
+
 from ..groups.coordinator import MAX_METADATA_BYTES
+from ..protocol import handles
 from ._common import NO_THROTTLE, NONE, error
 
 
+@handles(ApiKey.OFFSET_COMMIT, 2, 8)  # 9+: KIP-848 member epochs
 async def handle(broker, request):
     body, rt = request.body, request.response_type()
     TopicResponse = nested(rt, "OffsetCommitResponseTopic")

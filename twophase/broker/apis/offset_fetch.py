@@ -9,10 +9,14 @@ from __future__ import annotations
 
 from kio.schema.errors import ErrorCode
 
-from ..codec import build, nested
+from twophase.wire.api_keys import ApiKey
+from twophase.wire.codec import build, nested
+
+from ..protocol import handles
 from ._common import NO_THROTTLE, NONE
 
 
+@handles(ApiKey.OFFSET_FETCH, 1, 7)  # 8+: multi-group requests and KIP-848 member epochs
 async def handle(broker, request):
     body, rt = request.body, request.response_type()
     TopicResponse = nested(rt, "OffsetFetchResponseTopic")

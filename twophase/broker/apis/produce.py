@@ -23,16 +23,19 @@ from datetime import datetime, timezone
 
 from kio.schema.errors import ErrorCode
 
-from ..codec import build, nested
-from ..storage import KafkaError
-from ..storage.errors import CorruptRecordError
-from ..storage.records import iter_batches
+from twophase.wire.api_keys import ApiKey
+from twophase.wire.codec import build, nested
+from twophase.wire.errors import CorruptRecordError, KafkaError
+from twophase.wire.records import iter_batches
+
+from ..protocol import handles
 from ..txn.coordinator import NOT_ENOUGH_REPLICAS
 from ._common import NO_THROTTLE, NONE, error
 
 log = logging.getLogger("twophase.broker")
 
 
+@handles(ApiKey.PRODUCE, 3, 9)  # 3: RecordBatch v2 and idempotence
 async def handle(broker, request):
     body, rt = request.body, request.response_type()
     TopicResponse, PartitionResponse = nested(rt, "TopicProduceResponse"), nested(rt, "PartitionProduceResponse")

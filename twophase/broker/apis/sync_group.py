@@ -7,11 +7,15 @@ goes away (no answer then).
 
 from __future__ import annotations
 
-from ..codec import build
+from twophase.wire.api_keys import ApiKey
+from twophase.wire.codec import build
+
+from ..protocol import handles
 from ._common import NO_THROTTLE, error
 from .join_group import unless_gone
 
 
+@handles(ApiKey.SYNC_GROUP, 0, 5)
 async def handle(broker, request):
     body, rt = request.body, request.response_type()
     result = await unless_gone(request, broker.groups.sync(

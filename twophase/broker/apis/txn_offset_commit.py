@@ -13,12 +13,16 @@ import time
 
 from kio.schema.errors import ErrorCode
 
-from ..codec import build, nested
+from twophase.wire.api_keys import ApiKey
+from twophase.wire.codec import build, nested
+
 from ..groups.coordinator import MAX_METADATA_BYTES
+from ..protocol import handles
 from ._common import NO_THROTTLE, NONE, error
 from ._txn import txn_error
 
 
+@handles(ApiKey.TXN_OFFSET_COMMIT, 0, 3)
 async def handle(broker, request):
     body, rt = request.body, request.response_type()
     TopicResponse = nested(rt, "TxnOffsetCommitResponseTopic")

@@ -13,6 +13,11 @@ from disk after a restart starts Stable (or Empty), as Kafka loads it.
 Static members (KIP-345) carry a ``group_instance_id`` that outlives their member id: the
 group maps each instance id to the member id currently holding it, and a request naming the
 instance id with any other member id comes from a fenced (replaced) instance.
+
+Example::
+
+    group = Group("g")
+    group.transition(GroupState.PREPARING_REBALANCE)   # IllegalTransition if TRANSITIONS forbids it
 """
 
 from __future__ import annotations
@@ -21,8 +26,12 @@ import asyncio
 import dataclasses
 import enum
 
+from twophase.states import Transitions
+
 
 class GroupState(enum.Enum):
+    """Where a group is in its rebalance cycle (Kafka's classic group states)."""
+
     EMPTY = "Empty"
     PREPARING_REBALANCE = "PreparingRebalance"
     COMPLETING_REBALANCE = "CompletingRebalance"
@@ -30,23 +39,21 @@ class GroupState(enum.Enum):
     DEAD = "Dead"
 
 
-ALLOWED_TRANSITIONS: dict[GroupState, frozenset[GroupState]] = {
-    GroupState.EMPTY: frozenset({GroupState.PREPARING_REBALANCE, GroupState.DEAD}),
-    GroupState.PREPARING_REBALANCE: frozenset({GroupState.COMPLETING_REBALANCE, GroupState.EMPTY,
-                                               GroupState.DEAD}),
-    GroupState.COMPLETING_REBALANCE: frozenset({GroupState.STABLE, GroupState.PREPARING_REBALANCE,
-                                                GroupState.DEAD}),
-    GroupState.STABLE: frozenset({GroupState.PREPARING_REBALANCE, GroupState.DEAD}),
-    GroupState.DEAD: frozenset(),
-}
-
-
-class IllegalTransition(RuntimeError):
-    pass
+# Dead is listed per state rather than as from_any: Dead -> Dead is not a move.
+TRANSITIONS: Transitions[GroupState] = Transitions("group", {
+    GroupState.EMPTY: {GroupState.PREPARING_REBALANCE, GroupState.DEAD},
+    GroupState.PREPARING_REBALANCE: {GroupState.COMPLETING_REBALANCE, GroupState.EMPTY, GroupState.DEAD},
+    GroupState.COMPLETING_REBALANCE: {GroupState.STABLE, GroupState.PREPARING_REBALANCE, GroupState.DEAD},
+    GroupState.STABLE: {GroupState.PREPARING_REBALANCE, GroupState.DEAD},
+    GroupState.DEAD: (),
+})
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class JoinResult:
+    """The answer to one JoinGroup: an error code, or the generation, protocol and leader (and, for
+    the leader, every member's metadata)."""
+
     error: int
     generation: int = -1
     protocol_type: str | None = None
@@ -58,6 +65,8 @@ class JoinResult:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class SyncResult:
+    """The answer to one SyncGroup: an error code, or the member's assignment."""
+
     error: int
     protocol_type: str | None = None
     protocol_name: str | None = None
@@ -66,6 +75,8 @@ class SyncResult:
 
 @dataclasses.dataclass(eq=False)
 class Member:
+    """One member of a group: identity, timeouts, protocols, assignment, and its parked requests."""
+
     member_id: str
     group_instance_id: str | None
     client_id: str
@@ -126,9 +137,8 @@ class Group:
         return group
 
     def transition(self, target: GroupState) -> None:
-        if target not in ALLOWED_TRANSITIONS[self.state]:
-            raise IllegalTransition(f"group {self.group_id!r}: {self.state.value} -> {target.value}")
-        self.state = target
+        """Move to ``target``; IllegalTransition (a coordinator bug) if TRANSITIONS forbids it."""
+        self.state = TRANSITIONS.check(self.state, target, repr(self.group_id))
 
     def add(self, member: Member) -> None:
         self.members[member.member_id] = member

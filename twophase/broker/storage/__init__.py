@@ -1,6 +1,8 @@
 """Storage of the built-in broker: partition logs of Kafka RecordBatch v2 bytes, producer state, topics,
 and the partition side of transactions (markers, last stable offset, aborted-transactions index).
 
+The batch format and the errors with Kafka codes it raises are in :mod:`twophase.wire`.
+
 Example::
 
     from twophase.broker.storage import LogConfig, LogManager
@@ -13,74 +15,24 @@ Example::
 """
 
 from .config import LogConfig
-from .errors import (
-    CorruptRecordError,
-    DataDirLockedError,
-    InvalidConfigError,
-    InvalidPartitionsError,
-    InvalidProducerEpochError,
-    InvalidRecordError,
-    InvalidTopicError,
-    InvalidTxnStateError,
-    KafkaError,
-    KafkaStorageError,
-    MessageTooLargeError,
-    OffsetOutOfRangeError,
-    OutOfOrderSequenceError,
-    TopicAlreadyExistsError,
-    TransactionCoordinatorFencedError,
-    UnknownTopicOrPartitionError,
-)
+from .errors import DataDirLockedError
 from .log import PartitionLog
 from .manager import LogManager, TopicInfo, run_flushes, validate_topic_name
 from .producers import ProducerStateManager
-from .records import (
-    BatchHeader,
-    ControlRecord,
-    control_batch,
-    iter_batches,
-    parse_control_record,
-    parse_header,
-    set_base_offset,
-    validate_batch,
-)
 from .results import AppendResult, TimestampOffset
 from .txnindex import AbortedTxn, TransactionIndex
 
 __all__ = [
     "AbortedTxn",
     "AppendResult",
-    "BatchHeader",
-    "ControlRecord",
-    "CorruptRecordError",
     "DataDirLockedError",
-    "InvalidConfigError",
-    "InvalidPartitionsError",
-    "InvalidProducerEpochError",
-    "InvalidRecordError",
-    "InvalidTopicError",
-    "InvalidTxnStateError",
-    "KafkaError",
-    "KafkaStorageError",
     "LogConfig",
     "LogManager",
-    "MessageTooLargeError",
-    "OffsetOutOfRangeError",
-    "OutOfOrderSequenceError",
     "PartitionLog",
     "ProducerStateManager",
     "TimestampOffset",
-    "TopicAlreadyExistsError",
     "TopicInfo",
-    "TransactionCoordinatorFencedError",
     "TransactionIndex",
-    "UnknownTopicOrPartitionError",
-    "control_batch",
-    "iter_batches",
-    "parse_control_record",
-    "parse_header",
     "run_flushes",
-    "set_base_offset",
-    "validate_batch",
     "validate_topic_name",
 ]

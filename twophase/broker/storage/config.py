@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from .errors import InvalidConfigError
+from twophase.wire.errors import InvalidConfigError
 
 MIB = 1024 * 1024
 DAY_MS = 24 * 3600 * 1000

@@ -35,17 +35,14 @@ from bisect import bisect_right
 from collections.abc import Callable, Iterator
 
 from twophase.durable import fsync_dir, unlink_quietly
-
-from .config import LogConfig
-from .errors import (
+from twophase.wire.errors import (
     CorruptRecordError,
     InvalidRecordError,
     KafkaStorageError,
     MessageTooLargeError,
     OffsetOutOfRangeError,
 )
-from .producers import ProducerStateManager
-from .records import (
+from twophase.wire.records import (
     INT32_MAX,
     NO_PARTITION_LEADER_EPOCH,
     BatchHeader,
@@ -54,6 +51,9 @@ from .records import (
     iter_batches,
     parse_control_record,
 )
+
+from .config import LogConfig
+from .producers import ProducerStateManager
 from .results import AppendResult, TimestampOffset
 from .segment import DetachedSeal, Segment, index_path
 from .txnindex import SUFFIX as TXN_INDEX_SUFFIX

@@ -32,15 +32,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .config import LogConfig, normalize_overrides
-from .errors import (
-    DataDirLockedError,
+from twophase.durable import atomic_write, fsync_dir
+from twophase.wire.errors import (
     InvalidPartitionsError,
     InvalidTopicError,
     KafkaStorageError,
     TopicAlreadyExistsError,
     UnknownTopicOrPartitionError,
 )
-from twophase.durable import atomic_write, fsync_dir
+from .errors import DataDirLockedError
 from .log import PartitionLog
 
 log = logging.getLogger(__name__)

@@ -30,14 +30,14 @@ from dataclasses import dataclass, field
 
 import crc32c
 
-from .errors import (
+from twophase.durable import atomic_write, unlink_quietly
+from twophase.wire.errors import (
     InvalidProducerEpochError,
     InvalidTxnStateError,
     OutOfOrderSequenceError,
     TransactionCoordinatorFencedError,
 )
-from twophase.durable import atomic_write, unlink_quietly
-from .records import INT32_MAX, NO_SEQUENCE, BatchHeader, ControlRecord
+from twophase.wire.records import INT32_MAX, NO_SEQUENCE, BatchHeader, ControlRecord
 from .results import AppendResult
 from .txnindex import AbortedTxn
 

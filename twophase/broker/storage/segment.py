@@ -28,9 +28,8 @@ from bisect import bisect_left, bisect_right
 from collections.abc import Iterator, Sequence
 
 from twophase.durable import fsync_dir
-
-from .errors import CorruptRecordError
-from .records import (
+from twophase.wire.errors import CorruptRecordError
+from twophase.wire.records import (
     HEADER_SIZE,
     LOG_OVERHEAD,
     MAGIC,
@@ -39,6 +38,7 @@ from .records import (
     parse_header,
     validate_batch,
 )
+
 from .txnindex import TransactionIndex, txn_index_path
 
 log = logging.getLogger(__name__)

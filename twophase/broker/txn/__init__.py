@@ -4,9 +4,9 @@ from .coordinator import InitResult, TransactionCoordinator, TxnDescription, Txn
 from .failpoints import Failpoint
 from .log import TransactionLog
 from .metadata import TxnMetadata
-from .state import ALLOWED_TRANSITIONS, IllegalTransition, TxnState
+from .state import TRANSITIONS, TxnState
 
 TXN_DIR = "transactions"  # under the broker's data directory
 
-__all__ = ["ALLOWED_TRANSITIONS", "Failpoint", "IllegalTransition", "InitResult", "TXN_DIR",
-           "TransactionCoordinator", "TransactionLog", "TxnDescription", "TxnMetadata", "TxnSettings", "TxnState"]
+__all__ = ["Failpoint", "InitResult", "TRANSITIONS", "TXN_DIR", "TransactionCoordinator", "TransactionLog",
+           "TxnDescription", "TxnMetadata", "TxnSettings", "TxnState"]

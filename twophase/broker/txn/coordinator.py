@@ -33,12 +33,13 @@ from collections.abc import Callable, Iterable
 
 import re2
 
+from twophase.wire.errors import KafkaError, UnknownTopicOrPartitionError
+
 from ..groups.offsets import CommittedOffset, OffsetStore
-from ..storage import KafkaError, UnknownTopicOrPartitionError
 from .failpoints import Failpoint
 from .log import TransactionLog, TransactionLogFailed
 from .metadata import TxnMetadata
-from .state import TxnState
+from .state import TRANSITIONS, TxnState
 
 log = logging.getLogger("twophase.broker.txn")
 
@@ -187,7 +188,7 @@ class TransactionCoordinator:
                 self._prepare_and_complete(aborting, commit=False, now_ms=now_ms)
             elif meta.state.idle and now_ms - meta.last_update_ms > self.settings.id_expiration_ms:
                 log.info("transactional id %r expired (idle since %d)", meta.transactional_id, meta.last_update_ms)
-                meta.state.check(TxnState.DEAD)
+                TRANSITIONS.check(meta.state, TxnState.DEAD, repr(meta.transactional_id))
                 self._log.append(meta.transactional_id, None)
                 del self._txns[meta.transactional_id]
 

@@ -28,8 +28,8 @@ import os
 import struct
 import zlib
 
-from twophase.broker.storage.errors import KafkaError
 from twophase.durable import atomic_write, fsync_dir
+from twophase.wire.errors import KafkaError
 
 log = logging.getLogger("twophase.broker.txn")
 

@@ -24,13 +24,16 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from .state import TxnState
+from .state import TRANSITIONS, TxnState
 
 MAX_EPOCH = 32767  # int16; an epoch bump beyond it allocates a new producer id
 
 
 @dataclasses.dataclass(eq=True)
 class TxnMetadata:
+    """The coordinator's record of one transactional id: producer ids and epochs, state, and what
+    the open transaction touched; one record of the transaction log (:meth:`to_dict`)."""
+
     transactional_id: str
     producer_id: int
     producer_epoch: int
@@ -51,8 +54,8 @@ class TxnMetadata:
         return dataclasses.replace(self, partitions=set(self.partitions), groups=set(self.groups))
 
     def transition(self, target: TxnState) -> None:
-        self.state.check(target)
-        self.state = target
+        """Move to ``target``; IllegalTransition (a coordinator bug) if the state machine forbids it."""
+        self.state = TRANSITIONS.check(self.state, target, repr(self.transactional_id))
 
     @property
     def taken_over(self) -> bool:

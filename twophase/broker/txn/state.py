@@ -13,19 +13,20 @@ no PrepareEpochFence: a fencing abort bumps the epoch in the same log record as 
 
 Example::
 
-    state.check(TxnState.PREPARE_COMMIT)   # IllegalTransition unless allowed from ``state``
+    TRANSITIONS.check(TxnState.ONGOING, TxnState.PREPARE_COMMIT)   # IllegalTransition if not allowed
+    meta.transition(TxnState.PREPARE_COMMIT)                      # the same, on a TxnMetadata
 """
 
 from __future__ import annotations
 
 import enum
 
-
-class IllegalTransition(RuntimeError):
-    pass
+from twophase.states import Transitions
 
 
 class TxnState(enum.Enum):
+    """Where one transactional id's transaction is, as the coordinator logs it (Kafka's names)."""
+
     EMPTY = "Empty"
     ONGOING = "Ongoing"
     PREPARE_COMMIT = "PrepareCommit"
@@ -44,17 +45,13 @@ class TxnState(enum.Enum):
         """No transaction is open: the id may start one, or expire."""
         return self in (TxnState.EMPTY, TxnState.COMPLETE_COMMIT, TxnState.COMPLETE_ABORT)
 
-    def check(self, target: TxnState) -> None:
-        if target not in ALLOWED_TRANSITIONS[self]:
-            raise IllegalTransition(f"transaction state {self.value} -> {target.value}")
 
-
-ALLOWED_TRANSITIONS: dict[TxnState, frozenset[TxnState]] = {
-    TxnState.EMPTY: frozenset({TxnState.EMPTY, TxnState.ONGOING, TxnState.DEAD}),
-    TxnState.ONGOING: frozenset({TxnState.ONGOING, TxnState.PREPARE_COMMIT, TxnState.PREPARE_ABORT}),
-    TxnState.PREPARE_COMMIT: frozenset({TxnState.COMPLETE_COMMIT}),
-    TxnState.PREPARE_ABORT: frozenset({TxnState.COMPLETE_ABORT}),
-    TxnState.COMPLETE_COMMIT: frozenset({TxnState.EMPTY, TxnState.ONGOING, TxnState.DEAD}),
-    TxnState.COMPLETE_ABORT: frozenset({TxnState.EMPTY, TxnState.ONGOING, TxnState.DEAD}),
-    TxnState.DEAD: frozenset(),
-}
+TRANSITIONS: Transitions[TxnState] = Transitions("transaction", {
+    TxnState.EMPTY: {TxnState.EMPTY, TxnState.ONGOING, TxnState.DEAD},
+    TxnState.ONGOING: {TxnState.ONGOING, TxnState.PREPARE_COMMIT, TxnState.PREPARE_ABORT},
+    TxnState.PREPARE_COMMIT: {TxnState.COMPLETE_COMMIT},
+    TxnState.PREPARE_ABORT: {TxnState.COMPLETE_ABORT},
+    TxnState.COMPLETE_COMMIT: {TxnState.EMPTY, TxnState.ONGOING, TxnState.DEAD},
+    TxnState.COMPLETE_ABORT: {TxnState.EMPTY, TxnState.ONGOING, TxnState.DEAD},
+    TxnState.DEAD: (),
+})

@@ -1,4 +1,5 @@
-"""RecordBatch v2 handling at the batch level: the broker never decodes records on the produce path.
+"""RecordBatch v2: batch headers, validation and control markers (the broker never decodes records on
+the produce path), and whole records for the client.
 
 The 61-byte header (big-endian)::
 
@@ -16,7 +17,7 @@ Example::
     marker = control_batch(producer_id=7, producer_epoch=0, commit=True,
                            coordinator_epoch=0, timestamp_ms=now_ms)
 
-Clients (twophase.client) also build and read whole records::
+The client (twophase.client) also builds and reads whole records::
 
     data = record_batch([(ts, b"key", b"value", [("h", b"x")])], compression=COMPRESSION_GZIP)
     records = decode_batch_records(fetched_batch)   # [Record(offset, timestamp_ms, key, value, headers)]
@@ -63,6 +64,8 @@ Buffer = bytes | bytearray | memoryview
 
 @dataclass(frozen=True)
 class BatchHeader:
+    """The 61-byte header of one RecordBatch v2, decoded; what storage needs without the records."""
+
     base_offset: int
     length: int
     leader_epoch: int
@@ -186,6 +189,8 @@ def control_batch(
 
 @dataclass(frozen=True)
 class ControlRecord:
+    """The marker a control batch holds: the transaction committed or aborted, by which coordinator epoch."""
+
     commit: bool
     coordinator_epoch: int
 

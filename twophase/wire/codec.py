@@ -26,6 +26,8 @@ from typing import Any
 
 from kio.serial import entity_reader, entity_writer
 
+from .varint import decode_uvarint
+
 _HEAD = struct.Struct(">hhi")
 _I16 = struct.Struct(">h")
 _I32 = struct.Struct(">i")
@@ -56,18 +58,10 @@ def peek_header(frame: bytes) -> tuple[int, int, int]:
 
 
 def _uvarint(buf: bytes, pos: int, end: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        if pos >= end:
-            raise DecodeFailed("truncated varint")
-        b = buf[pos]
-        pos += 1
-        value |= (b & 0x7F) << shift
-        if not b & 0x80:
-            return value, pos
-        shift += 7
-        if shift > 63:
-            raise DecodeFailed("varint too long")
+    try:
+        return decode_uvarint(buf, pos, end)
+    except ValueError as exc:
+        raise DecodeFailed(str(exc)) from None
 
 
 def _length(buf: bytes, pos: int, end: int, compact: bool, wide: bool) -> tuple[int, int]:
@@ -249,7 +243,7 @@ def encode_response(correlation_id: int, response: Any) -> memoryview:
 
 
 def encode_request(correlation_id: int, request: Any, client_id: str | None = "twophase") -> bytes:
-    """A length-prefixed request frame (used by tests and, later, by the client)."""
+    """A length-prefixed request frame (the client's, and tests')."""
     header_type = request.__header_schema__
     buf = io.BytesIO()
     buf.write(b"\0\0\0\0")
