@@ -225,7 +225,7 @@ class AppCoordinator:
                               "--retry-failed`", self.app, epoch, work.record.error)
                     this_pass.records.append(EpochBlocked(qp.query_id, epoch, work.record.error))
                     return
-                work = self._decide(work, work.record.to(EpochState.COMMITTING, error=None), this_pass)
+                work = self._decide(work, work.record.transition(EpochState.COMMITTING, error=None), this_pass)
                 if work is None:
                     return
             if not complete:
@@ -289,7 +289,7 @@ class AppCoordinator:
         if work.record.state is EpochState.OPEN:
             run = work.registry.latest_run(work.attempts)
             winners = tuple(sorted(a.name for a in work.attempts if a.run == run and a.won))
-            work = self._decide(work, work.record.to(EpochState.COMMITTING, run=run, winners=winners), this_pass)
+            work = self._decide(work, work.record.transition(EpochState.COMMITTING, run=run, winners=winners), this_pass)
             if work is None:
                 return False
         record = work.record
@@ -303,7 +303,7 @@ class AppCoordinator:
         committed = EpochCommitted(work.query_id, work.epoch, record.run, record.winners, dry_run)
         if not dry_run:
             txn = self.fence.transaction()
-            txn.set_data(work.paths.epoch(work.epoch), record.to(EpochState.COMMITTED).encode())
+            txn.set_data(work.paths.epoch(work.epoch), record.transition(EpochState.COMMITTED).encode())
             txn.set_data(work.paths.watermark, dump({"epoch": work.epoch}))
             self.client.retry(self.client.ensure_path, work.paths.watermark)
             self.fence.commit(txn)
@@ -433,7 +433,7 @@ class AppCoordinator:
                 current = EpochRecord.decode(raw)
                 # Not from COMMITTED (a late attempt's abort, in GC) nor twice.
                 if EPOCH_TRANSITIONS.allows(current.state, EpochState.FAILED):
-                    failed = current.to(EpochState.FAILED, error=f"{attempt}: {error}")
+                    failed = current.transition(EpochState.FAILED, error=f"{attempt}: {error}")
                     txn.set_data(work.paths.epoch(work.epoch), failed.encode(), version=stat.version)
             self.client.retry(self.client.ensure_path, work.paths.failures(work.epoch))
             try:

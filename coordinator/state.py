@@ -10,8 +10,8 @@
 Usage::
 
     record = EpochRecord()                                   # OPEN
-    record = record.to(EpochState.COMMITTING, run="r1", winners=("r1.0.0.0",))
-    record.to(EpochState.OPEN)                               # IllegalTransition
+    record = record.transition(EpochState.COMMITTING, run="r1", winners=("r1.0.0.0",))
+    record.transition(EpochState.OPEN)         # IllegalTransition
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ class EpochRecord:
     updated: float = field(default_factory=time.time)
     error: str | None = None
 
-    def to(self, state: EpochState, **changes: Any) -> EpochRecord:
+    def transition(self, state: EpochState, **changes: Any) -> EpochRecord:
         """This record moved to ``state`` (with ``changes``); IllegalTransition if the move is not allowed."""
         EPOCH_TRANSITIONS.check(self.state, state)
         return replace(self, state=state, updated=time.time(), **changes)

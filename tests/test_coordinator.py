@@ -129,7 +129,7 @@ def test_a_successor_finishes_a_decided_epoch(pipe):
     pipe.barrier(0, "r1")
     app = pipe.coordinator("first")
     first = pipe.registry.load(0)[0]
-    record = pipe.record(0).to(EpochState.COMMITTING, run="r1",
+    record = pipe.record(0).transition(EpochState.COMMITTING, run="r1",
                                winners=tuple(a.name for a in pipe.registry.load(0)))
     pipe.zk.set(pipe.qp.epoch(0), record.encode())
     pipe.sink.commit(first.handle)  # the first owner committed one partition, then died
@@ -430,9 +430,9 @@ def test_registered_nodes_use_the_txn_context_name(pipe):
 
 
 def test_epoch_records_refuse_undeclared_moves():
-    committing = EpochRecord().to(EpochState.COMMITTING, run="r1")
-    assert committing.to(EpochState.FAILED).to(EpochState.COMMITTING).state is EpochState.COMMITTING
+    committing = EpochRecord().transition(EpochState.COMMITTING, run="r1")
+    assert committing.transition(EpochState.FAILED).transition(EpochState.COMMITTING).state is EpochState.COMMITTING
     with pytest.raises(IllegalTransition, match="epoch: open -> committed is not allowed"):
-        EpochRecord().to(EpochState.COMMITTED)
+        EpochRecord().transition(EpochState.COMMITTED)
     with pytest.raises(IllegalTransition):
-        committing.to(EpochState.COMMITTED).to(EpochState.COMMITTING)
+        committing.transition(EpochState.COMMITTED).transition(EpochState.COMMITTING)
