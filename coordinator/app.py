@@ -43,9 +43,13 @@ from coordinator.state import EPOCH_TRANSITIONS, EpochRecord, EpochState
 from coordinator.zk import children, dump, read_json
 from twophase.checkpoint import completed_epochs
 from twophase.signing import Signer
-from twophase.sink import CommitFailed, TwoPhaseCommitSink
+from twophase.sink import AbortFailed, CommitFailed, TwoPhaseCommitSink
 
 log = logging.getLogger("twophase.coordinator")
+
+# Sink errors that no retry can fix: the handle can never be committed, or was committed and
+# can no longer be aborted. Not retried; they mark the epoch FAILED for an operator.
+PERMANENT = (CommitFailed, AbortFailed)
 
 
 @dataclass
@@ -375,7 +379,7 @@ class AppCoordinator:
         return True
 
     def _call(self, call: Callable[[Any], None], argument: Any) -> tuple[int, Exception | None]:
-        """Call with the policy's retries (none after CommitFailed): the tries made and the last error."""
+        """Call with the policy's retries (none after a PERMANENT error): the tries made and the last error."""
         tries = 0
 
         def counted() -> None:
@@ -386,7 +390,7 @@ class AppCoordinator:
         retrying = Retrying(
             stop=stop_after_attempt(self.policy.attempts),
             wait=wait_exponential(multiplier=0.05, max=self.policy.max_backoff),
-            retry=retry_if_not_exception_type(CommitFailed),
+            retry=retry_if_not_exception_type(PERMANENT),
             reraise=True,
         )
         try:
@@ -410,7 +414,7 @@ class AppCoordinator:
                     log.error("app %s epoch %d: cleaning up unregistered attempt %s failed %d times: %r; "
                               "retried next pass", self.app, work.epoch, ctx.name, tries, error)
                     this_pass.records.append(OperationFailed(work.query_id, work.epoch, ctx.name, Operation.CLEANUP,
-                                                             repr(error), tries, isinstance(error, CommitFailed)))
+                                                             repr(error), tries, isinstance(error, PERMANENT)))
                     return False
                 work.registry.drop_intent(ctx)
             this_pass.records.append(AttemptCleanedUp(work.query_id, work.epoch, ctx.name, dry_run))
@@ -418,8 +422,8 @@ class AppCoordinator:
 
     def _record_failure(self, work: EpochWork, attempt: str, operation: Operation, error: Exception,
                         tries: int, this_pass: _Pass) -> None:
-        """Store the failure for `twophase status`; a permanent one (CommitFailed) also marks the epoch FAILED."""
-        permanent = isinstance(error, CommitFailed)
+        """Store the failure for `twophase status`; a PERMANENT one also marks the epoch FAILED."""
+        permanent = isinstance(error, PERMANENT)
         path = f"{work.paths.failures(work.epoch)}/{attempt}"
         with self._failure_lock:
             previous = read_json(self.client, path, {"count": 0})

@@ -127,7 +127,7 @@ class AttemptCleanedUp(_Record):
 class OperationFailed(_Record):
     """A sink call failed ``tries`` times in this pass (``twophase status`` shows the count over all passes).
 
-    A failed commit or abort holds back its epoch; a ``permanent`` one (CommitFailed) also
+    A failed commit or abort holds back its epoch; a ``permanent`` one (CommitFailed, AbortFailed) also
     marked the epoch FAILED. A failed cleanup does not hold back the epoch and is retried.
 
     ::

@@ -16,7 +16,7 @@ from coordinator.zk import read_json
 from sinks.files import FileSink
 from tests.harness import QUERY, Pipeline, ids_out, stage
 from twophase.signing import SignatureError
-from twophase.sink import CommitFailed, TxnContext
+from twophase.sink import AbortFailed, CommitFailed, TxnContext
 from twophase.states import IllegalTransition
 from twophase.verify import count_rows
 
@@ -189,6 +189,26 @@ def test_a_handle_that_can_never_commit_marks_the_epoch_failed_until_retried(zk,
     retried = app.reconcile(PassOptions(retry_failed=True))  # the operator fixed the cause
     assert retried.ok and records_of(retried, EpochCommitted) == [EpochCommitted(QUERY, 0, "r1", ("r1.0.0.0",))]
     assert count_rows(range(10), ids_out(pipe)).exact and pipe.watermark() == 0
+
+
+class CommittedBehindOurBackSink(FileSink):
+    """A sink whose loser handles turn out committed already: abort can only refuse."""
+
+    def abort(self, handle):
+        raise AbortFailed(f"{handle.pending} was committed already")
+
+
+def test_an_abort_refused_because_committed_is_not_retried_and_marks_the_epoch_failed(zk, zk_root, tmp_path):
+    pipe = Pipeline(zk, zk_root, CommittedBehindOurBackSink(str(tmp_path / "out")))
+    speculative = pipe.begin("r1", 0, 0, attempt=1)
+    pipe.task("r1", 0, 0, range(10))
+    with pytest.raises(AbortFailed):  # the loser's own abort, in its task: its pre-commit stays registered
+        pipe.finish(speculative, range(10))
+    pipe.barrier(0, "r1")
+    report = pipe.coordinator(max_backoff=0.01).reconcile()
+    assert [(r.attempt, r.operation, r.tries, r.permanent) for r in report.records
+            if isinstance(r, OperationFailed)] == [("r1.0.0.1", Operation.ABORT, 1, True)]
+    assert pipe.record(0).state is EpochState.FAILED and pipe.watermark() == -1
 
 
 class ConcurrentCommitSink(FileSink):
