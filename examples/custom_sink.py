@@ -70,13 +70,16 @@ class SqliteSink(TwoPhaseCommitSink):
         return conn
 
     def begin_transaction(self, ctx: TxnContext) -> SqliteTxn:
+        """Start an in-memory buffer for one task attempt."""
         return SqliteTxn(ctx)
 
     def write(self, txn: SqliteTxn, row: Any) -> None:
+        """Buffer one row, as JSON, in memory."""
         data = row.asDict(recursive=True) if hasattr(row, "asDict") else row
         txn.rows.append(json.dumps(data, default=str))
 
     def pre_commit(self, txn: SqliteTxn) -> str:
+        """Stage the buffered rows under the attempt's name in one SQLite transaction; return that name."""
         # Rows are buffered and staged in one short transaction because SQLite
         # has a single writer: holding it for a whole task would block the others.
         with self._db() as db:
@@ -87,14 +90,21 @@ class SqliteSink(TwoPhaseCommitSink):
         return txn.ctx.name
 
     def commit(self, handle: str) -> None:
+        """Move the staged rows of ``handle`` into ``rows``, once.
+
+        The ``committed`` table records the handle in the same SQLite transaction,
+        so a second call finds it there and does nothing.
+        """
         with self._db() as db:
             if db.execute("INSERT OR IGNORE INTO committed(txn) VALUES (?)", (handle,)).rowcount:
                 db.execute("INSERT INTO rows(data) SELECT row FROM staging WHERE txn = ?", (handle,))
                 db.execute("DELETE FROM staging WHERE txn = ?", (handle,))
 
     def abort(self, handle: str) -> None:
+        """Delete the staged rows of ``handle``; a second call is a no-op."""
         with self._db() as db:
             db.execute("DELETE FROM staging WHERE txn = ?", (handle,))
 
     def abort_transaction(self, txn: SqliteTxn) -> None:
+        """Drop the rows buffered in memory: nothing was staged yet."""
         txn.rows.clear()  # buffered in memory until pre_commit: nothing staged yet

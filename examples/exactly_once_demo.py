@@ -52,6 +52,7 @@ TOPIC, TOPIC_PARTITIONS = "demo-out", 3
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """Parse the demo's command line."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workdir", help="where input, checkpoint, broker data and logs go "
                    "(default ./.demo/<timestamp>)")
@@ -64,6 +65,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def job_command(args: argparse.Namespace, zk: str, bootstrap: str, work: str) -> list[str]:
+    """The command line of the streaming job (``examples.log_sink_query``) the demo runs and kills."""
     return [sys.executable, "-m", "examples.log_sink_query", "--zk", zk, "--root", ROOT,
             "--app", APP, "--bootstrap", bootstrap, "--topic", TOPIC, "--input", f"{work}/input",
             "--checkpoint", f"{work}/checkpoint", "--fail-rate", str(args.fail_rate),
@@ -108,10 +110,12 @@ class VisibleCount:
         self.count = 0
 
     def poll(self) -> int:
+        """Read what is newly visible (read_committed) and return the running count."""
         self.count += sum(1 for m in self.consumer.consume(10_000, timeout=0.05) if m.error() is None)
         return self.count
 
     def close(self) -> None:
+        """Close the consumer."""
         self.consumer.close()
 
 
@@ -147,6 +151,7 @@ def open_transactions(bootstrap: str) -> list[str]:
 
 
 def verify(args: argparse.Namespace, bootstrap: str) -> bool:
+    """Check the topic with an independent reader; True if every row is there exactly once and no transaction is left open."""
     expected = range(args.batches * args.rows)
     committed = read_topic(bootstrap, TOPIC)
     report = count_rows(expected, (json.loads(m.value())["id"] for m in committed))
@@ -161,6 +166,7 @@ def verify(args: argparse.Namespace, bootstrap: str) -> bool:
 
 
 def run_demo(args: argparse.Namespace, zk_hosts: str, zk, bootstrap: str, t0: float) -> bool:
+    """Run the job twice on one checkpoint, then verify; True if both the second run and the check pass."""
     cmd, work = job_command(args, zk_hosts, bootstrap, args.workdir), args.workdir
     print("job:", " ".join(cmd[1:]), "\n")
     visible = VisibleCount(bootstrap)
@@ -172,6 +178,7 @@ def run_demo(args: argparse.Namespace, zk_hosts: str, zk, bootstrap: str, t0: fl
 
 
 def run_twice(cmd: list[str], work: str, zk, visible: VisibleCount, args: argparse.Namespace, t0: float) -> bool:
+    """Start the job, kill it a third of the way through, restart it to the end; True if the restart exits 0."""
     first = start_driver(cmd, f"{work}/driver-run1.log")
     try:
         if not watch(first, zk, visible, args, "run 1", t0, kill_at=max(args.batches // 3 - 1, 0)):
@@ -192,6 +199,7 @@ def run_twice(cmd: list[str], work: str, zk, visible: VisibleCount, args: argpar
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Write the input, start ZooKeeper and a broker, run the demo; return 0 on PASS, 1 on FAIL."""
     args = parse_args(argv)
     args.workdir = os.path.abspath(args.workdir or time.strftime("./.demo/%Y%m%d-%H%M%S"))
     os.makedirs(args.workdir, exist_ok=True)

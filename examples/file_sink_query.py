@@ -59,11 +59,13 @@ class FaultyFileSink(FileSink):
         self.slow_ms = slow_ms
 
     def begin_transaction(self, ctx):
+        """Begin a file transaction and decide whether this attempt is one that fails."""
         txn = super().begin_transaction(ctx)
         txn.fail = fails_first_attempt(ctx, self.fail_rate)
         return txn
 
     def write(self, txn, row: Any) -> None:
+        """Write one row, slowly if asked; raise RuntimeError after the first row of a failing attempt."""
         if self.slow_ms:
             time.sleep(self.slow_ms / 1000)
         super().write(txn, row)
@@ -72,6 +74,7 @@ class FaultyFileSink(FileSink):
 
 
 def build_spark(master: str = "local[2,4]"):
+    """A local SparkSession bound to 127.0.0.1, without UI, with 4 shuffle partitions."""
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     from pyspark.sql import SparkSession
 
@@ -125,6 +128,7 @@ def run_query(sink, args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the example query into ``--output`` until it stops; return its exit code."""
     parser = query_parser(__doc__.splitlines()[0], app="file-sink-example")
     parser.add_argument("--output", required=True)
     args = parser.parse_args(argv)

@@ -39,11 +39,13 @@ class FaultyLogSink(LogSink):
         self.slow_ms = slow_ms
 
     def begin_transaction(self, ctx) -> LogTxn:
+        """Begin a log transaction and decide whether this attempt is one that fails."""
         txn = super().begin_transaction(ctx)
         txn.fail = fails_first_attempt(ctx, self.fail_rate)
         return txn
 
     def write(self, txn: LogTxn, row: Any) -> None:
+        """Write one row, slowly if asked; raise RuntimeError right after it in a failing attempt."""
         if self.slow_ms:
             time.sleep(self.slow_ms / 1000)
         super().write(txn, row)
@@ -88,6 +90,7 @@ def read_topic(bootstrap: str, topic: str, isolation: str = "read_committed", ti
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the example query into ``--topic`` until it stops; return its exit code."""
     parser = query_parser(__doc__.splitlines()[0], app="log-sink-example")
     parser.add_argument("--bootstrap", required=True)
     parser.add_argument("--topic", required=True)

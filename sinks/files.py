@@ -76,17 +76,24 @@ class FileSink(TwoPhaseCommitSink):
         self.serializer = serializer or _default_serializer
 
     def begin_transaction(self, ctx: TxnContext) -> FileTxn:
+        """Open ``_staging/<ctx.name>.jsonl`` for writing."""
         staging = os.path.join(self.path, "_staging")
         os.makedirs(staging, exist_ok=True)
         file = open(os.path.join(staging, f"{ctx.name}.jsonl"), "w", encoding="utf-8")
         return FileTxn(ctx, file)
 
     def write(self, txn: FileTxn, row: Any) -> None:
+        """Append one row to the staging file as a JSON line."""
         txn.file.write(json.dumps(self.serializer(row), default=str, separators=(",", ":")))
         txn.file.write("\n")
         txn.rows += 1
 
     def pre_commit(self, txn: FileTxn) -> FileHandle:
+        """Flush (and fsync) the staging file and rename it into ``_pending/``; return its handle.
+
+        An empty transaction leaves no file: its handle has ``rows == 0``, and
+        commit and abort do nothing with it.
+        """
         ctx = txn.ctx
         pending_dir = os.path.join(self.path, "_pending")
         handle = FileHandle(
@@ -111,6 +118,10 @@ class FileSink(TwoPhaseCommitSink):
         return handle
 
     def commit(self, handle: FileHandle) -> None:
+        """Rename the pending file to its final ``part-*.jsonl`` name. Idempotent.
+
+        Raises CommitFailed if neither the pending nor the final file exists.
+        """
         if handle.rows == 0:
             return
         try:
@@ -126,13 +137,16 @@ class FileSink(TwoPhaseCommitSink):
             fsync_dir(self.path)
 
     def abort(self, handle: FileHandle) -> None:
+        """Delete the pending file, if there is one. Idempotent."""
         if handle.rows:
             Path(handle.pending).unlink(missing_ok=True)
 
     def abort_transaction(self, txn: FileTxn) -> None:
+        """Close and delete the staging file of a transaction that never reached pre_commit."""
         self._discard(txn)
 
     def abort_unregistered(self, ctx: TxnContext) -> None:
+        """Delete whatever staging or pending file the attempt ``ctx`` left behind."""
         # What a task killed before registering can have left: its staging or pending file.
         for folder in ("_staging", "_pending"):
             Path(self.path, folder, f"{ctx.name}.jsonl").unlink(missing_ok=True)

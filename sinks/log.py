@@ -190,6 +190,7 @@ class LogSink(TwoPhaseCommitSink):
     # -- task side ------------------------------------------------------------
 
     def begin_transaction(self, ctx: TxnContext) -> LogTxn:
+        """Start a transaction with the attempt's transactional id; the producer opens on the first row."""
         txn = LogTxn(ctx, transactional_id(self.transactional_id_prefix, ctx))
         if self.provenance:
             txn.provenance = [(f"twophase.{name}", str(getattr(ctx, name)).encode())
@@ -197,6 +198,7 @@ class LogSink(TwoPhaseCommitSink):
         return txn
 
     def write(self, txn: LogTxn, row: Any) -> None:
+        """Send one row to the topic inside the attempt's Kafka transaction."""
         if txn.producer is None:
             txn.producer = self._open_producer(txn.transactional_id)
         value = _extract(self.value, row) if self.value is not None else _row_dict(row)
@@ -205,6 +207,11 @@ class LogSink(TwoPhaseCommitSink):
         txn.records += 1
 
     def pre_commit(self, txn: LogTxn) -> LogHandle:
+        """Flush and prepare the Kafka transaction, close the producer; return the handle.
+
+        The handle carries the prepared transaction (producer id and epoch) as
+        JSON, or None if no row was written.
+        """
         prepared = None
         if txn.producer is not None:
             try:
@@ -237,6 +244,10 @@ class LogSink(TwoPhaseCommitSink):
     # -- coordinator side ----------------------------------------------------
 
     def commit(self, handle: LogHandle) -> None:
+        """Commit the prepared transaction from any process. Idempotent.
+
+        Raises CommitFailed if the transaction was aborted or replaced by someone else.
+        """
         if handle.prepared is not None:
             try:
                 Producer.complete_prepared(handle.bootstrap, PreparedTxn.from_json(handle.prepared), commit=True)
@@ -245,6 +256,10 @@ class LogSink(TwoPhaseCommitSink):
                                    f"are lost: {e}") from e
 
     def abort(self, handle: LogHandle) -> None:
+        """Abort the prepared transaction; a no-op if it is gone already.
+
+        Raises AbortFailed if the broker says it was committed.
+        """
         if handle.prepared is None:
             return
         try:
@@ -258,6 +273,7 @@ class LogSink(TwoPhaseCommitSink):
                               f"already and cannot be aborted") from e
 
     def abort_transaction(self, txn: LogTxn) -> None:
+        """Abort the open Kafka transaction of a failed task, if a producer was opened, and close it."""
         producer, txn.producer = txn.producer, None
         if producer is not None:
             try:
