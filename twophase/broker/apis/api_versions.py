@@ -26,6 +26,7 @@ def _ranges(response_type: type) -> tuple:
 
 @handles(ApiKey.API_VERSIONS, 0, 3)  # kafka-python's v4 gets the v0-shaped UNSUPPORTED_VERSION it falls back on
 async def handle(broker, request):
+    """Answer ApiVersions with the version range of every API this broker handles."""
     response_type = request.response_type()
     return build(response_type, error_code=NONE, api_keys=_ranges(response_type), throttle_time=NO_THROTTLE)
 

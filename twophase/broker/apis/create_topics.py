@@ -47,6 +47,7 @@ def _check(broker, topic) -> tuple[ErrorCode, str | None, int]:
 
 @handles(ApiKey.CREATE_TOPICS, 2, 7)
 async def handle(broker, request):
+    """Answer CreateTopics: create (or, with validate_only, only check) each topic; one result per topic."""
     body, rt = request.body, request.response_type()
     Result = nested(rt, "CreatableTopicResult")
     names = [t.name for t in body.topics]

@@ -18,6 +18,7 @@ from ._common import NO_THROTTLE, error
 
 @handles(ApiKey.DELETE_TOPICS, 1, 6)
 async def handle(broker, request):
+    """Answer DeleteTopics: delete each topic named by name (v1-v5) or by name or id (v6); one result per topic."""
     body, rt = request.body, request.response_type()
     Result = nested(rt, "DeletableTopicResult")
     if request.version >= 6:

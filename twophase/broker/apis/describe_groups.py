@@ -14,6 +14,7 @@ from ._common import NO_THROTTLE, NONE, OPERATIONS_OMITTED
 
 @handles(ApiKey.DESCRIBE_GROUPS, 0, 5)
 async def handle(broker, request):
+    """Answer DescribeGroups: state, protocol and members of each group asked about."""
     rt = request.response_type()
     Described, Member = nested(rt, "DescribedGroup"), nested(rt, "DescribedGroupMember")
     groups = []

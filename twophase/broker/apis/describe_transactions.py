@@ -24,6 +24,7 @@ def _time(ms: int) -> datetime.datetime:
 
 @handles(ApiKey.DESCRIBE_TRANSACTIONS, 0, 0)
 async def handle(broker, request):
+    """Answer DescribeTransactions: state, timeout, start time, producer and partitions of each transactional id."""
     rt = request.response_type()
     State, TopicData = nested(rt, "TransactionState"), nested(rt, "TopicData")
     states = []

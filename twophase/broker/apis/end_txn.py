@@ -19,6 +19,7 @@ from ._txn import txn_error
 
 @handles(ApiKey.END_TXN, 0, 4)  # 5 is KIP-890's epoch bump per transaction
 async def handle(broker, request):
+    """Answer EndTxn: commit or abort the producer's transaction."""
     body, rt = request.body, request.response_type()
     code = broker.transactions.end_txn(body.transactional_id, body.producer_id, body.producer_epoch,
                                        body.committed, int(time.time() * 1000))

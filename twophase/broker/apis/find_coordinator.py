@@ -17,6 +17,7 @@ from ._common import NO_THROTTLE, NONE
 
 @handles(ApiKey.FIND_COORDINATOR, 0, 4)
 async def handle(broker, request):
+    """Answer FindCoordinator: this broker coordinates every group and transactional id."""
     body, rt = request.body, request.response_type()
     key_type = getattr(body, "key_type", 0)
     code = NONE if key_type in (0, 1) else ErrorCode.invalid_request

@@ -12,6 +12,7 @@ from ._common import NO_THROTTLE, error
 
 @handles(ApiKey.HEARTBEAT, 0, 4)
 async def handle(broker, request):
+    """Answer Heartbeat for one group member."""
     body = request.body
     code = broker.groups.heartbeat(body.group_id, body.generation_id, body.member_id,
                                    getattr(body, "group_instance_id", None))

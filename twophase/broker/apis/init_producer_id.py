@@ -30,6 +30,7 @@ log = logging.getLogger("twophase.broker")
 
 @handles(ApiKey.INIT_PRODUCER_ID, 0, 6)  # 6: KIP-939 two-phase commit
 async def handle(broker, request):
+    """Answer InitProducerId: a fresh id for an idempotent producer, or the transaction coordinator's id and epoch for a transactional one."""
     body, rt = request.body, request.response_type()
     if body.transactional_id is None:
         producer_id = broker.allocate_producer_id()

@@ -41,6 +41,7 @@ async def unless_gone(request, coro):
 
 @handles(ApiKey.JOIN_GROUP, 0, 7)  # 8 adds only a reason, 9 static-member assignment skipping
 async def handle(broker, request):
+    """Answer JoinGroup once the rebalance completes; None if the client went away meanwhile."""
     body, rt, version = request.body, request.response_type(), request.version
     session_ms = _ms(body.session_timeout)
     rebalance_ms = _ms(body.rebalance_timeout) if version >= 1 else session_ms

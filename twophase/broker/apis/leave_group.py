@@ -15,6 +15,7 @@ from ._common import NO_THROTTLE, NONE, error
 
 @handles(ApiKey.LEAVE_GROUP, 0, 5)
 async def handle(broker, request):
+    """Answer LeaveGroup: remove one member (v0-v2) or several (v3+) from the group."""
     body, rt = request.body, request.response_type()
     if request.version < 3:
         [code] = broker.groups.leave(body.group_id, [body.member_id])

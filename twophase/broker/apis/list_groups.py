@@ -11,6 +11,7 @@ from ._common import NO_THROTTLE, NONE
 
 @handles(ApiKey.LIST_GROUPS, 0, 4)
 async def handle(broker, request):
+    """Answer ListGroups: every known group, filtered by state from v4."""
     rt = request.response_type()
     Listed = nested(rt, "ListedGroup")
     wanted = {s.lower() for s in getattr(request.body, "states_filter", ())}

@@ -20,6 +20,7 @@ from ._common import NO_THROTTLE, error
 
 @handles(ApiKey.LIST_TRANSACTIONS, 0, 2)
 async def handle(broker, request):
+    """Answer ListTransactions: the transactions matching the state, producer id, duration and id-pattern filters."""
     body, rt = request.body, request.response_type()
     Listed = nested(rt, "TransactionState")
     code, unknown, found = broker.transactions.list_transactions(

@@ -19,6 +19,7 @@ from ._common import NO_THROTTLE, NONE, OPERATIONS_OMITTED, error, valid_topic_n
 
 @handles(ApiKey.METADATA, 0, 12)  # 13 adds nothing a client here needs
 async def handle(broker, request):
+    """Answer Metadata: this broker, and the layout of the topics asked for (auto-creating them where allowed)."""
     body, version = request.body, request.version
     rt = request.response_type()
     Broker_, Topic, Partition = (nested(rt, n) for n in

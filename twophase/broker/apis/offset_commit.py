@@ -22,6 +22,7 @@ from ._common import NO_THROTTLE, NONE, error
 
 @handles(ApiKey.OFFSET_COMMIT, 2, 8)  # 9+: KIP-848 member epochs
 async def handle(broker, request):
+    """Answer OffsetCommit: check the member's generation, store the valid offsets, one error code per partition."""
     body, rt = request.body, request.response_type()
     TopicResponse = nested(rt, "OffsetCommitResponseTopic")
     PartitionResponse = nested(rt, "OffsetCommitResponsePartition")

@@ -37,6 +37,7 @@ log = logging.getLogger("twophase.broker")
 
 @handles(ApiKey.PRODUCE, 3, 9)  # 3: RecordBatch v2 and idempotence
 async def handle(broker, request):
+    """Answer Produce: append each partition's batches and answer once they are durable; None for acks=0."""
     body, rt = request.body, request.response_type()
     TopicResponse, PartitionResponse = nested(rt, "TopicProduceResponse"), nested(rt, "PartitionProduceResponse")
     acks = body.acks

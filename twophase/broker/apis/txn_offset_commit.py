@@ -24,6 +24,7 @@ from ._txn import txn_error
 
 @handles(ApiKey.TXN_OFFSET_COMMIT, 0, 3)
 async def handle(broker, request):
+    """Answer TxnOffsetCommit: stage the offsets in the producer's transaction, visible to the group when it commits."""
     body, rt = request.body, request.response_type()
     TopicResponse = nested(rt, "TxnOffsetCommitResponseTopic")
     PartitionResponse = nested(rt, "TxnOffsetCommitResponsePartition")
