@@ -88,9 +88,11 @@ class BrokerConfig:
         self.transaction_settings()  # validates them
 
     def topic_defaults(self) -> LogConfig:
+        """The LogConfig new topics start from: ``log_config`` with its flush setting replaced by ``fsync``."""
         return dataclasses.replace(self.log_config or LogConfig(), flush=self.fsync)
 
     def transaction_settings(self) -> TxnSettings:
+        """The transaction coordinator's settings; raises ValueError if they are invalid."""
         return TxnSettings(self.transaction_max_timeout_ms, self.transactional_id_expiration_ms,
                            self.transaction_check_interval_ms, self.transaction_two_phase_commit)
 
@@ -127,20 +129,24 @@ class Broker:
 
     @property
     def port(self) -> int:
+        """The port listened on once started (the bound one with port 0), else the configured one."""
         return self._server.port if self._server else self.config.port
 
     @property
     def node_id(self) -> int:
+        """This broker's node id, the leader of every partition."""
         return self.config.node_id
 
     @property
     def advertised_host(self) -> str:
+        """The host Metadata and FindCoordinator give clients (127.0.0.1 when listening on any address)."""
         if self.config.advertised_host:
             return self.config.advertised_host
         return "127.0.0.1" if self.config.host in ("", "0.0.0.0", "::") else self.config.host
 
     @property
     def bootstrap(self) -> str:
+        """``host:port`` for clients' bootstrap.servers."""
         return f"{self.advertised_host}:{self.port}"
 
     async def start_async(self) -> None:
@@ -336,6 +342,7 @@ class Broker:
     # -- topics and partitions (for the API handlers; event-loop thread only) ---------------------
 
     def topics(self) -> dict[str, TopicInfo]:
+        """Every topic, by name."""
         return self.logs.topics()
 
     def create_topic(self, name: str, partitions: int, configs: dict | None = None, *,
@@ -353,6 +360,7 @@ class Broker:
         return info
 
     def delete_topic(self, name: str) -> None:
+        """Delete the topic and the groups' offsets for it, and wake the fetches parked on it; raises KafkaError."""
         info = self.logs.topics().get(name)
         self.logs.delete_topic(name)
         self.groups.offsets.delete_topic(name)
@@ -380,6 +388,7 @@ class Broker:
         return fut
 
     def drop_waiter(self, keys: Iterable[tuple[str, int]], fut: asyncio.Future) -> None:
+        """Unregister a future data_waiter() returned (done or not)."""
         for key in keys:
             waiters = self._waiters.get(key)
             if waiters is not None:
@@ -388,6 +397,7 @@ class Broker:
                     del self._waiters[key]
 
     def data_arrived(self, topic: str, partition: int) -> None:
+        """Wake the fetches parked on this partition. Event-loop thread only."""
         waiters = self._waiters.pop((topic, partition), None)
         if waiters:
             for fut in waiters:

@@ -66,6 +66,7 @@ def _directory(value: str) -> str:
 
 
 def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the broker's options to ``p``; its ``func`` default runs the broker."""
     p.add_argument("--data-dir", type=_directory, required=True, help="directory of the logs and broker state")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
     p.add_argument("--port", type=_int_from(0, 65535), default=9092, help="port to listen on, 0 for any (default %(default)s)")
@@ -148,6 +149,7 @@ def run_broker(args, *_ignored) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run ``twophase broker`` with ``argv``; returns the exit code."""
     parser = configure_parser(argparse.ArgumentParser(prog="twophase broker", description=__doc__.split("\n")[0]))
     args = parser.parse_args(argv)
     return args.func(args)

@@ -51,12 +51,15 @@ class Api:
         return "".join(word.capitalize() for word in self.key.name.split("_"))
 
     def supports(self, version: int) -> bool:
+        """Whether ``version`` is in the served range."""
         return self.min_version <= version <= self.max_version
 
     def request_type(self, version: int) -> type:
+        """The kio request class for ``version``."""
         return _request_type(self.key, version)
 
     def response_type(self, version: int) -> type:
+        """The kio response class for ``version``."""
         return _response_type(self.key, version)
 
 
@@ -107,4 +110,5 @@ class Request:
     gone: Any = None  # asyncio.Future done once the client has gone away (None outside the server)
 
     def response_type(self) -> type:
+        """The kio response class for this request's API and version."""
         return self.api.response_type(self.version)

@@ -316,6 +316,7 @@ class ByteBudget:
         return size
 
     def release(self, size: int) -> None:
+        """Give back ``size`` bytes (what acquire() returned) and wake the waiters that now fit."""
         self.available += size
         self._grant()
 
@@ -364,6 +365,7 @@ class KafkaServer:
 
     @property
     def connection_count(self) -> int:
+        """How many connections are open."""
         return len(self._connections)
 
     async def start(self) -> int:

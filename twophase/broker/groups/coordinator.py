@@ -65,6 +65,25 @@ DEFAULT_REBALANCE_TIMEOUT_MS = 60_000
 
 
 class GroupCoordinator:
+    """The classic consumer-group protocol: membership, rebalances and committed offsets.
+
+    Groups and offsets are persisted under ``directory``. Construct and call it
+    on the broker's event loop: join() and sync() are coroutines that may wait
+    for the other members. Methods return Kafka error codes (0 is NONE) rather
+    than raising.
+
+    Usage::
+
+        coordinator = GroupCoordinator("/data/groups")
+        joined = await coordinator.join("g", "", "client", "127.0.0.1", 10_000, 60_000, "consumer",
+                                        [("range", b"...")], require_known_member_id=False)
+        synced = await coordinator.sync("g", joined.generation, joined.member_id, "consumer",
+                                        joined.protocol_name, {joined.member_id: b"assignment"})
+        coordinator.heartbeat("g", joined.generation, joined.member_id)     # 0, or 27 while rebalancing
+        coordinator.commit_offsets("g", {("t", 0): (42, -1, None)})
+        coordinator.committed("g", "t", 0).offset                           # 42, also after a restart
+        coordinator.close()
+    """
     def __init__(self, directory: str, *, min_session_timeout_ms: int = MIN_SESSION_TIMEOUT_MS,
                  max_session_timeout_ms: int = MAX_SESSION_TIMEOUT_MS) -> None:
         self.offsets = OffsetStore(directory, on_forgotten=self._offsets_forgotten)
@@ -328,6 +347,11 @@ class GroupCoordinator:
     async def sync(self, group_id: str, generation: int, member_id: str, protocol_type: str | None,
                    protocol_name: str | None, assignments: dict[str, bytes],
                    group_instance_id: str | None = None) -> SyncResult:
+        """SyncGroup: the leader hands out ``assignments``; wait for it and return this member's.
+
+        Returns at once with an error code (UNKNOWN_MEMBER_ID, ILLEGAL_GENERATION,
+        REBALANCE_IN_PROGRESS...) when the member, generation or state do not fit.
+        """
         group = self.groups.get(group_id)
         if group is not None and group.fenced(group_instance_id, member_id):
             return SyncResult(FENCED_INSTANCE_ID)
@@ -366,6 +390,7 @@ class GroupCoordinator:
     # -- Heartbeat, LeaveGroup -------------------------------------------------------------------
 
     def heartbeat(self, group_id: str, generation: int, member_id: str, group_instance_id: str | None = None) -> int:
+        """Renew the member's session; returns an error code, REBALANCE_IN_PROGRESS while it must rejoin."""
         group = self.groups.get(group_id)
         if group is not None and group.fenced(group_instance_id, member_id):
             return FENCED_INSTANCE_ID
@@ -523,13 +548,16 @@ class GroupCoordinator:
         return NONE
 
     def commit_offsets(self, group_id: str, offsets: dict[tuple[str, int], tuple[int, int, str | None]]) -> None:
+        """Store (offset, leader epoch, metadata) per (topic, partition), durably; the caller checked the member."""
         now_ms = int(time.time() * 1000)
         self.offsets.commit(group_id, {key: CommittedOffset(o, e, m, now_ms) for key, (o, e, m) in offsets.items()})
 
     def committed(self, group_id: str, topic: str, partition: int) -> CommittedOffset | None:
+        """The offset ``group_id`` committed for the partition, or None."""
         return self.offsets.get(group_id, topic, partition)
 
     def all_committed(self, group_id: str) -> dict[tuple[str, int], CommittedOffset]:
+        """Every offset ``group_id`` committed, by (topic, partition)."""
         return self.offsets.all(group_id)
 
 

@@ -92,16 +92,20 @@ class Member:
 
     @property
     def awaiting_join(self) -> bool:
+        """Whether a JoinGroup of this member is parked."""
         return self.join_future is not None and not self.join_future.done()
 
     @property
     def awaiting_sync(self) -> bool:
+        """Whether a SyncGroup of this member is parked."""
         return self.sync_future is not None and not self.sync_future.done()
 
     def protocol_names(self) -> list[str]:
+        """The member's protocol names in its order of preference."""
         return [name for name, _ in self.protocols]
 
     def metadata_for(self, protocol: str) -> bytes:
+        """The metadata the member sent for ``protocol``; StopIteration if it did not name it."""
         return next(meta for name, meta in self.protocols if name == protocol)
 
 
@@ -141,6 +145,7 @@ class Group:
         self.state = TRANSITIONS.check(self.state, target, repr(self.group_id))
 
     def add(self, member: Member) -> None:
+        """Add ``member``, registering its instance id; the first member becomes the leader."""
         self.members[member.member_id] = member
         if member.group_instance_id is not None:
             self.static_members[member.group_instance_id] = member.member_id
@@ -148,6 +153,7 @@ class Group:
             self.leader_id = member.member_id
 
     def remove(self, member_id: str) -> None:
+        """Remove the member if present; leadership passes to another member (None if none is left)."""
         member = self.members.pop(member_id, None)
         if member is not None and self.static_members.get(member.group_instance_id) == member_id:
             del self.static_members[member.group_instance_id]
@@ -170,6 +176,7 @@ class Group:
         return instance_id is not None and self.static_members.get(instance_id, member_id) != member_id
 
     def cancel_timer(self) -> None:
+        """Cancel the group's pending timer (initial delay, rebalance or sync timeout), if any."""
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
@@ -197,7 +204,9 @@ class Group:
         return max(votes, key=lambda name: votes[name])
 
     def max_rebalance_timeout_ms(self) -> int:
+        """The largest rebalance timeout of the members (0 without members)."""
         return max((m.rebalance_timeout_ms for m in self.members.values()), default=0)
 
     def all_joined(self) -> bool:
+        """Whether every member has a JoinGroup parked and no handed-out member id is still expected."""
         return not self.pending and all(m.awaiting_join for m in self.members.values())

@@ -41,6 +41,7 @@ FILE_VERSION = 1
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class CommittedOffset:
+    """One committed offset of a group for one partition, with its leader epoch, metadata and commit time."""
     offset: int
     leader_epoch: int
     metadata: str | None
@@ -96,9 +97,11 @@ class OffsetStore:
         return group_id in self._offsets or group_id in self._pending
 
     def get(self, group_id: str, topic: str, partition: int) -> CommittedOffset | None:
+        """The committed offset of the partition, or None."""
         return self._offsets.get(group_id, {}).get((topic, partition))
 
     def all(self, group_id: str) -> dict[tuple[str, int], CommittedOffset]:
+        """A copy of every committed offset of the group, by (topic, partition)."""
         return dict(self._offsets.get(group_id, {}))
 
     def commit(self, group_id: str, offsets: dict[tuple[str, int], CommittedOffset]) -> None:
@@ -129,6 +132,7 @@ class OffsetStore:
         self._store(group_id, offsets, pending)
 
     def has_pending(self, group_id: str, topic: str, partition: int) -> bool:
+        """Whether an open transaction has staged an offset for the partition."""
         return any((topic, partition) in staged for staged in self._pending.get(group_id, {}).values())
 
     def pending_producers(self) -> list[tuple[str, int]]:

@@ -195,6 +195,7 @@ class PartitionLog:
 
     @property
     def log_start_offset(self) -> int:
+        """The first offset still in the log (the base of the oldest segment)."""
         return self._segments[0].base_offset
 
     @property
@@ -205,6 +206,7 @@ class PartitionLog:
 
     @property
     def log_end_offset(self) -> int:
+        """The offset the next appended record gets (fsynced or not)."""
         return self._segments[-1].next_offset
 
     @property
@@ -216,14 +218,17 @@ class PartitionLog:
         return min(max(first, self.log_start_offset), self.high_watermark)
 
     def has_open_transaction(self, producer_id: int) -> bool:
+        """Whether ``producer_id`` has a transaction open on this partition."""
         return self.producers.has_open_transaction(producer_id)
 
     @property
     def size_bytes(self) -> int:
+        """The size of all segments' log files, in bytes."""
         return sum(s.size for s in self._segments)
 
     @property
     def segments(self) -> list[Segment]:
+        """A copy of the list of segments, oldest first."""
         return list(self._segments)
 
     def _check_usable(self) -> None:

@@ -53,6 +53,14 @@ _LEGAL_TOPIC = re.compile(r"[a-zA-Z0-9._-]+")
 
 @dataclass(frozen=True)
 class TopicInfo:
+    """What the broker knows of one topic: its id, partition count and config overrides.
+
+    Usage::
+
+        info = manager.create_topic("orders", partitions=3, config={"retention.ms": "3600000"})
+        info.topic_id, info.partitions         # uuid.UUID(...), 3
+        manager.topics()["orders"] == info     # True
+    """
     topic_id: uuid.UUID
     partitions: int
     config: Mapping[str, Any] = field(default_factory=dict)  # overrides of the broker's LogConfig
@@ -148,9 +156,11 @@ class LogManager:
     # -- topics ------------------------------------------------------------------------------------
 
     def topics(self) -> dict[str, TopicInfo]:
+        """A copy of the topics, by name."""
         return dict(self._topics)
 
     def topic_config(self, name: str) -> LogConfig:
+        """The broker's LogConfig with the topic's overrides; raises UnknownTopicOrPartitionError."""
         info = self._topics.get(name)
         if info is None:
             raise UnknownTopicOrPartitionError(f"unknown topic {name!r}")
@@ -214,6 +224,7 @@ class LogManager:
             log.warning("%s: restoring %s after a failed create: %s", self.data_dir, METADATA_FILE, exc)
 
     def delete_topic(self, name: str) -> None:
+        """Forget the topic in ``topics.json``, then remove its partitions' files; raises UnknownTopicOrPartitionError."""
         info = self._topics.get(name)
         if info is None:
             raise UnknownTopicOrPartitionError(f"unknown topic {name!r}")
@@ -237,12 +248,14 @@ class LogManager:
         return PartitionLog(self._dir(topic, partition), self.config.with_overrides(info.config))
 
     def partition(self, topic: str, partition: int) -> PartitionLog:
+        """The PartitionLog of the partition; raises UnknownTopicOrPartitionError."""
         partition_log = self._logs.get((topic, partition))
         if partition_log is None:
             raise UnknownTopicOrPartitionError(f"unknown topic-partition {topic}-{partition}")
         return partition_log
 
     def partitions(self) -> dict[tuple[str, int], PartitionLog]:
+        """A copy of every PartitionLog, by (topic, partition)."""
         return dict(self._logs)
 
     # -- periodic work and shutdown ----------------------------------------------------------------

@@ -51,6 +51,7 @@ _SNAPSHOTS_KEPT = 2
 
 @dataclass(frozen=True)
 class BatchMetadata:
+    """The sequence and offset range of one batch a producer appended, kept to recognise its retries."""
     first_seq: int
     last_seq: int
     base_offset: int
@@ -59,6 +60,7 @@ class BatchMetadata:
 
 @dataclass
 class ProducerEntry:
+    """One producer's state on a partition: epoch, last batches, coordinator epoch and open transaction."""
     producer_id: int
     epoch: int = NO_EPOCH
     batches: list[BatchMetadata] = field(default_factory=list)
@@ -68,12 +70,15 @@ class ProducerEntry:
 
     @property
     def last_seq(self) -> int:
+        """The last sequence number appended, or NO_SEQUENCE if no batch is kept."""
         return self.batches[-1].last_seq if self.batches else NO_SEQUENCE
 
     def copy(self) -> ProducerEntry:
+        """A copy whose batch list can change without changing this one."""
         return dataclasses.replace(self, batches=list(self.batches))
 
     def find_duplicate(self, header: BatchHeader) -> BatchMetadata | None:
+        """The kept batch with ``header``'s epoch and sequence range (a retry), else None."""
         if header.producer_epoch != self.epoch:
             return None
         for batch in self.batches:
@@ -108,9 +113,11 @@ class ProducerStateManager:
     # -- queries ----------------------------------------------------------------------------------
 
     def entry(self, producer_id: int) -> ProducerEntry | None:
+        """The state of ``producer_id``, or None if it is unknown here."""
         return self._producers.get(producer_id)
 
     def producer_ids(self) -> list[int]:
+        """Every known producer id, sorted."""
         return sorted(self._producers)
 
     def open_transactions(self) -> dict[int, int]:
@@ -118,6 +125,7 @@ class ProducerStateManager:
         return dict(self._open)
 
     def has_open_transaction(self, producer_id: int) -> bool:
+        """Whether ``producer_id`` has a transaction open on this partition."""
         return producer_id in self._open
 
     def first_unstable_offset(self) -> int | None:
@@ -170,6 +178,7 @@ class ProducerStateManager:
         return PreparedAppend(entries=staged, aborted=aborted)
 
     def commit(self, prepared: PreparedAppend) -> None:
+        """Install the state prepare() computed, once its batches are written."""
         self._producers.update(prepared.entries)
         for entry in prepared.entries.values():
             self._track_open(entry)

@@ -75,10 +75,12 @@ def _stamped_buffers(data: memoryview, headers: Sequence[tuple[int, BatchHeader]
 
 
 def log_path(directory: str, base_offset: int) -> str:
+    """The path of the log file of the segment starting at ``base_offset``."""
     return os.path.join(directory, f"{base_offset:020d}.log")
 
 
 def index_path(directory: str, base_offset: int) -> str:
+    """The path of the offset index file of the segment starting at ``base_offset``."""
     return os.path.join(directory, f"{base_offset:020d}.index")
 
 
@@ -111,6 +113,7 @@ class Segment:
 
     @classmethod
     def create(cls, directory: str, base_offset: int, index_interval_bytes: int) -> Segment:
+        """A new, empty segment with an empty transaction index; FileExistsError if its log already holds data."""
         seg = cls(directory, base_offset, index_interval_bytes)
         try:
             if seg.size:
@@ -281,6 +284,7 @@ class Segment:
                 raise
 
     def flush(self) -> None:
+        """fsync what was appended since the last sync (again if a detached sync has not succeeded); raises OSError."""
         if self._dirty or self._detached_sync:
             self._sync()
             self._dirty = self._detached_sync = False
@@ -334,6 +338,7 @@ class Segment:
             os.fsync(f.fileno())
 
     def close(self, *, sync: bool = True) -> None:
+        """Close the log file (after a flush unless ``sync=False``) and the transaction index."""
         if self._fd >= 0:
             if sync:
                 self.flush()
@@ -342,6 +347,7 @@ class Segment:
         self.txn_index.close()
 
     def delete(self) -> None:
+        """Close without syncing and remove the log, offset index and transaction index files."""
         self.close(sync=False)  # going away: an fsync (say, right after a roll) would only cost time
         self.txn_index.delete()
         for path in (self.path, index_path(self.directory, self.base_offset)):
@@ -354,6 +360,7 @@ class Segment:
 
     @property
     def is_empty(self) -> bool:
+        """Whether the log file holds no data."""
         return self.size == 0
 
     def largest_timestamp(self) -> int:
@@ -506,4 +513,5 @@ class DetachedSeal:
         self._segment._write_index(self._index)
 
     def discard(self) -> None:
+        """Give up the seal without running it: release its duplicate descriptor."""
         self._sync.discard()

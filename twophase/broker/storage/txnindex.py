@@ -41,11 +41,13 @@ _fdatasync = getattr(os, "fdatasync", os.fsync)
 
 
 def txn_index_path(directory: str, base_offset: int) -> str:
+    """The path of the transaction index of the segment starting at ``base_offset``."""
     return os.path.join(directory, f"{base_offset:020d}{SUFFIX}")
 
 
 @dataclass(frozen=True)
 class AbortedTxn:
+    """One aborted transaction of a segment: producer id, first offset, ABORT marker offset and the LSO after it."""
     producer_id: int
     first_offset: int
     last_offset: int  # offset of the ABORT marker
@@ -127,6 +129,7 @@ class TransactionIndex:
         return self._last[-1] if len(self._last) else -1
 
     def entries(self) -> list[AbortedTxn]:
+        """Every entry, in marker-offset order."""
         return [AbortedTxn(*e) for e in zip(self._producer_ids, self._first, self._last, self._lso)]
 
     def collect(self, start: int, end: int, out: list[tuple[int, int]]) -> bool:
@@ -171,17 +174,20 @@ class TransactionIndex:
         self._file_matches = True
 
     def flush(self) -> None:
+        """fdatasync the entries appended since the last flush, if any."""
         if self._dirty:
             _fdatasync(self._fd)
             self._dirty = False
 
     def close(self) -> None:
+        """Flush and close the file; a second call does nothing."""
         if self._fd >= 0:
             self.flush()
             os.close(self._fd)
             self._fd = -1
 
     def delete(self) -> None:
+        """Close and remove the file."""
         self.close()
         unlink_quietly(self.path)
 

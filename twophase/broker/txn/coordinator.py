@@ -103,6 +103,7 @@ class TxnSettings:
 
 @dataclasses.dataclass(frozen=True)
 class InitResult:
+    """The answer to InitProducerId: an error code, or the producer id and epoch (and, after a KIP-939 take-over, the kept transaction's)."""
     error: int
     producer_id: int = -1
     producer_epoch: int = -1
@@ -112,6 +113,7 @@ class InitResult:
 
 @dataclasses.dataclass(frozen=True)
 class TxnDescription:
+    """A transactional id as DescribeTransactions shows it: state, producer, timeout, start and partitions."""
     transactional_id: str
     state: str
     producer_id: int
@@ -122,6 +124,25 @@ class TxnDescription:
 
 
 class TransactionCoordinator:
+    """The transaction coordinator: producer ids, epochs and the two-phase completion of every transactional id.
+
+    State is kept in a TransactionLog under ``directory``; every change is
+    logged (fsynced) before it is installed in memory. Methods return Kafka
+    error codes (0 is NONE) rather than raising. Call it on the broker's event
+    loop thread only; ``check`` is called periodically from there.
+
+    Usage::
+
+        txns = TransactionCoordinator("/data/transactions", partition_log=logs.partition,
+                                      offsets=groups.offsets, allocate_producer_id=broker.allocate_producer_id,
+                                      data_arrived=broker.data_arrived, settings=TxnSettings())
+        txns.recover(now_ms)
+        r = txns.init_producer_id("app-1", 60_000, now_ms=now_ms)
+        txns.add_partitions("app-1", r.producer_id, r.producer_epoch, [("t", 0)], now_ms)
+        txns.end_txn("app-1", r.producer_id, r.producer_epoch, commit=True, now_ms=now_ms)   # 0
+        txns.describe("app-1").state                                                      # "CompleteCommit"
+        txns.close()
+    """
     def __init__(self, directory: str, *, partition_log: Callable, offsets: OffsetStore,
                  allocate_producer_id: Callable[[], int], data_arrived: Callable[[str, int], None],
                  settings: TxnSettings | None = None, failpoint: Failpoint | None = None) -> None:
@@ -161,6 +182,7 @@ class TransactionCoordinator:
                 self._offsets.complete_pending(group_id, producer_id, commit=False)
 
     def close(self) -> None:
+        """Close the transaction log."""
         self._log.close()
 
     async def run_periodic(self) -> None:
@@ -173,6 +195,11 @@ class TransactionCoordinator:
                 log.exception("transaction timeout/expiration check failed")
 
     def check(self, now_ms: int) -> None:
+        """The periodic sweep: retry unfinished completions, abort timed-out transactions, expire idle ids.
+
+        Transactions with two-phase commit (KIP-939) never time out. Does nothing
+        once a transaction-log write has failed.
+        """
         if self._log.failed:
             return
         for meta in list(self._txns.values()):
@@ -198,6 +225,12 @@ class TransactionCoordinator:
     def init_producer_id(self, transactional_id: str, timeout_ms: int, *, producer_id: int = -1,
                          producer_epoch: int = -1, enable_two_phase: bool = False, keep_prepared: bool = False,
                          now_ms: int) -> InitResult:
+        """InitProducerId: the producer id and a bumped epoch for ``transactional_id``, fencing older instances.
+
+        An open transaction is aborted first, unless ``keep_prepared`` (KIP-939)
+        keeps it for the new instance to commit or abort. A retry from the
+        previous (id, epoch) whose answer was lost gets the same answer again.
+        """
         if self._log.failed:
             return InitResult(COORDINATOR_NOT_AVAILABLE)  # until a restart replays what is durable
         if enable_two_phase and not self.settings.allow_two_phase:
@@ -286,6 +319,7 @@ class TransactionCoordinator:
     @_unavailable_when_the_log_fails(COORDINATOR_NOT_AVAILABLE)
     def add_partitions(self, transactional_id: str, producer_id: int, producer_epoch: int,
                        partitions: Iterable[tuple[str, int]], now_ms: int) -> int:
+        """AddPartitionsToTxn: add the partitions to the open transaction (beginning one if none is open); an error code."""
         error, adding = self._open_for_additions(transactional_id, producer_id, producer_epoch, now_ms)
         if error:
             return error
@@ -303,6 +337,7 @@ class TransactionCoordinator:
     @_unavailable_when_the_log_fails(COORDINATOR_NOT_AVAILABLE)
     def add_offsets(self, transactional_id: str, producer_id: int, producer_epoch: int, group_id: str,
                     now_ms: int) -> int:
+        """AddOffsetsToTxn: add ``group_id`` to the open transaction (beginning one if none is open); an error code."""
         error, adding = self._open_for_additions(transactional_id, producer_id, producer_epoch, now_ms)
         if error:
             return error
@@ -346,6 +381,12 @@ class TransactionCoordinator:
     @_unavailable_when_the_log_fails(COORDINATOR_NOT_AVAILABLE)
     def end_txn(self, transactional_id: str, producer_id: int, producer_epoch: int, commit: bool,
                 now_ms: int) -> int:
+        """EndTxn: log the decision, write the markers, complete; an error code.
+
+        Idempotent: a retry of a completed or completing decision returns NONE
+        (CONCURRENT_TRANSACTIONS while markers are still missing). NONE means the
+        decision is durable; markers that failed are retried by :meth:`check`.
+        """
         error, meta = self._current(transactional_id, producer_id, producer_epoch)
         if error:
             return error
@@ -433,6 +474,7 @@ class TransactionCoordinator:
         return NONE, sorted(states - known), found
 
     def describe(self, transactional_id: str) -> TxnDescription | None:
+        """The transactional id's state for DescribeTransactions, or None if it is unknown."""
         meta = self._txns.get(transactional_id)
         if meta is None:
             return None

@@ -28,6 +28,13 @@ FAILPOINTS = frozenset({"before_prepare", "after_prepare", "between_markers", "a
 
 
 class Failpoint:
+    """A named step of EndTxn at which the broker kills itself (tests only); ``Failpoint(None)`` never fires.
+
+    Usage::
+
+        failpoint = Failpoint.from_env()     # TWOPHASE_BROKER_FAILPOINT, or never
+        failpoint.hit("after_prepare")       # SIGKILLs this process if that is the name set
+    """
     def __init__(self, name: str | None) -> None:
         if name and name not in FAILPOINTS:
             raise ValueError(f"{ENV}={name!r}: expected one of {sorted(FAILPOINTS)}")
@@ -35,9 +42,11 @@ class Failpoint:
 
     @classmethod
     def from_env(cls) -> Failpoint:
+        """The failpoint named by TWOPHASE_BROKER_FAILPOINT; ValueError if it names no known step."""
         return cls(os.environ.get(ENV))
 
     def hit(self, name: str) -> None:
+        """SIGKILL this process if ``name`` is the failpoint set; else return."""
         if name == self.name:
             log.warning("failpoint %s: killing the broker (SIGKILL)", name)
             logging.shutdown()

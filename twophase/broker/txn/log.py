@@ -41,6 +41,7 @@ COMPACT_MIN_RECORDS = 1000
 
 
 def encode_record(transactional_id: str, value: dict | None) -> bytes:
+    """One transaction-log record: length, CRC-32 and the JSON of (id, metadata dict or None for a removed id)."""
     payload = json.dumps({"id": transactional_id, "txn": value}, separators=(",", ":")).encode()
     return _HEAD.pack(len(payload), zlib.crc32(payload)) + payload
 
@@ -173,6 +174,7 @@ class TransactionLog:
         self._records = len(self._latest)
 
     def close(self) -> None:
+        """Close the file; nothing is lost, as every record was fsynced when appended."""
         if self._file is not None:
             file, self._file = self._file, None
             try:

@@ -71,6 +71,7 @@ class TxnMetadata:
         return self.txn_producer_epoch + 1  # the id rolled over; still newer than the data's epoch
 
     def begin(self, now_ms: int) -> None:
+        """Open a transaction with the current producer id and epoch, no partitions or groups yet."""
         self.transition(TxnState.ONGOING)
         self.txn_producer_id, self.txn_producer_epoch = self.producer_id, self.producer_epoch
         self.partitions = set()
@@ -79,10 +80,12 @@ class TxnMetadata:
 
     @property
     def current(self) -> tuple[int, int]:
+        """The current (producer id, epoch)."""
         return self.producer_id, self.producer_epoch
 
     @property
     def previous(self) -> tuple[int, int]:
+        """The (producer id, epoch) that asked for the last bump, or (-1, -1)."""
         return self.previous_producer_id, self.previous_producer_epoch
 
     def bump_epoch(self, allocate_producer_id: Callable[[], int], requested_by: tuple[int, int] | None = None) -> None:
@@ -97,6 +100,7 @@ class TxnMetadata:
             self.producer_epoch += 1
 
     def to_dict(self) -> dict:
+        """The JSON-ready record the transaction log stores."""
         return {
             "pid": self.producer_id, "epoch": self.producer_epoch, "timeout_ms": self.timeout_ms,
             "state": self.state.value, "two_phase": self.two_phase,
@@ -108,6 +112,7 @@ class TxnMetadata:
 
     @classmethod
     def from_dict(cls, transactional_id: str, d: dict) -> TxnMetadata:
+        """The metadata of ``transactional_id`` from a to_dict() record."""
         return cls(transactional_id, producer_id=int(d["pid"]), producer_epoch=int(d["epoch"]),
                    timeout_ms=int(d["timeout_ms"]), state=TxnState(d["state"]), two_phase=bool(d["two_phase"]),
                    txn_producer_id=int(d["txn_pid"]), txn_producer_epoch=int(d["txn_epoch"]),
