@@ -31,6 +31,7 @@ from .transactions import init_producer_id
 
 @dataclasses.dataclass(frozen=True)
 class TransactionListing:
+    """One transaction as ListTransactions shows it: transactional id, producer id and state."""
     transactional_id: str
     producer_id: int
     state: str
@@ -38,6 +39,7 @@ class TransactionListing:
 
 @dataclasses.dataclass(frozen=True)
 class TransactionDescription:
+    """One transactional id as DescribeTransactions shows it: state, producer, timeout, start time, partitions."""
     transactional_id: str
     state: str
     producer_id: int
@@ -47,6 +49,7 @@ class TransactionDescription:
     partitions: tuple[tuple[str, int], ...]
 
     def age_s(self, now_ms: int | None = None) -> float | None:
+        """Seconds since the open transaction started (at ``now_ms``, default now); None if none is open."""
         if self.start_time_ms is None:
             return None
         now_ms = int(time.time() * 1000) if now_ms is None else now_ms
@@ -62,6 +65,22 @@ def _ms(value) -> int | None:
 
 
 class Admin:
+    """An admin client: create and delete topics; list, describe and abort transactions.
+
+    Each call retries retriable errors for up to ``request_timeout_ms`` and
+    raises KafkaError otherwise.
+
+    Usage::
+
+        with Admin("127.0.0.1:9092") as admin:
+            admin.create_topics({"orders": 3}, exist_ok=True)
+            for txn in admin.list_transactions(states=["Ongoing"]):
+                print(txn.transactional_id, txn.producer_id, txn.state)
+            [info] = admin.describe_transactions(["t1"])
+            print(info.state, info.age_s(), info.partitions)
+            admin.abort_transaction("t1")
+            admin.delete_topics(["orders"])
+    """
     def __init__(self, bootstrap: str, *, request_timeout_ms: int = 30_000, client_id: str = "twophase-admin") -> None:
         self.request_timeout_s = request_timeout_ms / 1000
         self.cluster = Cluster(bootstrap, client_id=client_id, request_timeout_s=self.request_timeout_s)
@@ -90,6 +109,7 @@ class Admin:
         self._any(call, "CreateTopics")
 
     def delete_topics(self, topics: Iterable[str]) -> None:
+        """Delete the topics and forget their cached metadata; KafkaError (not retried) if one does not exist."""
         names = list(topics)
 
         def call(conn: Connection) -> None:
@@ -168,6 +188,7 @@ class Admin:
                                        f"aborting {transactional_id!r}")
 
     def close(self) -> None:
+        """Close every connection."""
         self.cluster.close()
 
     def __enter__(self) -> Admin:

@@ -32,11 +32,13 @@ def _row(d: TransactionDescription) -> tuple[str, ...]:
 
 
 def format_table(rows: list[tuple[str, ...]], columns: tuple[str, ...] = _COLUMNS) -> str:
+    """``rows`` under a header of ``columns``, each column padded to its widest cell."""
     widths = [max(len(r[i]) for r in [columns, *rows]) for i in range(len(columns))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in [columns, *rows])
 
 
 def cmd_list(admin: Admin, args) -> int:
+    """``twophase txns list``: print the transactions, optionally only in the given states; returns 0."""
     listings = admin.list_transactions(states=args.state)
     descriptions = admin.describe_transactions([t.transactional_id for t in listings]) if listings else []
     print(format_table([_row(d) for d in descriptions]))
@@ -44,11 +46,13 @@ def cmd_list(admin: Admin, args) -> int:
 
 
 def cmd_describe(admin: Admin, args) -> int:
+    """``twophase txns describe``: print the given transactional ids; returns 0."""
     print(format_table([_row(d) for d in admin.describe_transactions(args.ids)]))
     return 0
 
 
 def cmd_abort(admin: Admin, args) -> int:
+    """``twophase txns abort``: abort the id's transaction and print its state before and after; returns 0."""
     [before] = admin.describe_transactions([args.id])
     admin.abort_transaction(args.id)
     [after] = admin.describe_transactions([args.id])
@@ -58,6 +62,7 @@ def cmd_abort(admin: Admin, args) -> int:
 
 
 def run_txns(args) -> int:
+    """Run the chosen ``txns`` subcommand; a KafkaError or ValueError is printed and returns 1."""
     try:
         with Admin(args.bootstrap_server, request_timeout_ms=int(args.timeout * 1000)) as admin:
             return args.txns_func(admin, args)
@@ -67,6 +72,7 @@ def run_txns(args) -> int:
 
 
 def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the ``txns`` options and its list/describe/abort subcommands to ``p``."""
     p.add_argument("--bootstrap-server", required=True, metavar="HOST:PORT",
                    help="a broker to start from (Kafka or the built-in one)")
     p.add_argument("--timeout", type=float, default=30.0, help="seconds to retry each request (default %(default)s)")
@@ -86,11 +92,13 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def add_txns_parser(subparsers) -> argparse.ArgumentParser:
+    """Add the ``txns`` command to a ``twophase`` subparsers object."""
     return configure_parser(subparsers.add_parser(
         "txns", help="list, describe or abort Kafka transactions (like kafka-transactions.sh)"))
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run ``twophase txns`` with ``argv``; returns the exit code."""
     args = configure_parser(argparse.ArgumentParser(prog="twophase txns")).parse_args(argv)
     return run_txns(args)
 

@@ -25,6 +25,7 @@ from .retry import retry
 
 
 class CoordinatorType(enum.IntEnum):
+    """FindCoordinator's key type: a consumer group or a transactional id."""
     GROUP = 0
     TRANSACTION = 1
 
@@ -72,6 +73,7 @@ class Cluster:
             raise KafkaConnectionError("no broker reachable: " + "; ".join(errors))
 
     def connection(self, node_id: int) -> Connection:
+        """The connection to broker ``node_id``, opened if needed; RetriableError if metadata does not know it."""
         with self._lock:
             conn = self._connections.get(node_id)
             if conn is None or conn.closed:
@@ -117,6 +119,7 @@ class Cluster:
         return errors
 
     def broker_ids(self) -> list[int]:
+        """The ids of the brokers known from metadata, sorted."""
         with self._lock:
             return sorted(self._brokers)
 
@@ -136,6 +139,7 @@ class Cluster:
         return retry(lookup, self.request_timeout_s, f"metadata for {topic!r}")
 
     def leader(self, topic: str, partition: int) -> int:
+        """The leader's node id of the partition; RetriableError (and the topic's metadata dropped) if none is known."""
         self.partitions(topic)  # metadata of a topic not seen yet
         with self._lock:
             leader = self._leaders.get(topic, {}).get(partition, -1)
@@ -145,6 +149,7 @@ class Cluster:
         return leader
 
     def leader_connection(self, topic: str, partition: int) -> Connection:
+        """The connection to the partition's leader."""
         return self.connection(self.leader(topic, partition))
 
     def invalidate(self, topic: str) -> None:
@@ -155,6 +160,7 @@ class Cluster:
     # --- coordinators -------------------------------------------------------------------------
 
     def coordinator_id(self, key: str, kind: CoordinatorType) -> int:
+        """The node id of the coordinator of ``key``, cached; looked up with retries on a miss."""
         with self._lock:
             node = self._coordinators.get((key, kind))
         if node is not None:
@@ -173,9 +179,11 @@ class Cluster:
         return retry(find, self.request_timeout_s, f"finding the {kind.name.lower()} coordinator of {key!r}")
 
     def coordinator(self, key: str, kind: CoordinatorType) -> Connection:
+        """The connection to the coordinator of ``key``."""
         return self.connection(self.coordinator_id(key, kind))
 
     def forget_coordinator(self, key: str, kind: CoordinatorType) -> None:
+        """Drop the cached coordinator of ``key``, so the next call looks it up again."""
         with self._lock:
             self._coordinators.pop((key, kind), None)
 
@@ -194,6 +202,7 @@ class Cluster:
         return retry(attempt, timeout_s, what)
 
     def close(self) -> None:
+        """Close every connection."""
         with self._lock:
             for conn in list(self._connections.values()) + ([self._any] if self._any else []):
                 conn.close()

@@ -48,6 +48,7 @@ _ISOLATION = {"read_uncommitted": 0, "read_committed": 1}
 
 @dataclasses.dataclass(frozen=True)
 class Message:
+    """One record as the consumer returns it: where it is (topic, partition, offset) and what it holds."""
     topic: str
     partition: int
     offset: int
@@ -88,6 +89,20 @@ def records_of(topic: str, partition: int, data: bytes, position: int, aborted: 
 
 
 class Consumer:
+    """A Kafka consumer: assigned partitions or a group subscription, read_committed or not, long polling.
+
+    Not thread-safe: call it from one thread (a group member's heartbeats run
+    in a thread of their own).
+
+    Usage::
+
+        with Consumer("127.0.0.1:9092", group_id="g", isolation_level="read_committed") as c:
+            c.subscribe(["orders"])            # or, without a group: c.assign([("orders", 0)])
+            for m in c.poll(timeout_s=1.0):
+                print(m.topic, m.partition, m.offset, m.key, m.value, m.headers)
+            c.commit()                         # the positions after what poll returned
+            c.committed([("orders", 0)])       # {("orders", 0): offset}, -1 if none
+    """
     def __init__(self, bootstrap: str, *, group_id: str | None = None, isolation_level: str = "read_uncommitted",
                  auto_offset_reset: str = "earliest", max_wait_ms: int = 500, min_bytes: int = 1,
                  max_partition_bytes: int = 1 << 20, max_bytes: int = 50 << 20, session_timeout_ms: int = 10_000,
@@ -114,11 +129,13 @@ class Consumer:
     # --- assignment ---------------------------------------------------------------------------
 
     def assign(self, partitions: Iterable[TopicPartitionKey]) -> None:
+        """Read exactly these (topic, partition) pairs; KafkaError after subscribe()."""
         if self._subscribed:
             raise KafkaError("assign() after subscribe(): use one or the other")
         self._set_assignment(list(partitions))
 
     def subscribe(self, topics: Iterable[str]) -> None:
+        """Join the group for these topics (the assignment comes with the next poll); KafkaError without a group_id or after assign()."""
         if self._group is None:
             raise KafkaError("subscribe() needs a group_id")
         if self._assigned and not self._subscribed:
@@ -127,6 +144,7 @@ class Consumer:
         self._group.subscribe(topics)
 
     def assignment(self) -> list[TopicPartitionKey]:
+        """The partitions currently assigned, sorted."""
         return list(self._assigned)
 
     def _set_assignment(self, partitions: list[TopicPartitionKey]) -> None:
@@ -143,6 +161,7 @@ class Consumer:
         self._positions[tp] = self._list_offset(tp, offset) if offset < 0 else offset
 
     def position(self, topic: str, partition: int) -> int | None:
+        """The offset the partition is read from next, or None before it is known."""
         return self._positions.get((topic, partition))
 
     # --- offsets ------------------------------------------------------------------------------
@@ -184,6 +203,7 @@ class Consumer:
         self._group.commit(offsets)
 
     def committed(self, partitions: Iterable[TopicPartitionKey]) -> dict[TopicPartitionKey, int]:
+        """The group's committed offsets of ``partitions`` (-1: none); KafkaError without a group_id."""
         if self._group is None:
             raise KafkaError("committed() needs a group_id")
         return self._group.committed(list(partitions))
@@ -267,6 +287,7 @@ class Consumer:
                     self._buffer.extend(messages)
 
     def close(self) -> None:
+        """Leave the group, if any, and close every connection."""
         if self._group is not None:
             self._group.leave()
         self._cluster.close()

@@ -62,10 +62,12 @@ def _decode(cls, data: bytes):
 
 
 def encode_subscription(topics: list[str]) -> bytes:
+    """The ConsumerProtocol v0 subscription bytes for ``topics``."""
     return _encode(ConsumerProtocolSubscription(topics=tuple(sorted(topics)), user_data=None))
 
 
 def decode_assignment(data: bytes) -> list[TopicPartitionKey]:
+    """The (topic, partition) pairs of ConsumerProtocol v0 assignment bytes, sorted."""
     if not data:
         return []
     assignment = _decode(ConsumerProtocolAssignment, data)
@@ -91,6 +93,20 @@ def range_assign(subscriptions: dict[str, list[str]], partitions: dict[str, list
 
 
 class GroupMember:
+    """This client's membership in a consumer group (classic protocol, range assignor).
+
+    Used by :class:`~twophase.client.consumer.Consumer`: ensure_active() joins
+    from the caller's thread; once joined, a daemon thread heartbeats and asks
+    for a rejoin when the group rebalances.
+
+    Usage::
+
+        group = GroupMember(cluster, "g1", ["orders"])
+        assignment = group.ensure_active()    # [("orders", 0), ...] after a (re)join, else None
+        group.commit({("orders", 0): 42})
+        group.committed([("orders", 0)])      # {("orders", 0): 42}
+        group.leave()
+    """
     def __init__(self, cluster: Cluster, group_id: str, topics: list[str] | None = None, *,
                  session_timeout_ms: int = 10_000, rebalance_timeout_ms: int = 30_000,
                  heartbeat_interval_ms: int = 1_000) -> None:
@@ -111,6 +127,7 @@ class GroupMember:
 
     @property
     def timeout_s(self) -> float:
+        """How long a call to the coordinator is retried: the cluster's request timeout."""
         return self.cluster.request_timeout_s
 
     def _call(self, call, what: str, timeout_s: float | None = None):
@@ -118,6 +135,7 @@ class GroupMember:
                                              timeout_s or self.timeout_s, what)
 
     def subscribe(self, topics: Iterable[str]) -> None:
+        """Set the topics and rejoin at the next ensure_active()."""
         self.topics = sorted(set(topics))
         self._rejoin.set()
 
@@ -217,6 +235,7 @@ class GroupMember:
             conn.close()
 
     def leave(self) -> None:
+        """Stop heartbeating and leave the group; a failure is only logged (the session timeout removes us anyway)."""
         self._stop.set()
         if self._heartbeat is not None:
             self._heartbeat.join()
@@ -241,6 +260,7 @@ class GroupMember:
     # --- offsets ------------------------------------------------------------------------------
 
     def commit(self, offsets: dict[TopicPartitionKey, int]) -> None:
+        """Commit ``offsets`` for the current generation; KafkaError (and a rejoin asked for) if the group moved on."""
         by_topic: dict[str, list[tuple[int, int]]] = collections.defaultdict(list)
         for (topic, partition), offset in sorted(offsets.items()):
             by_topic[topic].append((partition, offset))

@@ -40,6 +40,7 @@ def murmur2(data: bytes) -> int:
 
 
 def partition_for_key(key: bytes, num_partitions: int) -> int:
+    """The partition of a keyed record, as Kafka's default partitioner computes it (murmur2)."""
     return (murmur2(key) & 0x7FFFFFFF) % num_partitions
 
 
@@ -51,11 +52,13 @@ class StickyPartitions:
         self._current: dict[str, int] = {}
 
     def partition(self, topic: str, num_partitions: int) -> int:
+        """The topic's current sticky partition, chosen at random when there is none (or it is out of range)."""
         current = self._current.get(topic)
         if current is None or current >= num_partitions:
             current = self._current[topic] = random.randrange(num_partitions)
         return current
 
     def batch_sent(self, topic: str, partition: int) -> None:
+        """A batch for ``partition`` was sent: the topic's next keyless record picks a new partition."""
         if self._current.get(topic) == partition:
             del self._current[topic]

@@ -90,10 +90,12 @@ class PreparedTxn:
     producer_epoch: int
 
     def to_json(self) -> str:
+        """This handle as a JSON string."""
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> PreparedTxn:
+        """The handle to_json() wrote; ValueError if ``text`` is not one."""
         try:
             data = json.loads(text)
             return cls(str(data["transactional_id"]), int(data["producer_id"]), int(data["producer_epoch"]))
