@@ -40,6 +40,7 @@ def remove_durably(path: str) -> None:
 
 
 def unlink_quietly(path: str) -> None:
+    """Remove ``path``; a file that is not there is no error."""
     try:
         os.unlink(path)
     except FileNotFoundError:

@@ -67,10 +67,16 @@ class Signer:
         return hmac.new(self._secret, payload, _DIGEST).digest()
 
     def dumps(self, obj: Any) -> bytes:
+        """``obj`` cloudpickled, with the magic prefix and an HMAC-SHA256 tag in front."""
         payload = cloudpickle.dumps(obj)
         return _MAGIC + self._tag(payload) + payload
 
     def loads(self, blob: bytes, what: str = "payload") -> Any:
+        """The object dumps() signed; SignatureError if ``blob`` is not signed or its tag is wrong.
+
+        The tag is checked before anything is unpickled; ``what`` names the blob in
+        the error message.
+        """
         head = len(_MAGIC) + _DIGEST_SIZE
         if len(blob) < head or not blob.startswith(_MAGIC):
             raise SignatureError(f"{what} is not a signed twophase payload")

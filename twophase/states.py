@@ -55,6 +55,7 @@ class Transitions(Generic[S]):
         return self._allowed[current] | self._from_any
 
     def allows(self, current: S, target: S) -> bool:
+        """Whether ``current`` may move to ``target``."""
         return target in self.targets(current)
 
     def check(self, current: S, target: S, subject: str = "") -> S:

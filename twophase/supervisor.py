@@ -44,6 +44,7 @@ class Supervision:
     healthy_after: float = 60.0
 
     def backoff(self, failures: int) -> float:
+        """Seconds to wait before restart number ``failures``: doubling from ``first_backoff`` up to ``max_backoff``."""
         return min(self.max_backoff, self.first_backoff * 2 ** (failures - 1))
 
 
@@ -70,6 +71,7 @@ class Supervisor:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     def start(self) -> Supervisor:
+        """Start the job's thread; returns self."""
         self._thread.start()
         return self
 
@@ -79,6 +81,7 @@ class Supervisor:
         self.join(timeout)
 
     def request_stop(self) -> None:
+        """Ask the job to stop (set its stop event and interrupt it) without waiting."""
         self._stop.set()
         self.interrupt()
 
@@ -90,6 +93,7 @@ class Supervisor:
 
     @property
     def stopping(self) -> bool:
+        """Whether a stop was requested."""
         return self._stop.is_set()
 
     def _run(self) -> None:

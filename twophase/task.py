@@ -52,6 +52,7 @@ class TaskAttempt:
         return True
 
     def write(self, row: Any) -> None:
+        """Write one row into the transaction open() began."""
         self.sink.write(self._txn, row)
 
     def close(self, error: BaseException | None) -> None:

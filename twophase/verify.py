@@ -9,6 +9,14 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Report:
+    """What :func:`count_rows` found: rows in and out, and how many were lost, duplicated or unexpected.
+
+    Usage::
+
+        report = count_rows(range(1000), ids_a_reader_saw)
+        report.exact          # True when nothing was lost, duplicated or unexpected
+        print(report)         # rows in 1000, rows out 1000, lost 0, ...: EXACTLY ONCE
+    """
     rows_in: int
     rows_out: int
     lost: int
@@ -17,6 +25,7 @@ class Report:
 
     @property
     def exact(self) -> bool:
+        """Whether every row arrived exactly once and nothing else did."""
         return self.lost == self.duplicated == self.unexpected == 0
 
     def __str__(self) -> str:

@@ -90,18 +90,22 @@ class ZooKeeperServer:
 
     @property
     def running(self) -> bool:
+        """Whether the server process is alive."""
         return self._proc is not None and self._proc.poll() is None
 
     @property
     def pid(self) -> int | None:
+        """The server's process id while it runs, else None."""
         return self._proc.pid if self.running else None
 
     @property
     def data_dir(self) -> Path:
+        """Where the server keeps its data: the given directory, else ``data`` in the work dir."""
         return Path(self._given_data_dir) if self._given_data_dir else self._workdir() / "data"
 
     @property
     def log_path(self) -> Path:
+        """The server's stdout/stderr log file, in the work dir (a temp dir, made on first use)."""
         return self._workdir() / "zookeeper.log"
 
     # -- lifecycle ----------------------------------------------------------
@@ -155,6 +159,7 @@ class ZooKeeperServer:
         return b"".join(chunks).decode(errors="replace")
 
     def log_tail(self, lines: int = 40) -> str:
+        """The last ``lines`` lines of the server's log, or ``<no log>`` if it cannot be read."""
         try:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
         except OSError:

@@ -65,6 +65,7 @@ class HookConfig:
 
     @property
     def key(self) -> tuple[str, str, str]:
+        """(zk, root, app): what identifies the app whose hook this is."""
         return (self.zk, self.root, self.app)
 
 
@@ -130,6 +131,7 @@ class DriverHook:
             self.host.start()
 
     def store_sink(self, sink: TwoPhaseCommitSink, mode: str) -> None:
+        """Publish ``sink`` (signed) and the coordinator ``mode`` in ZooKeeper for every coordinator of the app."""
         publish_app(self.client, self.paths, self.signer, sink, mode)
 
     def release(self) -> None:

@@ -39,9 +39,11 @@ class CoordinatorHost:
                                      interrupt=coordinator.wake.set)
 
     def start(self) -> None:
+        """Start the coordinator under its supervisor thread."""
         self.supervisor.start()
 
     def wake(self) -> None:
+        """Make the coordinator's reconcile loop run now instead of at its next tick."""
         self.coordinator.wake.set()
 
     def _run(self, stop: threading.Event) -> None:

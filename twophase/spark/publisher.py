@@ -57,6 +57,7 @@ class ProgressPublisher:
         client.add_listener(self._on_state)
 
     def close(self) -> None:
+        """Stop listening to the ZooKeeper session's state."""
         self.client.remove_listener(self._on_state)
 
     def _on_state(self, state: str) -> None:

@@ -102,6 +102,7 @@ class TwoPhaseSink:
 
     @property
     def paths(self) -> AppPaths:
+        """The ZooKeeper paths of this app."""
         return AppPaths(self.root, self.app)
 
     def await_committed(self, query: StreamingQuery, timeout: float = 60.0) -> int | None:
@@ -116,6 +117,12 @@ class TwoPhaseSink:
     # -- ForeachWriter protocol (runs in Spark tasks) ---------------------
 
     def open(self, partition_id: int, epoch_id: int) -> bool:
+        """ForeachWriter.open, in a Spark task: begin this attempt's transaction.
+
+        Returns False (Spark then skips the partition) if an attempt of this run
+        already won it; raises PhaseTwoHalted if twophase halted the run, and
+        ContinuousProcessingNotSupported under a continuous trigger.
+        """
         task = TaskContext.get()
         if task.getLocalProperty("__is_continuous_processing") == "true":
             raise ContinuousProcessingNotSupported(
@@ -134,6 +141,7 @@ class TwoPhaseSink:
         return self.attempt.open()
 
     def process(self, row: Any) -> None:
+        """ForeachWriter.process, in a Spark task: write one row into the attempt's transaction."""
         self.attempt.write(row)
 
     def close(self, error: BaseException | None | _OnDriver = _ON_DRIVER) -> None:

@@ -87,26 +87,32 @@ class BatchHeader:
 
     @property
     def last_offset(self) -> int:
+        """The offset of the batch's last record."""
         return self.base_offset + self.last_offset_delta
 
     @property
     def compression(self) -> int:
+        """The compression codec bits of the attributes (0: none)."""
         return self.attributes & ATTR_COMPRESSION_MASK
 
     @property
     def is_transactional(self) -> bool:
+        """Whether the batch belongs to a transaction."""
         return bool(self.attributes & ATTR_TRANSACTIONAL)
 
     @property
     def is_control(self) -> bool:
+        """Whether the batch is a control batch (a commit or abort marker)."""
         return bool(self.attributes & ATTR_CONTROL)
 
     @property
     def has_log_append_time(self) -> bool:
+        """Whether the timestamps are the broker's append time rather than the producer's."""
         return bool(self.attributes & ATTR_LOG_APPEND_TIME)
 
     @property
     def has_producer_id(self) -> bool:
+        """Whether an (idempotent or transactional) producer id is set."""
         return self.producer_id >= 0
 
     @property
