@@ -151,7 +151,7 @@ def open_transactions(bootstrap: str) -> list[str]:
 
 
 def verify(args: argparse.Namespace, bootstrap: str) -> bool:
-    """Check the topic with an independent reader; True if every row is there exactly once and no transaction is left open."""
+    """Check the topic with an independent reader: True if every row is there once and no transaction is open."""
     expected = range(args.batches * args.rows)
     committed = read_topic(bootstrap, TOPIC)
     report = count_rows(expected, (json.loads(m.value())["id"] for m in committed))

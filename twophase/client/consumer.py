@@ -135,7 +135,7 @@ class Consumer:
         self._set_assignment(list(partitions))
 
     def subscribe(self, topics: Iterable[str]) -> None:
-        """Join the group for these topics (the assignment comes with the next poll); KafkaError without a group_id or after assign()."""
+        """Join the group for ``topics`` (assigned at the next poll); KafkaError without group_id or after assign()."""
         if self._group is None:
             raise KafkaError("subscribe() needs a group_id")
         if self._assigned and not self._subscribed:

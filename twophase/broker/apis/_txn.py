@@ -16,7 +16,7 @@ PRODUCER_FENCED_SINCE = {ApiKey.INIT_PRODUCER_ID: 4, ApiKey.ADD_PARTITIONS_TO_TX
 
 
 def txn_error(code: int, request) -> ErrorCode:
-    """The ErrorCode for ``code`` in this request's version: INVALID_PRODUCER_EPOCH for PRODUCER_FENCED where the version predates it."""
+    """The ErrorCode for ``code``; PRODUCER_FENCED is INVALID_PRODUCER_EPOCH in versions before it existed."""
     if code == PRODUCER_FENCED and request.version < PRODUCER_FENCED_SINCE[request.api.key]:
         return ErrorCode.invalid_producer_epoch
     return error(code)

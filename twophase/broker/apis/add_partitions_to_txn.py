@@ -22,7 +22,7 @@ from ._txn import txn_error
 
 @handles(ApiKey.ADD_PARTITIONS_TO_TXN, 0, 3)  # 4+ is broker-to-broker verification
 async def handle(broker, request):
-    """Answer AddPartitionsToTxn: add the partitions to the transaction, all or none (unknown ones fail the rest with OPERATION_NOT_ATTEMPTED)."""
+    """Answer AddPartitionsToTxn: add all the partitions or none (one unknown: the rest get OPERATION_NOT_ATTEMPTED)."""
     body, rt = request.body, request.response_type()
     TopicResult = nested(rt, "AddPartitionsToTxnTopicResult")
     PartitionResult = nested(rt, "AddPartitionsToTxnPartitionResult")

@@ -86,7 +86,7 @@ def _read_within(plog, offset: int, limit: int, upper: int | None) -> tuple[byte
 
 @handles(ApiKey.FETCH, 4, 12)  # 13+ addresses topics by id
 async def handle(broker, request):
-    """Answer Fetch once min_bytes are there, an error occurs or max_wait expires; None if the client went away meanwhile."""
+    """Answer Fetch once min_bytes are there, an error occurs or max_wait expires; None if the client went away."""
     body, rt = request.body, request.response_type()
     version = request.version
     if version >= 7 and body.session_id != 0:

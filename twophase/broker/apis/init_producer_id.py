@@ -30,7 +30,7 @@ log = logging.getLogger("twophase.broker")
 
 @handles(ApiKey.INIT_PRODUCER_ID, 0, 6)  # 6: KIP-939 two-phase commit
 async def handle(broker, request):
-    """Answer InitProducerId: a fresh id for an idempotent producer, or the transaction coordinator's id and epoch for a transactional one."""
+    """Answer InitProducerId: a fresh producer id, or (transactional) the coordinator's producer id and epoch."""
     body, rt = request.body, request.response_type()
     if body.transactional_id is None:
         producer_id = broker.allocate_producer_id()

@@ -35,7 +35,7 @@ def _lookup(plog, timestamp: int, isolation_level: int) -> tuple[int, int]:
 
 @handles(ApiKey.LIST_OFFSETS, 1, 7)
 async def handle(broker, request):
-    """Answer ListOffsets: the offset for each partition's timestamp (or earliest/latest), honouring the isolation level."""
+    """Answer ListOffsets: each partition's offset for a timestamp (or earliest/latest), per isolation level."""
     body, rt = request.body, request.response_type()
     TopicResponse = nested(rt, "ListOffsetsTopicResponse")
     PartitionResponse = nested(rt, "ListOffsetsPartitionResponse")

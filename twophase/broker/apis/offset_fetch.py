@@ -18,7 +18,10 @@ from ._common import NO_THROTTLE, NONE
 
 @handles(ApiKey.OFFSET_FETCH, 1, 7)  # 8+: multi-group requests and KIP-848 member epochs
 async def handle(broker, request):
-    """Answer OffsetFetch: the group's committed offsets (all of them if no topic is named); UNSTABLE_OFFSET_COMMIT for pending ones when require_stable."""
+    """Answer OffsetFetch: the group's committed offsets (all if no topic is named).
+
+    With require_stable, a partition with a staged transactional offset gets UNSTABLE_OFFSET_COMMIT.
+    """
     body, rt = request.body, request.response_type()
     TopicResponse = nested(rt, "OffsetFetchResponseTopic")
     PartitionResponse = nested(rt, "OffsetFetchResponsePartition")

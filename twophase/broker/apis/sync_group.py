@@ -17,7 +17,7 @@ from .join_group import unless_gone
 
 @handles(ApiKey.SYNC_GROUP, 0, 5)
 async def handle(broker, request):
-    """Answer SyncGroup with this member's assignment once the leader sent it; None if the client went away meanwhile."""
+    """Answer SyncGroup with this member's assignment once the leader sent it; None if the client went away."""
     body, rt = request.body, request.response_type()
     result = await unless_gone(request, broker.groups.sync(
         body.group_id, body.generation_id, body.member_id, getattr(body, "protocol_type", None),

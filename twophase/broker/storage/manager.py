@@ -224,7 +224,7 @@ class LogManager:
             log.warning("%s: restoring %s after a failed create: %s", self.data_dir, METADATA_FILE, exc)
 
     def delete_topic(self, name: str) -> None:
-        """Forget the topic in ``topics.json``, then remove its partitions' files; raises UnknownTopicOrPartitionError."""
+        """Drop the topic from ``topics.json``, then remove its files; raises UnknownTopicOrPartitionError."""
         info = self._topics.get(name)
         if info is None:
             raise UnknownTopicOrPartitionError(f"unknown topic {name!r}")

@@ -103,7 +103,7 @@ class TxnSettings:
 
 @dataclasses.dataclass(frozen=True)
 class InitResult:
-    """The answer to InitProducerId: an error code, or the producer id and epoch (and, after a KIP-939 take-over, the kept transaction's)."""
+    """The answer to InitProducerId: an error code, or the producer id and epoch (and a kept transaction's)."""
     error: int
     producer_id: int = -1
     producer_epoch: int = -1
@@ -319,7 +319,7 @@ class TransactionCoordinator:
     @_unavailable_when_the_log_fails(COORDINATOR_NOT_AVAILABLE)
     def add_partitions(self, transactional_id: str, producer_id: int, producer_epoch: int,
                        partitions: Iterable[tuple[str, int]], now_ms: int) -> int:
-        """AddPartitionsToTxn: add the partitions to the open transaction (beginning one if none is open); an error code."""
+        """AddPartitionsToTxn: add the partitions to the open transaction (begun if none is); an error code."""
         error, adding = self._open_for_additions(transactional_id, producer_id, producer_epoch, now_ms)
         if error:
             return error
