@@ -178,7 +178,7 @@ def run_demo(args: argparse.Namespace, zk_hosts: str, zk, bootstrap: str, t0: fl
 
 
 def run_twice(cmd: list[str], work: str, zk, visible: VisibleCount, args: argparse.Namespace, t0: float) -> bool:
-    """Start the job, kill it a third of the way through, restart it to the end; True if the restart exits 0."""
+    """Run the job, SIGKILL it once a third of the batches are committed, rerun it to the end; True if that exits 0."""
     first = start_driver(cmd, f"{work}/driver-run1.log")
     try:
         if not watch(first, zk, visible, args, "run 1", t0, kill_at=max(args.batches // 3 - 1, 0)):
