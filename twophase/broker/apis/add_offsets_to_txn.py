@@ -16,7 +16,7 @@ from ._txn import txn_error
 
 @handles(ApiKey.ADD_OFFSETS_TO_TXN, 0, 3)
 async def handle(broker, request):
-    """Answer AddOffsetsToTxn: add the group's offsets partition to the producer's transaction."""
+    """Answer AddOffsetsToTxn: add the consumer group to the transaction, so its offsets commit with it."""
     body, rt = request.body, request.response_type()
     if not body.group_id:
         return build(rt, throttle_time=NO_THROTTLE, error_code=ErrorCode.invalid_group_id)

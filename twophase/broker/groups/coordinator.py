@@ -69,8 +69,8 @@ class GroupCoordinator:
 
     Groups and offsets are persisted under ``directory``. Construct and call it
     on the broker's event loop: join() and sync() are coroutines that may wait
-    for the other members. Methods return Kafka error codes (0 is NONE) rather
-    than raising.
+    for the other members. Requests are answered with Kafka error codes (0 is
+    NONE), not exceptions.
 
     Usage::
 

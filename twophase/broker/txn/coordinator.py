@@ -127,9 +127,9 @@ class TransactionCoordinator:
     """The transaction coordinator: producer ids, epochs and the two-phase completion of every transactional id.
 
     State is kept in a TransactionLog under ``directory``; every change is
-    logged (fsynced) before it is installed in memory. Methods return Kafka
-    error codes (0 is NONE) rather than raising. Call it on the broker's event
-    loop thread only; ``check`` is called periodically from there.
+    logged (fsynced) before it is installed in memory. Requests are answered
+    with Kafka error codes (0 is NONE), not exceptions. Call it on the broker's
+    event loop thread only; ``check`` is called periodically from there.
 
     Usage::
 
@@ -225,7 +225,7 @@ class TransactionCoordinator:
     def init_producer_id(self, transactional_id: str, timeout_ms: int, *, producer_id: int = -1,
                          producer_epoch: int = -1, enable_two_phase: bool = False, keep_prepared: bool = False,
                          now_ms: int) -> InitResult:
-        """InitProducerId: the producer id and a bumped epoch for ``transactional_id``, fencing older instances.
+        """InitProducerId: a producer id and the next epoch for ``transactional_id``, fencing older instances.
 
         An open transaction is aborted first, unless ``keep_prepared`` (KIP-939)
         keeps it for the new instance to commit or abort. A retry from the
