@@ -287,7 +287,6 @@ class Consumer:
                     self._buffer.extend(messages)
 
     def close(self) -> None:
-        """Leave the group, if any, and close every connection."""
         if self._group is not None:
             self._group.leave()
         self._cluster.close()

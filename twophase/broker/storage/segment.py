@@ -338,7 +338,6 @@ class Segment:
             os.fsync(f.fileno())
 
     def close(self, *, sync: bool = True) -> None:
-        """Close the log file (after a flush unless ``sync=False``) and the transaction index."""
         if self._fd >= 0:
             if sync:
                 self.flush()

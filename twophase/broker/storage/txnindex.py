@@ -180,14 +180,12 @@ class TransactionIndex:
             self._dirty = False
 
     def close(self) -> None:
-        """Flush and close the file; a second call does nothing."""
         if self._fd >= 0:
             self.flush()
             os.close(self._fd)
             self._fd = -1
 
     def delete(self) -> None:
-        """Close and remove the file."""
         self.close()
         unlink_quietly(self.path)
 
