@@ -122,9 +122,11 @@ class Admin:
                     raise KafkaError(f"DeleteTopics({t.name}): no such topic", ErrorCode(t.error_code))
                 check(t.error_code, f"DeleteTopics({t.name})")
 
-        self._any(call, "DeleteTopics")
-        for name in names:
-            self.cluster.invalidate(name)
+        try:
+            self._any(call, "DeleteTopics")
+        finally:  # also when one name failed: the others of the request may be gone
+            for name in names:
+                self.cluster.invalidate(name)
 
     # --- transactions -------------------------------------------------------------------------
 
