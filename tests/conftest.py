@@ -1,22 +1,75 @@
-"""Shared pytest fixtures: a private ZooKeeper server, kazoo clients, one SparkSession."""
+"""Shared pytest fixtures: a private ZooKeeper server, kazoo clients, one SparkSession, and a
+check that every test gives back the descriptors and threads it took (tests/leakcheck.py)."""
 
 from __future__ import annotations
 
 import os
 import sys
+import threading
 import uuid
 from collections.abc import Iterator
 
 import pytest
 from kazoo.client import KazooClient
 
+from tests import leakcheck
 from twophase.zkserver import ZooKeeperServer
+
+
+@pytest.fixture(autouse=True)
+def no_leaks() -> Iterator[None]:
+    """Fail the test if it leaves descriptors (files, sockets, pipes...) or non-daemon threads behind.
+
+    Autouse and function-scoped, so it is set up after any session fixture the test uses (pytest
+    sets up higher scopes first: a ZooKeeper server or Spark session the test starts is in the
+    "before" snapshot) and torn down after the test's own fixtures (a broker_factory's brokers are
+    stopped by then). What session-lifetime objects open later is ignored through
+    leakcheck.SESSION_OWNERS, registered below where those objects are made; see tests/leakcheck.py.
+    """
+    before_fds = leakcheck.open_descriptors()
+    before_threads = set(threading.enumerate())
+    yield
+    fds, threads = leakcheck.settle(before_fds, before_threads)
+    if fds or threads:
+        pytest.fail("the test left resources behind:\n" + leakcheck.describe(fds, threads), pytrace=False)
+
+
+def _kazoo_descriptors(client: KazooClient) -> list[int]:
+    """The sockets a kazoo client holds (its connection and its wake-up socket pair)."""
+    conn = client._connection
+    socks = (getattr(conn, "_socket", None), getattr(conn, "_read_sock", None), getattr(conn, "_write_sock", None))
+    return [fd for s in socks if s is not None and (fd := s.fileno()) >= 0]
+
+
+def _process_zk_clients() -> list[KazooClient]:
+    """ZooKeeper clients cached for the life of the process on purpose: coordinator.zk.shared_client's
+    (one per ensemble, for Spark's reused Python workers) and the Spark driver hooks' (closed by the
+    spark fixture's teardown)."""
+    from coordinator import zk as zk_module
+
+    clients = list(zk_module._shared.values())
+    driver = sys.modules.get("twophase.spark.driver")
+    if driver is not None:
+        clients += [hook.client for hook in list(driver.DriverHook._hooks.values())]
+    return clients
+
+
+leakcheck.SESSION_OWNERS.append(lambda: [fd for c in _process_zk_clients() for fd in _kazoo_descriptors(c)])
+# Each live client may be inside select(), which holds an epoll descriptor for the call.
+leakcheck.SESSION_EPOLLS.append(lambda: len(_process_zk_clients()))
 
 
 @pytest.fixture(scope="session")
 def zk_server() -> Iterator[ZooKeeperServer]:
     server = ZooKeeperServer().start()
+
+    def log_file() -> list[int]:  # reopened under a new number when a test restarts the server
+        f = server._log_file
+        return [] if f is None or f.closed else [f.fileno()]
+
+    leakcheck.SESSION_OWNERS.append(log_file)
     yield server
+    leakcheck.SESSION_OWNERS.remove(log_file)
     server.stop()
 
 
@@ -58,11 +111,50 @@ def spark(zk_server):  # depends on zk_server so that ZooKeeper outlives the dri
         .getOrCreate()
     )
     session.sparkContext.setLogLevel("WARN")
+    owner = _py4j_owner(session)
+    leakcheck.SESSION_OWNERS.append(owner)
     yield session
     from twophase.spark.driver import DriverHook
 
     DriverHook.close_all()
     session.stop()
+    leakcheck.SESSION_OWNERS.remove(owner)
+
+
+def _py4j_owner(session):
+    """The descriptors py4j holds for a Spark session: the JVM's stdin pipe and every TCP socket to
+    or from the gateway's two ports (py4j opens a connection per calling thread, and the JVM one
+    per callback, at any time during the session)."""
+    gateway = session.sparkContext._gateway
+    ports = {gateway.java_parameters.port, gateway.get_callback_server().get_listening_port()}
+    stdin = gateway.proc.stdin
+
+    def owned() -> list[int]:
+        fds = [] if stdin is None or stdin.closed else [stdin.fileno()]
+        inodes = _tcp_inodes_on(ports)
+        for fd, target in leakcheck.open_descriptors().items():
+            if target.startswith("socket:[") and target[8:-1] in inodes:
+                fds.append(fd)
+        return fds
+
+    return owned
+
+
+def _tcp_inodes_on(ports: set[int]) -> set[str]:
+    """Inodes of the TCP sockets whose local or remote port is in ``ports`` (from /proc/net/tcp*)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                next(f)
+                for line in f:
+                    fields = line.split()
+                    local, remote, inode = fields[1], fields[2], fields[9]
+                    if int(local.rsplit(":", 1)[1], 16) in ports or int(remote.rsplit(":", 1)[1], 16) in ports:
+                        inodes.add(inode)
+        except OSError:
+            pass
+    return inodes
 
 
 # Tests sign ZooKeeper payloads with a fixed secret instead of creating ~/.config/twophase/secret.
