@@ -113,25 +113,46 @@ def spark(zk_server):  # depends on zk_server so that ZooKeeper outlives the dri
     session.sparkContext.setLogLevel("WARN")
     owner = _py4j_owner(session)
     leakcheck.SESSION_OWNERS.append(owner)
+    leakcheck.SESSION_THREADS.append(_is_py4j_thread)
     yield session
     from twophase.spark.driver import DriverHook
 
     DriverHook.close_all()
     session.stop()
+    leakcheck.SESSION_THREADS.remove(_is_py4j_thread)
     leakcheck.SESSION_OWNERS.remove(owner)
 
 
+def _is_py4j_thread(thread: threading.Thread) -> bool:
+    """py4j's callback server and its per-connection threads, non-daemon as PySpark configures them."""
+    target = getattr(thread, "_target", None)
+    owner = getattr(target, "__self__", None)
+    return owner is not None and type(owner).__module__.startswith("py4j.")
+
+
 def _py4j_owner(session):
-    """The descriptors py4j holds for a Spark session: the JVM's stdin pipe and every TCP socket to
-    or from the gateway's two ports (py4j opens a connection per calling thread, and the JVM one
-    per callback, at any time during the session)."""
-    gateway = session.sparkContext._gateway
-    ports = {gateway.java_parameters.port, gateway.get_callback_server().get_listening_port()}
-    stdin = gateway.proc.stdin
+    """The descriptors PySpark's driver side holds for a Spark session: the JVM's stdin pipe, and every TCP
+    socket to or from the py4j gateway's port, its callback server's and the accumulator server's (py4j
+    opens a connection per calling thread, the JVM one per callback and one to send accumulator updates,
+    at any time during the session)."""
+    context = session.sparkContext
+
+    def ports() -> set[int]:
+        gateway = context._gateway
+        found = {gateway.java_parameters.port}
+        callback = gateway.get_callback_server()  # started on demand (foreachBatch, listeners)
+        if callback is not None:
+            found.add(callback.get_listening_port())
+        accumulators = getattr(context, "_accumulatorServer", None)
+        if accumulators is not None:
+            found.add(accumulators.server_address[1])
+        return found
 
     def owned() -> list[int]:
+        proc = getattr(context._gateway, "proc", None)  # None when the JVM was not launched by us
+        stdin = proc.stdin if proc is not None else None
         fds = [] if stdin is None or stdin.closed else [stdin.fileno()]
-        inodes = _tcp_inodes_on(ports)
+        inodes = _tcp_inodes_on(ports())
         for fd, target in leakcheck.open_descriptors().items():
             if target.startswith("socket:[") and target[8:-1] in inodes:
                 fds.append(fd)

@@ -20,7 +20,8 @@ function returning the descriptors it holds right now (see tests/conftest.py: th
 ZooKeeper server's log file, the Spark session's py4j sockets and the JVM's stdin pipe, the
 per-process ZooKeeper clients of coordinator.zk.shared_client and the Spark driver hooks). Only
 those exact descriptor numbers are ignored, looked up at check time (a restarted ZooKeeper
-server reopens its log file under a new number).
+server reopens its log file under a new number). Likewise :data:`SESSION_THREADS` names the
+non-daemon threads of such objects (py4j's callback server and its connections).
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ from collections.abc import Callable, Iterable
 # transient epoll descriptors those objects may hold at any moment (see session_epolls).
 SESSION_OWNERS: list[Callable[[], Iterable[int]]] = []
 SESSION_EPOLLS: list[Callable[[], int]] = []
+# Predicates telling threads of session-lifetime objects (py4j's callback threads are not daemons).
+SESSION_THREADS: list[Callable[[threading.Thread], bool]] = []
 
 SETTLE_TIMEOUT_S = 10.0  # the longest the check waits for descriptors to be closed
 STALL_S = 1.0  # ... and the longest it waits once nothing closed any more
@@ -80,7 +83,8 @@ def new_descriptors(before: dict[int, str]) -> dict[int, str]:
 
 def new_threads(before: set[threading.Thread]) -> list[threading.Thread]:
     """Non-daemon threads alive now that were not before (daemon threads die with the process)."""
-    return [t for t in threading.enumerate() if t not in before and t.is_alive() and not t.daemon]
+    return [t for t in threading.enumerate() if t not in before and t.is_alive() and not t.daemon
+            and not any(owned(t) for owned in SESSION_THREADS)]
 
 
 def settle(before_fds: dict[int, str], before_threads: set[threading.Thread]):
