@@ -9,6 +9,7 @@ then asserts: never a sleep followed by an assertion, never an elapsed-time boun
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from typing import TypeVar
@@ -40,8 +41,6 @@ def wait_until(predicate: Callable[[], object], timeout: float = 60.0, interval:
 async def async_wait_for(predicate: Callable[[], T], timeout: float = 60.0, interval: float = 0.01,
                          what: str = "condition") -> T:
     """:func:`wait_for` inside an event loop: the loop runs (and can make the predicate true) meanwhile."""
-    import asyncio
-
     deadline = time.monotonic() + timeout
     while True:
         value = predicate()
