@@ -7,6 +7,7 @@ import os
 import sys
 import threading
 import uuid
+import warnings
 from collections.abc import Iterator
 
 import pytest
@@ -17,7 +18,7 @@ from twophase.zkserver import ZooKeeperServer
 
 
 @pytest.fixture(autouse=True)
-def no_leaks() -> Iterator[None]:
+def no_leaks(request) -> Iterator[None]:
     """Fail the test if it leaves descriptors (files, sockets, pipes...) or non-daemon threads behind.
 
     Autouse and function-scoped, so it is set up after any session fixture the test uses (pytest
@@ -29,9 +30,23 @@ def no_leaks() -> Iterator[None]:
     before_fds = leakcheck.open_descriptors()
     before_threads = set(threading.enumerate())
     yield
-    fds, threads = leakcheck.settle(before_fds, before_threads)
+    if "spark" in request.fixturenames:
+        _close_driver_hooks()
+    fds, threads, collected = leakcheck.settle(before_fds, before_threads)
     if fds or threads:
         pytest.fail("the test left resources behind:\n" + leakcheck.describe(fds, threads), pytrace=False)
+    if collected:
+        warnings.warn(leakcheck.LeakWarning("only a garbage collection released what the test left: "
+                                            + leakcheck.describe(collected, [])), stacklevel=1)
+
+
+def _close_driver_hooks() -> None:
+    """A Spark test's driver hooks (one per app and ZooKeeper root, with a ZooKeeper client and
+    threads each) live until closed; every test has a root of its own, so nothing uses them after
+    it: they are closed with the test, not at the end of the session."""
+    driver = sys.modules.get("twophase.spark.driver")
+    if driver is not None:
+        driver.DriverHook.close_all()
 
 
 def _kazoo_descriptors(client: KazooClient) -> list[int]:
@@ -43,15 +58,10 @@ def _kazoo_descriptors(client: KazooClient) -> list[int]:
 
 def _process_zk_clients() -> list[KazooClient]:
     """ZooKeeper clients cached for the life of the process on purpose: coordinator.zk.shared_client's
-    (one per ensemble, for Spark's reused Python workers) and the Spark driver hooks' (closed by the
-    spark fixture's teardown)."""
+    (one per ensemble, for Spark's reused Python workers)."""
     from coordinator import zk as zk_module
 
-    clients = list(zk_module._shared.values())
-    driver = sys.modules.get("twophase.spark.driver")
-    if driver is not None:
-        clients += [hook.client for hook in list(driver.DriverHook._hooks.values())]
-    return clients
+    return list(zk_module._shared.values())
 
 
 leakcheck.SESSION_OWNERS.append(lambda: [fd for c in _process_zk_clients() for fd in _kazoo_descriptors(c)])

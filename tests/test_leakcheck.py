@@ -3,6 +3,7 @@ and ignores what session-lifetime objects declare as theirs."""
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 import threading
@@ -46,7 +47,25 @@ def test_settle_waits_for_descriptors_and_threads_being_released():
     fds, threads = leakcheck.new_descriptors(before_fds), leakcheck.new_threads(before_threads)
     assert set(fds) == {r, w} and threads == [thread]
     release.set()
-    assert leakcheck.settle(before_fds, before_threads) == ({}, [])
+    assert leakcheck.settle(before_fds, before_threads) == ({}, [], {})
+
+
+def test_what_only_a_garbage_collection_releases_is_told_apart(tmp_path):
+    before_fds, before_threads = leakcheck.open_descriptors(), set(threading.enumerate())
+
+    class Cycle:
+        def __init__(self) -> None:
+            self.me = self
+            self.file = open(tmp_path / "held-by-a-cycle", "wb")  # noqa: SIM115
+
+    gc_was_enabled = gc.isenabled()
+    gc.disable()  # no collection in between: the cycle keeps the file open until settle collects it
+    try:
+        fd = Cycle().file.fileno()
+        assert leakcheck.settle(before_fds, before_threads) == ({}, [], {fd: str(tmp_path / "held-by-a-cycle")})
+    finally:
+        if gc_was_enabled:
+            gc.enable()
 
 
 def test_descriptors_and_threads_of_session_objects_are_not_leaks():
