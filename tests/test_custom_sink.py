@@ -1,3 +1,4 @@
+import contextlib
 import json
 import os
 import sqlite3
@@ -22,16 +23,22 @@ def ctx(epoch=0, partition=0, attempt=0):
 
 @pytest.fixture
 def sink(tmp_path):
-    return SqliteSink(str(tmp_path / "out.db"))
+    s = SqliteSink(str(tmp_path / "out.db"))
+    yield s
+    # The sink keeps a connection per thread for its lifetime and has no close(): close this thread's.
+    conn = getattr(s._local, "conn", None)
+    if conn is not None:
+        conn.close()
 
 
 def visible(sink):
-    with sqlite3.connect(sink.path) as db:
+    # closing(): a sqlite3 connection's own context manager ends the transaction but leaves the file open.
+    with contextlib.closing(sqlite3.connect(sink.path)) as db:
         return [json.loads(d) for (d,) in db.execute("SELECT data FROM rows ORDER BY rowid")]
 
 
 def staged(sink):
-    with sqlite3.connect(sink.path) as db:
+    with contextlib.closing(sqlite3.connect(sink.path)) as db:
         return db.execute("SELECT count(*) FROM staging").fetchone()[0]
 
 
@@ -97,7 +104,12 @@ def test_handle_commits_in_another_process(sink, tmp_path):
 
 def test_usable_from_other_threads(sink):
     handle = sink.pre_commit(stage(sink, ctx(), [{"a": 1}]))
-    t = threading.Thread(target=sink.commit, args=(handle,))
+
+    def commit_in_this_thread():
+        sink.commit(handle)
+        sink._local.conn.close()  # this thread's connection: nobody else can close it (sqlite3 rule)
+
+    t = threading.Thread(target=commit_in_this_thread)
     t.start()
     t.join()
     assert visible(sink) == [{"a": 1}]

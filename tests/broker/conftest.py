@@ -14,7 +14,9 @@ Test modules import WireClient and the request builders at the end of this file 
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import os
 import socket
 import struct
 import uuid
@@ -25,7 +27,69 @@ from kio.index import load_request_schema, load_response_schema
 from kio.serial import entity_reader
 
 from twophase.broker import Broker
+from twophase.broker.storage import LogManager, PartitionLog
 from twophase.wire.codec import build, encode_request, nested
+
+
+def crash(storage: PartitionLog | LogManager) -> None:
+    """Release what a PartitionLog or LogManager holds the way a kill -9 does: every descriptor closed,
+    nothing fsynced or written (no index, no snapshot). Tests that simulate a crash by opening the
+    directory again may call it on the abandoned object; the fixture below does it for them."""
+    if isinstance(storage, LogManager):
+        for plog in list(storage._logs.values()):
+            crash(plog)
+        if storage._lock_fd >= 0:
+            os.close(storage._lock_fd)
+            storage._lock_fd = -1
+        return
+    if storage._closed and all(s._fd < 0 for s in storage.segments):
+        return
+    storage._closed = True
+    storage._discard_pending_seals()  # their duplicate descriptors
+    for segment in storage.segments:
+        if segment._fd >= 0:
+            os.close(segment._fd)
+            segment._fd = -1
+        index = segment.txn_index
+        if index._fd >= 0:
+            os.close(index._fd)
+            index._fd = -1
+
+
+@contextlib.contextmanager
+def logs_in(directory: str):
+    """``open(config=None)`` opens a PartitionLog on ``directory``; every one is released (as by a crash,
+    if not closed) when the example ends, before its directory is removed."""
+    opened = []
+
+    def open_log(config=None) -> PartitionLog:
+        opened.append(PartitionLog(directory, config))
+        return opened[-1]
+
+    try:
+        yield open_log
+    finally:
+        for log in opened:
+            crash(log)
+
+
+@pytest.fixture(autouse=True)
+def release_storage() -> Iterator[None]:
+    """Storage tests open PartitionLogs and LogManagers directly, and many abandon one on purpose to
+    play a crash (then open the directory again). Whatever a test leaves open is released at its
+    end as a crash would (tests/conftest.py fails a test that leaves descriptors behind).
+
+    A MonkeyPatch of its own: a test's ``monkeypatch.undo()`` must not stop the tracking."""
+    opened: list = []
+    with pytest.MonkeyPatch.context() as patch:
+        for cls in (PartitionLog, LogManager):
+            def tracking_init(self, *args, __init=cls.__init__, **kwargs):
+                __init(self, *args, **kwargs)  # a failed open releases what it took itself
+                opened.append(self)
+            patch.setattr(cls, "__init__", tracking_init)
+        yield
+    for storage in reversed(opened):
+        crash(storage)
 
 
 @pytest.fixture

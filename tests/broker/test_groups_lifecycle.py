@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import time
 import uuid
 
 from confluent_kafka.admin import AdminClient
@@ -32,6 +31,8 @@ from tests.broker.test_groups_wire import (
     sync_request,
 )
 from tests.broker.test_txn_wire import end_txn, init_pid
+from tests.waiting import async_wait_for as until
+from tests.waiting import wait_until
 from twophase.broker.broker import GROUPS_DIR
 from twophase.broker.groups import (
     CommittedOffset,
@@ -51,20 +52,6 @@ from twophase.broker.groups.coordinator import (
 )
 
 DEADLINE_S = 15.0
-
-
-async def until(condition, timeout: float = DEADLINE_S) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached before the deadline"
-        await asyncio.sleep(0.01)
-
-
-def wait_until(condition, timeout: float = DEADLINE_S) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached before the deadline"
-        time.sleep(0.05)
 
 
 def rebalance_stays_pending(snapshot, poll):

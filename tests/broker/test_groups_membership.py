@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 import uuid
 
+import pytest
 from confluent_kafka import Consumer, KafkaError
 
 from tests.broker.test_groups_coordinator import PROTOCOLS, run
 from tests.broker.test_groups_interop import KAFKA_PYTHON_FIRST_JOIN_DELAY_MS, create_topic, produce
+from tests.waiting import async_wait_for as until
+from tests.waiting import wait_until
 from twophase.broker.groups import GroupCoordinator, GroupState
 from twophase.broker.groups.coordinator import FENCED_INSTANCE_ID, NONE, REBALANCE_IN_PROGRESS, UNKNOWN_MEMBER_ID
 
@@ -34,8 +36,7 @@ async def two_static_members(coord):
     assert a.error == NONE and a.generation == 1  # no MEMBER_ID_REQUIRED round for a static member
     await coord.sync("g", 1, a.member_id, None, None, {a.member_id: b"A"})
     b_join = asyncio.create_task(join(coord, instance="ib"))
-    while coord.heartbeat("g", 1, a.member_id, "ia") != REBALANCE_IN_PROGRESS:
-        await asyncio.sleep(0.01)
+    await until(lambda: coord.heartbeat("g", 1, a.member_id, "ia") == REBALANCE_IN_PROGRESS)
     a = await join(coord, a.member_id, "ia")
     b = await b_join
     assert a.generation == b.generation == 2 and a.leader == a.member_id
@@ -82,8 +83,7 @@ def test_a_static_member_with_a_parked_join_is_fenced_by_its_replacement(tmp_pat
         try:
             old_a, b = await two_static_members(coord)
             parked = asyncio.create_task(join(coord, old_a, "ia", protocols=[("roundrobin", b"")]))  # a rebalance
-            while coord.groups["g"].state is not GroupState.PREPARING_REBALANCE:
-                await asyncio.sleep(0.01)
+            await until(lambda: coord.groups["g"].state is GroupState.PREPARING_REBALANCE)
             new_a = asyncio.create_task(join(coord, instance="ia"))
             assert (await parked).error == FENCED_INSTANCE_ID
             b_again = await join(coord, b, "ib")
@@ -150,8 +150,7 @@ def test_restored_members_that_stay_away_time_out(tmp_path):
         coord.close()
         again = GroupCoordinator(str(tmp_path))
         try:
-            while "g" in again.groups and again.groups["g"].state is not GroupState.EMPTY:
-                await asyncio.sleep(0.05)
+            await until(lambda: "g" not in again.groups or again.groups["g"].state is GroupState.EMPTY)
             assert again.groups["g"].generation == 2
         finally:
             again.close()
@@ -173,25 +172,24 @@ def test_initial_delay_waits_for_members_and_extends_while_they_arrive(tmp_path)
         coord = GroupCoordinator(str(tmp_path))
         loop = asyncio.get_running_loop()
         try:
+            # Virtual time (see run): the timers fire at their exact delays, so the delays are asserted exactly.
             start = loop.time()
             first = asyncio.create_task(join(coord, delay_ms=1_000, rebalance_ms=5_000))
-            await asyncio.sleep(0.3)  # well inside the delay, even on a loaded host
+            await asyncio.sleep(0.3)  # inside the delay
             assert not first.done()
             second = asyncio.create_task(join(coord, delay_ms=1_000, rebalance_ms=5_000))  # extends it by 1 s
             a, b = await first, await second
-            elapsed = loop.time() - start
             assert a.generation == b.generation == 1 and len(a.members or b.members) == 2
-            assert 1.25 < elapsed < 10
+            assert loop.time() - start == pytest.approx(2.0)  # the delay, once extended: not 0.3 + 1
             # Only the first rebalance of an empty group is delayed.
             await coord.sync("g", 1, a.leader, None, None, {})
             start = loop.time()
             third = asyncio.create_task(join(coord, delay_ms=400))
-            while coord.groups["g"].state is not GroupState.PREPARING_REBALANCE:
-                await asyncio.sleep(0.01)
+            await until(lambda: coord.groups["g"].state is GroupState.PREPARING_REBALANCE)
             results = await asyncio.gather(third, join(coord, a.member_id, delay_ms=400),
                                            join(coord, b.member_id, delay_ms=400))
             assert [r.generation for r in results] == [2, 2, 2]
-            assert loop.time() - start < 0.4
+            assert loop.time() - start < 0.4  # no 400 ms delay ran (the polling above takes 10 ms steps)
         finally:
             coord.close()
 
@@ -204,13 +202,16 @@ def test_initial_delay_is_bounded_by_the_rebalance_timeout(tmp_path):
         loop = asyncio.get_running_loop()
         try:
             start = loop.time()
-            joins = []
+            joins, first_done_at = [], []
             for _ in range(8):  # a member every 100 ms would extend a 300 ms delay forever
                 joins.append(asyncio.create_task(join(coord, rebalance_ms=600, delay_ms=300)))
+                if len(joins) == 1:
+                    joins[0].add_done_callback(lambda _: first_done_at.append(loop.time() - start))
                 await asyncio.sleep(0.1)
             first = await joins[0]
             assert first.error == NONE and first.generation == 1
-            assert loop.time() - start < 1.0  # 300 ms delay + at most 300 ms more (600 ms rebalance timeout)
+            # Virtual time (see run): 300 ms delay + one extension of 300 ms, then the 600 ms rebalance timeout is spent.
+            assert first_done_at == [pytest.approx(0.6)]
         finally:
             coord.close()
 
@@ -227,13 +228,30 @@ def static_consumer(bootstrap: str, group: str, instance: str) -> Consumer:
 
 
 def poll_assigned(consumers, condition, timeout: float = 30.0, errors: list | None = None) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached before the deadline"
+    """Poll every consumer (rebalances run inside poll) until ``condition()`` holds."""
+
+    def polled() -> bool:
+        if condition():
+            return True
         for c in consumers:
             m = c.poll(0.05)
             if m is not None and m.error() and errors is not None:
                 errors.append(m.error())
+        return False
+
+    wait_until(polled, timeout=timeout, interval=0, what="the consumers' assignment")
+
+
+def polled_until(kafka_python_consumer, condition, what: str) -> None:
+    """Poll a kafka-python consumer (its group protocol runs inside poll) until ``condition()`` holds."""
+
+    def polled() -> bool:
+        if condition():
+            return True
+        kafka_python_consumer.poll(100)
+        return False
+
+    wait_until(polled, timeout=30, interval=0, what=what)
 
 
 def generation(broker, group: str) -> int:
@@ -292,20 +310,19 @@ def test_kafka_python_static_member_rejoins_with_its_assignment(broker_factory, 
 
     first = consumer()
     got = []
-    deadline = time.monotonic() + 30
-    while len(got) < 2:
-        assert time.monotonic() < deadline
+
+    def got_both() -> bool:
         for records in first.poll(200).values():
             got.extend(r.value for r in records)
+        return len(got) >= 2
+
+    wait_until(got_both, timeout=30, interval=0, what="both records")
     first.commit()
     gen, member = generation(broker, group), broker.call(lambda: next(iter(broker.groups.groups[group].members)))
     first.close(autocommit=False)  # static: no LeaveGroup
     second = consumer()
     try:
-        deadline = time.monotonic() + 30
-        while len(second.assignment()) < 2:
-            assert time.monotonic() < deadline
-            second.poll(200)
+        polled_until(second, lambda: len(second.assignment()) == 2, what="both partitions assigned again")
         assert generation(broker, group) == gen
         assert broker.call(lambda: list(broker.groups.groups[group].members)) != [member]  # replaced, not added
         assert broker.call(lambda: len(broker.groups.groups[group].members)) == 1
@@ -333,12 +350,14 @@ def test_confluent_members_keep_their_generation_across_a_broker_restart(broker_
         assert generation(broker, group) == gen
         produce(broker.bootstrap, topic, [f"after-{i}".encode() for i in range(4)], partitions=2)
         seen = []
-        deadline = time.monotonic() + 30
-        while len(seen) < 4:
-            assert time.monotonic() < deadline, f"only {seen} after the restart"
+
+        def got_four() -> bool:
             m = c.poll(0.1)
             if m is not None and not m.error():
                 seen.append(m.value())
+            return len(seen) >= 4
+
+        wait_until(got_four, timeout=30, interval=0, what="the 4 records produced after the restart")
         c.commit(asynchronous=False)  # the old member id and generation still commit
         assert generation(broker, group) == gen and revoked == []
         assert broker.call(lambda: broker.groups.groups[group].state) is GroupState.STABLE
@@ -374,21 +393,20 @@ def test_kafka_python_member_keeps_its_generation_across_a_broker_restart(broker
     c = KafkaConsumer(topic, bootstrap_servers=broker.bootstrap, group_id=group, auto_offset_reset="earliest",
                       enable_auto_commit=False, session_timeout_ms=10_000, heartbeat_interval_ms=300)
     try:
-        deadline = time.monotonic() + 30
-        while len(c.assignment()) < 2:
-            assert time.monotonic() < deadline
-            c.poll(100)
+        polled_until(c, lambda: len(c.assignment()) == 2, what="both partitions assigned")
         gen, members = generation(broker, group), broker.call(lambda: list(broker.groups.groups[group].members))
         broker.stop()
         broker = broker_factory(data_dir=data_dir, port=port,
                                 group_initial_rebalance_delay_ms=KAFKA_PYTHON_FIRST_JOIN_DELAY_MS)
         produce(broker.bootstrap, topic, [b"a", b"b", b"c", b"d"], partitions=2)
         seen = []
-        deadline = time.monotonic() + 30
-        while len(seen) < 4:
-            assert time.monotonic() < deadline, f"only {seen} after the restart"
+
+        def got_four() -> bool:
             for records in c.poll(100).values():
                 seen.extend(r.value for r in records)
+            return len(seen) >= 4
+
+        wait_until(got_four, timeout=30, interval=0, what="the 4 records produced after the restart")
         c.commit()  # old member id and generation
         assert generation(broker, group) == gen
         assert broker.call(lambda: list(broker.groups.groups[group].members)) == members

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import threading
+import select
 import time
 
 import pytest
@@ -124,14 +124,14 @@ def test_open_transaction_holds_back_read_committed_until_its_marker(broker, wir
     assert [v for *_, v in decode(response.records)] == [b"before"]
     assert (response.last_stable_offset, response.high_watermark) == (1, 3)
     # A long poll at the LSO is not woken by data above it, only by the marker that moves the LSO.
-    poller = WireClient(broker.port)
+    # max_wait far beyond the socket timeout: only a wake-up can answer the fetch in time.
+    poller = WireClient(broker.port, timeout=60)
     try:
-        correlation = poller.send(committed_fetch(topic, 1, max_wait_ms=20_000, min_bytes=1))
-        a.send(b"more", transactional=False)
-        started = time.monotonic()
-        threading.Timer(0.3, b.end, kwargs={"commit": True}).start()
+        correlation = poller.send(committed_fetch(topic, 1, max_wait_ms=600_000, min_bytes=1))
+        a.send(b"more", transactional=False)  # answered: the broker has stored it (and woken the fetch, if wrongly)
+        assert select.select([poller.sock], [], [], 0.2)[0] == [], "woken by data above the LSO"
+        b.end(commit=True)
         parked = only_partition(poller.recv(type(committed_fetch(topic, 0)), correlation))
-        assert 0.25 < time.monotonic() - started < 10
     finally:
         poller.close()
     assert [v for *_, v in decode(parked.records)] == [b"open", b"after", b"more"]

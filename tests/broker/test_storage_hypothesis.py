@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from twophase.broker.storage import LogConfig, PartitionLog
 
 from .batches import batch, batch_offsets, decode
+from .conftest import logs_in
 
 record = st.tuples(st.one_of(st.none(), st.binary(max_size=8)), st.binary(max_size=120))
 a_batch = st.tuples(st.lists(record, min_size=1, max_size=6), st.integers(min_value=0, max_value=10**6))
@@ -37,8 +38,8 @@ def check_log(log: PartitionLog, expected: list[tuple[bytes | None, bytes]], max
        st.integers(min_value=1, max_value=2000))
 def test_random_appends_read_back(requests, segment_bytes, index_interval, max_bytes):
     config = LogConfig(segment_bytes=segment_bytes, index_interval_bytes=index_interval)
-    with tempfile.TemporaryDirectory() as tmp:
-        log = PartitionLog(tmp, config)
+    with tempfile.TemporaryDirectory() as tmp, logs_in(tmp) as open_log:
+        log = open_log(config)
         expected: list[tuple[bytes | None, bytes]] = []
         for request in requests:
             data = b"".join(
@@ -49,19 +50,19 @@ def test_random_appends_read_back(requests, segment_bytes, index_interval, max_b
             expected.extend(r for recs, _ in request for r in recs)
         check_log(log, expected, max_bytes)
         log.close()
-        check_log(PartitionLog(tmp, config), expected, max_bytes)
+        check_log(open_log(config), expected, max_bytes)
         # And after a "crash": the index of the active segment is rebuilt from the log.
-        crashed = PartitionLog(tmp, config)
+        crashed = open_log(config)
         crashed.append(batch([b"tail"]), 0)
-        check_log(PartitionLog(tmp, config), expected + [(None, b"tail")], max_bytes)
+        check_log(open_log(config), expected + [(None, b"tail")], max_bytes)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(st.integers(min_value=1, max_value=5), min_size=1, max_size=15), st.data())
 def test_damaged_tail_recovers_intact_prefix(batch_sizes, data):
     """Cut or flip a byte anywhere in the active segment: every batch before the damage survives."""
-    with tempfile.TemporaryDirectory() as tmp:
-        log = PartitionLog(tmp)
+    with tempfile.TemporaryDirectory() as tmp, logs_in(tmp) as open_log:
+        log = open_log()
         expected, ends = [], []
         for i, n in enumerate(batch_sizes):
             vals = [b"b%d-%d" % (i, j) for j in range(n)]
@@ -82,6 +83,6 @@ def test_damaged_tail_recovers_intact_prefix(batch_sizes, data):
                 f.seek(where)
                 f.write(bytes([byte ^ data.draw(st.integers(min_value=1, max_value=255))]))
         intact = sum(1 for end in ends if end <= where)  # batches entirely before the damage
-        reopened = PartitionLog(tmp)
+        reopened = open_log()
         survivors = [v for _, _, _, v in decode(reopened.read(0, 1 << 20))] if reopened.high_watermark else []
         assert survivors == [v for vals in expected[:intact] for v in vals]

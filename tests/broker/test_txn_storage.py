@@ -32,6 +32,7 @@ from twophase.wire.errors import (
 from twophase.wire.records import iter_batches
 
 from .batches import batch, decode
+from .conftest import logs_in
 
 SMALL = LogConfig(segment_bytes=2048, index_interval_bytes=256)
 
@@ -379,8 +380,8 @@ op = st.one_of(
 @given(st.lists(op, min_size=1, max_size=60), st.lists(st.tuples(st.integers(0, 80), st.integers(0, 80)), max_size=8),
        st.integers(1, 400))
 def test_lso_and_aborted_ranges_match_a_model(ops, ranges, max_bytes):
-    with tempfile.TemporaryDirectory() as tmp:
-        log = PartitionLog(tmp, SMALL)
+    with tempfile.TemporaryDirectory() as tmp, logs_in(tmp) as open_log:
+        log = open_log(SMALL)
         w = Producers(log)
         open_first: dict[int, int] = {}
         pending: dict[int, list[tuple[int, bytes]]] = {}
@@ -414,7 +415,7 @@ def test_lso_and_aborted_ranges_match_a_model(ops, ranges, max_bytes):
             assert committed_view(partition_log, max_bytes) == expected
 
         check(log)
-        check(PartitionLog(tmp, SMALL))  # after a crash (no close)
+        check(open_log(SMALL))  # after a crash (no close)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -422,8 +423,8 @@ def test_lso_and_aborted_ranges_match_a_model(ops, ranges, max_bytes):
        st.one_of(st.just(0), st.integers(1, 300), st.just(1 << 20)), st.data())
 def test_read_range_matches_a_flat_model(batch_sizes, index_interval, data):
     """Whole batches from the one holding the offset, below the upper offset, within max_bytes (one at least)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        log = PartitionLog(tmp, LogConfig(segment_bytes=2048, index_interval_bytes=index_interval))
+    with tempfile.TemporaryDirectory() as tmp, logs_in(tmp) as open_log:
+        log = open_log(LogConfig(segment_bytes=2048, index_interval_bytes=index_interval))
         batches = []  # (base, last, size)
         for i, n in enumerate(batch_sizes):
             raw = batch([b"r%d-%d" % (i, j) * (1 + j) for j in range(n)])

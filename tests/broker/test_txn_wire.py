@@ -11,6 +11,7 @@ import time
 
 from kio.schema.errors import ErrorCode
 
+from tests.waiting import wait_until
 from twophase.broker.txn import TXN_DIR, TransactionLog, TxnMetadata
 from twophase.broker.txn.metadata import MAX_EPOCH
 
@@ -255,10 +256,8 @@ def test_prepared_transaction_survives_restart_and_idle_then_a_fresh_connection_
     b.stop()
     b = broker_factory(**settings)
     # Idle for longer than the ordinary timeout: the ordinary transaction is aborted, the prepared one stays.
-    deadline = time.monotonic() + 20
-    while b.call(lambda: b.transactions.describe("ordinary").state) != "CompleteAbort":
-        assert time.monotonic() < deadline, "the ordinary transaction never timed out"
-        time.sleep(0.05)
+    wait_until(lambda: b.call(lambda: b.transactions.describe("ordinary").state) == "CompleteAbort",
+               timeout=60, what="the ordinary transaction to time out")
     assert b.call(lambda: b.transactions.describe("two-phase").state) == "Ongoing"
     assert b.call(lambda: b.logs.partition(topics[0], 0).last_stable_offset) == 0  # still held back
     fresh = WireClient(b.port)

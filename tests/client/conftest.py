@@ -25,17 +25,6 @@ def refuse_requests(monkeypatch, api_key: int, message: str) -> None:
     monkeypatch.setattr(Connection, "request", refusing)
 
 
-def wait_for(predicate, timeout_s: float = 10.0, interval_s: float = 0.05, what: str = "condition"):
-    """Poll ``predicate`` until it returns something truthy; fail after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval_s)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def drain(consumer, expected: int, timeout_s: float = 15.0, settle_s: float = 0.5) -> list:
     """Poll until ``expected`` messages arrived, then ``settle_s`` longer to catch extra ones."""
     got = []

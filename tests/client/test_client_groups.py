@@ -4,13 +4,13 @@ rebalance when one leaves; committed offsets are where the next member starts.""
 from __future__ import annotations
 
 import threading
-import time
 
 from confluent_kafka import Consumer as ConfluentConsumer
 
+from tests.waiting import wait_for
 from twophase.client import Admin, Consumer, Producer
 
-from .conftest import drain, wait_for
+from .conftest import drain
 
 
 def _consumer(broker, group: str) -> Consumer:
@@ -59,7 +59,7 @@ def test_two_members_split_partitions_and_rebalance_on_leave(broker, topic):
     group = f"g-{topic}"
     a = Member(_consumer(broker, group), topic)
     b = Member(_consumer(broker, group), topic)
-    wait_for(lambda: len(a.assignment) == 2 and len(b.assignment) == 2, timeout_s=30,
+    wait_for(lambda: len(a.assignment) == 2 and len(b.assignment) == 2, timeout=30,
              what="a rebalance giving each member 2 partitions")
     assert sorted(a.assignment + b.assignment) == [(topic, p) for p in range(4)]
     wait_for(lambda: len(a.messages) + len(b.messages) >= 40, what="all records")
@@ -67,7 +67,7 @@ def test_two_members_split_partitions_and_rebalance_on_leave(broker, topic):
         m.commit_now.set()
     wait_for(lambda: not a.commit_now.is_set() and not b.commit_now.is_set(), what="commits")
     b.finish()  # LeaveGroup: a takes over all partitions at its next rejoin
-    wait_for(lambda: len(a.assignment) == 4, timeout_s=30, what="the remaining member owning all partitions")
+    wait_for(lambda: len(a.assignment) == 4, timeout=30, what="the remaining member owning all partitions")
     with Producer(broker.bootstrap) as p:
         p.send(topic, value=b"after", key=b"x")
     wait_for(lambda: any(m.value == b"after" for m in a.messages), what="the new record")
@@ -83,15 +83,13 @@ def test_committed_offsets_resume_a_new_member(broker, topic):
     group = f"g-{topic}"
     with _consumer(broker, group) as c:
         c.subscribe([topic])
-        first = wait_for(lambda: c.poll(timeout_s=0.5, max_records=4), timeout_s=30, what="first records")
+        first = wait_for(lambda: c.poll(timeout_s=0.5, max_records=4), timeout=30, what="first records")
         c.commit()  # only what poll returned counts as consumed
         assert c.committed([(topic, 0)]) == {(topic, 0): len(first)}
-    started = time.monotonic()
     with _consumer(broker, group) as c:
         c.assign([(topic, 0)])
         rest = drain(c, 10 - len(first))
     assert [m.value for m in first + rest] == [b"%d" % i for i in range(10)]
-    assert time.monotonic() - started < 15
 
 
 def test_a_confluent_member_and_ours_share_a_group(broker, topic):
@@ -108,7 +106,7 @@ def test_a_confluent_member_and_ours_share_a_group(broker, topic):
             theirs.poll(0.1)
             return len(ours.assignment) == 2 and len(theirs.assignment()) == 2
 
-        wait_for(split, timeout_s=40, what="the range assignor giving each member 2 partitions")
+        wait_for(split, timeout=40, what="the range assignor giving each member 2 partitions")
         mine = set(ours.assignment)
         their_partitions = {(tp.topic, tp.partition) for tp in theirs.assignment()}
         assert mine | their_partitions == {(topic, p) for p in range(4)} and not mine & their_partitions

@@ -183,38 +183,41 @@ class Broker:
                  self.config.fsync, self.cluster_id)
 
     async def stop_async(self) -> None:
-        """Close every connection, flush and close storage. Idempotent."""
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            try:
-                await task
-            except (asyncio.CancelledError, Exception):
-                pass
-        self._tasks = []
-        if self._flushing is not None:  # the worker thread goes on after its task is cancelled
-            [failed] = await asyncio.gather(self._flushing, return_exceptions=True)
-            for partition_log, exc in failed if isinstance(failed, list) else ():
-                partition_log.flush_failed(exc)  # closed below without trusting what did not sync
-            self._flushing = None
-        if self.groups is not None:
-            self.groups.close()  # answers parked JoinGroup/SyncGroup requests
-        if self._server is not None:
-            await self._server.close()
-        self.groups = None
-        if self.transactions is not None:
-            self.transactions.close()
-            self.transactions = None
-        for waiters in self._waiters.values():
-            for fut in waiters:
-                if not fut.done():
-                    fut.cancel()
-        self._waiters.clear()
-        await self.group_commit.drain()
-        if self.logs is not None:
-            self.logs.close()
-            self.logs = None
-            log.info("broker %d on port %d stopped", self.node_id, self.port)
+        """Close every connection, flush and close storage. Idempotent. Storage is closed (its files and
+        the data directory's lock released) even if an earlier step fails."""
+        try:
+            for task in self._tasks:
+                task.cancel()
+            for task in self._tasks:
+                try:
+                    await task
+                except (asyncio.CancelledError, Exception):
+                    pass
+            self._tasks = []
+            if self._flushing is not None:  # the worker thread goes on after its task is cancelled
+                [failed] = await asyncio.gather(self._flushing, return_exceptions=True)
+                for partition_log, exc in failed if isinstance(failed, list) else ():
+                    partition_log.flush_failed(exc)  # closed below without trusting what did not sync
+                self._flushing = None
+            if self.groups is not None:
+                self.groups.close()  # answers parked JoinGroup/SyncGroup requests
+            if self._server is not None:
+                await self._server.close()
+            self.groups = None
+            if self.transactions is not None:
+                transactions, self.transactions = self.transactions, None
+                transactions.close()
+            for waiters in self._waiters.values():
+                for fut in waiters:
+                    if not fut.done():
+                        fut.cancel()
+            self._waiters.clear()
+            await self.group_commit.drain()
+        finally:
+            if self.logs is not None:
+                logs, self.logs = self.logs, None
+                logs.close()
+                log.info("broker %d on port %d stopped", self.node_id, self.port)
 
     async def __aenter__(self) -> Broker:
         await self.start_async()
@@ -258,14 +261,17 @@ class Broker:
                 loop.run_until_complete(self.start_async())
             except BaseException as exc:  # reported to start()'s caller
                 failure.append(exc)
-                ready.set()
+                loop.run_until_complete(loop.shutdown_default_executor())
                 loop.close()
+                ready.set()
                 return
             ready.set()
             try:
                 loop.run_forever()
             finally:
                 loop.run_until_complete(loop.shutdown_asyncgens())
+                # Joins the worker threads of asyncio.to_thread (fsyncs): close() alone leaves them running.
+                loop.run_until_complete(loop.shutdown_default_executor())
                 loop.close()
 
         self._loop = loop

@@ -54,8 +54,11 @@ class Cluster:
         self._any: Connection | None = None
         self._leaders: dict[str, dict[int, int]] = {}
         self._coordinators: dict[tuple[str, int], int] = {}
+        self._closed = False
 
     def _connect(self, host: str, port: int) -> Connection:
+        if self._closed:  # a client thread still running after close() must not open what nobody closes
+            raise KafkaConnectionError(f"cannot connect to {host}:{port}: the client is closed")
         return Connection(host, port, client_id=self.client_id, timeout_s=self.request_timeout_s)
 
     def any_connection(self) -> Connection:
@@ -204,6 +207,7 @@ class Cluster:
     def close(self) -> None:
         """Close every connection."""
         with self._lock:
+            self._closed = True
             for conn in list(self._connections.values()) + ([self._any] if self._any else []):
                 conn.close()
             self._connections.clear()

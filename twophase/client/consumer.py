@@ -287,9 +287,11 @@ class Consumer:
                     self._buffer.extend(messages)
 
     def close(self) -> None:
-        if self._group is not None:
-            self._group.leave()
-        self._cluster.close()
+        try:
+            if self._group is not None:
+                self._group.leave()
+        finally:
+            self._cluster.close()  # the connections go whatever leaving the group raised
 
     def __enter__(self) -> Consumer:
         return self

@@ -211,28 +211,33 @@ class GroupMember:
 
     def _heartbeat_loop(self) -> None:
         conn: Connection | None = None
-        while not self._stop.wait(self.heartbeat_interval_s):
-            with self._lock:
-                member_id, generation = self.member_id, self.generation
-            if self._rejoin.is_set() or generation < 0:
-                continue
-            try:
-                if conn is None or conn.closed:
-                    conn = self.cluster.dedicated_connection(
-                        self.cluster.coordinator_id(self.group_id, CoordinatorType.GROUP))
-                v = conn.version(ApiKey.HEARTBEAT, 4)
-                response = conn.request(message(ApiKey.HEARTBEAT, v, group_id=self.group_id, generation_id=generation,
-                                                member_id=member_id, group_instance_id=None))
-            except KafkaError as exc:
-                log.info("group %s heartbeat failed: %s", self.group_id, exc)
-                self.cluster.forget_coordinator(self.group_id, CoordinatorType.GROUP)
-                conn = None
-                continue
-            if response.error_code in _REJOIN:
-                log.info("group %s: %s, rejoin", self.group_id, ErrorCode(response.error_code).name)
-                self._rejoin.set()
-        if conn is not None:
-            conn.close()
+        try:
+            while not self._stop.wait(self.heartbeat_interval_s):
+                with self._lock:
+                    member_id, generation = self.member_id, self.generation
+                if self._rejoin.is_set() or generation < 0:
+                    continue
+                try:
+                    if conn is None or conn.closed:
+                        conn = self.cluster.dedicated_connection(
+                            self.cluster.coordinator_id(self.group_id, CoordinatorType.GROUP))
+                    v = conn.version(ApiKey.HEARTBEAT, 4)
+                    response = conn.request(message(ApiKey.HEARTBEAT, v, group_id=self.group_id,
+                                                    generation_id=generation, member_id=member_id,
+                                                    group_instance_id=None))
+                except KafkaError as exc:
+                    log.info("group %s heartbeat failed: %s", self.group_id, exc)
+                    self.cluster.forget_coordinator(self.group_id, CoordinatorType.GROUP)
+                    if conn is not None:
+                        conn.close()  # a new one to the coordinator found next time
+                    conn = None
+                    continue
+                if response.error_code in _REJOIN:
+                    log.info("group %s: %s, rejoin", self.group_id, ErrorCode(response.error_code).name)
+                    self._rejoin.set()
+        finally:
+            if conn is not None:
+                conn.close()
 
     def leave(self) -> None:
         """Stop heartbeating and leave the group; a failure is only logged (the session timeout removes us anyway)."""

@@ -570,22 +570,28 @@ class PartitionLog:
         """Fsync, write the index and a producer snapshot, and release the files. Idempotent."""
         if self._closed:
             return
-        if self._failed is None:
-            self._run_pending_seals()
-        self._discard_pending_seals()
-        self._closed = True
-        if self._failed is None:
-            self._segments[-1].seal()
-            self._durable_end = self.log_end_offset
-            self.producers.write_snapshot(self.high_watermark)
-        for segment in self._segments:
-            segment.close()
+        try:
+            if self._failed is None:
+                self._run_pending_seals()
+            self._closed = True
+            if self._failed is None:
+                self._segments[-1].seal()
+                self._durable_end = self.log_end_offset
+                self.producers.write_snapshot(self.high_watermark)
+        finally:
+            # Every descriptor is released (the duplicates of seals left undone too), also when a seal
+            # failed or the log is offline (then nothing is fsynced: the log is not trusted until
+            # recovery); the first error is raised.
+            self._closed = True
+            self._discard_pending_seals()
+            _close_all(self._segments, sync=self._failed is None)
 
     def delete_files(self) -> None:
         """Close and remove every file of this log (used when the topic is deleted)."""
         with self._seal_lock:  # a seal running in the flusher must not write into a recreated directory
             self._closed = True
         self._discard_pending_seals()
+        _close_all(self._segments, sync=False)  # first: no descriptor outlives a failed unlink
         for segment in self._segments:
             segment.delete()
         for name in os.listdir(self.directory):
@@ -605,9 +611,16 @@ def _check_batch(header: BatchHeader, from_client: bool) -> None:
         raise InvalidRecordError(f"producer {header.producer_id} batch without a sequence number")
 
 
-def _close_all(segments: list[Segment]) -> None:
+def _close_all(segments: list[Segment], *, sync: bool = False) -> None:
+    """Close every segment, even if closing one fails; the first failure is raised after."""
+    error: BaseException | None = None
     for segment in segments:
-        segment.close(sync=False)
+        try:
+            segment.close(sync=sync)
+        except BaseException as exc:
+            error = error or exc
+    if error is not None:
+        raise error
 
 
 class _RollSeal:

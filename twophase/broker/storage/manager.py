@@ -289,15 +289,17 @@ class LogManager:
 
     def close(self) -> None:
         """Close every log cleanly and release the data directory. Idempotent."""
-        for key, partition_log in self._logs.items():
-            try:
-                partition_log.close()
-            except OSError:
-                log.exception("closing %s-%d failed", *key)
-        self._logs.clear()
-        if self._lock_fd >= 0:
-            os.close(self._lock_fd)
-            self._lock_fd = -1
+        try:
+            for key, partition_log in self._logs.items():
+                try:
+                    partition_log.close()  # releases its descriptors even when it fails
+                except Exception:
+                    log.exception("closing %s-%d failed", *key)
+            self._logs.clear()
+        finally:
+            if self._lock_fd >= 0:
+                os.close(self._lock_fd)
+                self._lock_fd = -1
 
 
 def run_flushes(due: list[tuple[PartitionLog, Callable[[], None]]]) -> list[tuple[PartitionLog, Exception]]:

@@ -338,12 +338,18 @@ class Segment:
             os.fsync(f.fileno())
 
     def close(self, *, sync: bool = True) -> None:
-        if self._fd >= 0:
-            if sync:
+        """Release the files (after an fsync with ``sync``). The descriptors are closed even if that fsync
+        fails (a log gone offline is closed this way): the error is raised after."""
+        try:
+            if self._fd >= 0 and sync:
                 self.flush()
-            os.close(self._fd)
-            self._fd = -1
-        self.txn_index.close()
+        finally:
+            try:
+                if self._fd >= 0:
+                    os.close(self._fd)
+                    self._fd = -1
+            finally:
+                self.txn_index.close(sync=sync)
 
     def delete(self) -> None:
         """Close without syncing and remove the log, offset index and transaction index files."""

@@ -179,14 +179,18 @@ class TransactionIndex:
             _fdatasync(self._fd)
             self._dirty = False
 
-    def close(self) -> None:
+    def close(self, *, sync: bool = True) -> None:
+        """Fsync (with ``sync``) and release the file; it is released even if the fsync fails."""
         if self._fd >= 0:
-            self.flush()
-            os.close(self._fd)
-            self._fd = -1
+            try:
+                if sync:
+                    self.flush()
+            finally:
+                os.close(self._fd)
+                self._fd = -1
 
     def delete(self) -> None:
-        self.close()
+        self.close(sync=False)  # going away
         unlink_quietly(self.path)
 
     def _add(self, txn: AbortedTxn) -> None:
