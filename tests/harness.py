@@ -5,8 +5,6 @@ Tasks run through twophase.task.TaskAttempt, the code TwoPhaseSink runs in Spark
 
 from __future__ import annotations
 
-import time
-
 from coordinator.app import AppCoordinator, CommitPolicy, publish_app
 from coordinator.layout import AppPaths
 from coordinator.precommits import PrecommitRegistry
@@ -79,13 +77,3 @@ def stage(sink, ctx, rows):
 
 def ids_out(pipe: Pipeline) -> list:
     return [r["id"] for r in read_committed_rows(pipe.sink.path)]
-
-
-def wait_until(predicate, timeout=60.0, interval=0.05, what="condition"):
-    """Poll a cheap predicate with a deadline (the state lives in other processes or threads)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(interval)
-    raise AssertionError(f"timed out waiting for {what}")

@@ -20,7 +20,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +32,7 @@ from coordinator.layout import AppPaths, QueryPaths
 from examples.file_sink_query import write_input
 from sinks.files import read_committed_rows
 from tests.driver_job import POISON_ENV, POISON_EPOCH
+from tests.waiting import wait_for, wait_until
 from twophase.sink import TxnContext
 from twophase.verify import count_rows
 
@@ -183,10 +183,7 @@ def kill_run(run: Run) -> None:
         except ProcessLookupError:
             pass
     run.proc.wait(timeout=30)
-    deadline = time.monotonic() + 30
-    while any(_alive(pid) for pid in tree):
-        assert time.monotonic() < deadline, f"processes of {run.label} survive SIGKILL: {tree}"
-        time.sleep(POLL)
+    wait_until(lambda: not any(_alive(pid) for pid in tree), 30, POLL, f"processes of {run.label} to die: {tree}")
 
 
 def wait_exit(run: Run, timeout: float) -> int | None:
@@ -196,19 +193,20 @@ def wait_exit(run: Run, timeout: float) -> int | None:
         return None
 
 
-def wait_for(what: str, condition: Callable[[], object], job: Job, run: Run,
-             timeout: float = EVENT_TIMEOUT):
-    """Poll `condition` (short interval, hard deadline) while `run` is alive; return its truthy value."""
-    deadline = time.monotonic() + timeout
-    while True:
+def wait_while_alive(what: str, condition: Callable[[], object], job: Job, run: Run,
+                     timeout: float = EVENT_TIMEOUT):
+    """Await `condition` while `run` is alive and return its truthy value; fail with the job's logs."""
+
+    def condition_or_exit():
         value = condition()
-        if value:
-            return value
-        if run.proc.poll() is not None:
+        if not value and run.proc.poll() is not None:
             pytest.fail(f"{run.label} exited {run.proc.returncode} before {what}\n{job.logs()}")
-        if time.monotonic() > deadline:
-            pytest.fail(f"no {what} after {timeout}s\n{job.logs()}")
-        time.sleep(POLL)
+        return value
+
+    try:
+        return wait_for(condition_or_exit, timeout, POLL, what)
+    except AssertionError as e:
+        pytest.fail(f"{e}\n{job.logs()}")
 
 
 @pytest.fixture
@@ -277,7 +275,7 @@ def precommitted_open_epoch(zk: KazooClient, job: Job) -> tuple[int, list[str]] 
 
 def kill_mid_batch(zk: KazooClient, job: Job, run: Run) -> tuple[int, set[str], bool]:
     """Kill `run` while some epoch is pre-committed in part; return (epoch, its runs, re-run expected)."""
-    epoch, attempts = wait_for("pre-commits of an uncommitted epoch", lambda: precommitted_open_epoch(zk, job),
+    epoch, attempts = wait_while_alive("pre-commits of an uncommitted epoch", lambda: precommitted_open_epoch(zk, job),
                                job, run)
     kill_run(run)
     killed_runs = {TxnContext.from_name(APP, "", name).run_id for name in attempts}  # only the run matters
@@ -349,7 +347,7 @@ def test_driver_killed_after_spark_commit_before_coordinator(zk, job):
     """Case 5: commits/0 exists, nobody committed epoch 0, driver dies; a restart commits it once."""
     job.write_input()
     run = job.start("--coordinator", "daemon", "--slow-ms", str(SLOW_MS))
-    wait_for("commits/0 in the checkpoint", lambda: spark_completed(job, 0), job, run)
+    wait_while_alive("commits/0 in the checkpoint", lambda: spark_completed(job, 0), job, run)
     kill_run(run)
 
     qp = query_paths(zk, job)

@@ -10,8 +10,9 @@ import sys
 import pytest
 
 from sinks.files import read_committed_rows
-from tests.harness import Pipeline, ids_out, wait_until
+from tests.harness import Pipeline, ids_out
 from tests.slow_sinks import SlowCommitFileSink
+from tests.waiting import wait_until
 from twophase.verify import count_rows
 
 pytestmark = pytest.mark.chaos

@@ -10,12 +10,12 @@ from pyspark.errors import StreamingQueryException
 
 from examples.file_sink_query import FaultyFileSink, start_query, write_input
 from sinks.files import FileSink, read_committed_rows
+from tests.waiting import wait_until
 from twophase.spark import TwoPhaseSink
 from twophase.spark.driver import HookFailed
 from twophase.spark.publisher import ProgressPublisher
 from twophase.supervisor import Supervision
 from twophase.verify import count_rows
-from tests.harness import wait_until
 
 pytestmark = pytest.mark.spark
 

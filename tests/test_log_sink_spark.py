@@ -23,8 +23,19 @@ import pytest
 
 from examples.log_sink_query import read_topic
 from tests.broker.conftest import broker, broker_factory  # noqa: F401  (fixtures)
-from tests.test_chaos_driver import APP, JOB_TIMEOUT, ROWS_PER_BATCH, SLOW_MS, Job
-from tests.test_chaos_driver import kill_mid_batch, kill_run, spark_completed, wait_exit, wait_for, watermark
+from tests.test_chaos_driver import (
+    APP,
+    JOB_TIMEOUT,
+    ROWS_PER_BATCH,
+    SLOW_MS,
+    Job,
+    kill_mid_batch,
+    kill_run,
+    spark_completed,
+    wait_exit,
+    wait_while_alive,
+    watermark,
+)
 from twophase.verify import count_rows
 
 pytestmark = [pytest.mark.chaos, pytest.mark.spark]
@@ -92,7 +103,7 @@ def test_prepared_epoch_waits_through_a_dead_driver_and_commits_after_restart(zk
     stay invisible (a 2PC transaction never times out) until the restarted driver commits them."""
     job.write_input()
     run = job.start("--coordinator", "daemon", "--slow-ms", str(SLOW_MS), module=MODULE)
-    wait_for("commits/0 in the checkpoint", lambda: spark_completed(job, 0), job, run)
+    wait_while_alive("commits/0 in the checkpoint", lambda: spark_completed(job, 0), job, run)
     kill_run(run)
     assert watermark(zk, job) < 0, "epoch 0 committed although no coordinator ran"
     in_log = ids(read_topic(job.bootstrap, TOPIC, isolation="read_uncommitted"))

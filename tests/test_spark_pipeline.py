@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sqlite3
@@ -127,7 +128,7 @@ def test_a_user_written_sink_gets_exactly_once_too(spark, zk_server, zk_root, tm
     """examples/custom_sink.py (SQLite, staging-table 2PC) through Spark with failing first attempts."""
     sink = SqliteSink(str(tmp_path / "out.db"))
     expected = run_pipeline(spark, zk_server, zk_root, tmp_path, sink)
-    with sqlite3.connect(tmp_path / "out.db") as db:
+    with contextlib.closing(sqlite3.connect(tmp_path / "out.db")) as db:
         ids = [json.loads(data)["id"] for (data,) in db.execute("SELECT data FROM rows")]
         staged = db.execute("SELECT COUNT(*) FROM staging").fetchone()[0]
     assert count_rows(expected, ids).exact and staged == 0
