@@ -23,13 +23,10 @@ def wait_for(predicate: Callable[[], T], timeout: float = 60.0, interval: float 
     AssertionError naming ``what`` if ``timeout`` seconds pass first. The predicate is called at least
     once, and once more at the deadline, so a slow machine never fails a condition that did come true."""
     deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
+    while not (value := predicate()):
+        _check_deadline(deadline, timeout, what)
         time.sleep(interval)
+    return value
 
 
 def wait_until(predicate: Callable[[], object], timeout: float = 60.0, interval: float = 0.05,
@@ -42,10 +39,12 @@ async def async_wait_for(predicate: Callable[[], T], timeout: float = 60.0, inte
                          what: str = "condition") -> T:
     """:func:`wait_for` inside an event loop: the loop runs (and can make the predicate true) meanwhile."""
     deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
+    while not (value := predicate()):
+        _check_deadline(deadline, timeout, what)
         await asyncio.sleep(interval)
+    return value
+
+
+def _check_deadline(deadline: float, timeout: float, what: str) -> None:
+    if time.monotonic() >= deadline:
+        raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")

@@ -9,17 +9,7 @@ CompleteCommit/CompleteAbort is logged. A broker that dies in between finishes t
 once the log write succeeded, so memory is never ahead of the log; once a write failed, every
 request that could change or add to a transaction is refused until a restart. Handlers in
 :mod:`twophase.broker.apis` translate wire messages to calls here; nothing here knows about kio.
-All calls run on the broker's event loop thread.
-
-Example::
-
-    txns = TransactionCoordinator("/data/transactions", partition_log=logs.partition,
-                                  offsets=groups.offsets, allocate_producer_id=broker.allocate_producer_id,
-                                  data_arrived=broker.data_arrived, settings=TxnSettings())
-    txns.recover(now_ms)
-    r = txns.init_producer_id("app-1", 60_000, now_ms=now_ms)
-    txns.add_partitions("app-1", r.producer_id, r.producer_epoch, [("t", 0)], now_ms)
-    txns.end_txn("app-1", r.producer_id, r.producer_epoch, commit=True, now_ms=now_ms)
+All calls run on the broker's event loop thread. :class:`TransactionCoordinator` shows its use.
 """
 
 from __future__ import annotations
