@@ -16,13 +16,13 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 import twophase.broker.storage.segment as segment_module
+from tests.waiting import wait_until
 from twophase.broker.group_commit import GroupCommit
 from twophase.broker.storage import LogConfig, PartitionLog
 from twophase.wire.codec import encode_request
 from twophase.wire.errors import KafkaStorageError
 from twophase.wire.records import iter_batches
 
-from ..harness import wait_until
 from .batches import batch
 from .conftest import (
     WireClient,

@@ -15,10 +15,10 @@ from typing import Self
 import pytest
 from kio.schema.errors import ErrorCode
 
+from tests.waiting import wait_until
 from twophase.broker.storage import LogConfig, PartitionLog
 from twophase.wire.errors import InvalidProducerEpochError, OffsetOutOfRangeError
 
-from ..harness import wait_until
 from .batches import batch, decode
 from .conftest import (
     MS,
