@@ -22,10 +22,11 @@ Usage::
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sqlite3
-import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,22 +53,14 @@ class SqliteSink(TwoPhaseCommitSink):
 
     def __init__(self, path: str) -> None:
         self.path = os.path.abspath(path)
-        self._local = threading.local()
 
-    def __getstate__(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if k != "_local"}
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-        self._local = threading.local()
-
-    def _db(self) -> sqlite3.Connection:
-        # sqlite3 connections must stay in the thread that opened them.
-        conn = getattr(self._local, "conn", None)
-        if conn is None:
-            conn = self._local.conn = sqlite3.connect(self.path, timeout=30)
+    @contextlib.contextmanager
+    def _db(self) -> Iterator[sqlite3.Connection]:
+        """One short SQLite transaction on a connection of its own, closed after (any thread may call)."""
+        with contextlib.closing(sqlite3.connect(self.path, timeout=30)) as conn:
             conn.executescript(SCHEMA)
-        return conn
+            with conn:  # commits, or rolls back on an exception
+                yield conn
 
     def begin_transaction(self, ctx: TxnContext) -> SqliteTxn:
         """Start an in-memory buffer for one task attempt."""
