@@ -287,6 +287,7 @@ class Consumer:
                     self._buffer.extend(messages)
 
     def close(self) -> None:
+        """Leave the group (if subscribed) and close every connection; final."""
         try:
             if self._group is not None:
                 self._group.leave()

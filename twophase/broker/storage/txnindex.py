@@ -190,6 +190,7 @@ class TransactionIndex:
                 self._fd = -1
 
     def delete(self) -> None:
+        """Close the index without syncing it and remove its file (its segment is deleted)."""
         self.close(sync=False)  # going away
         unlink_quietly(self.path)
 
