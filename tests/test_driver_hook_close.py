@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import threading
 
+from kazoo.exceptions import ConnectionLoss
+
 from sinks.files import FileSink
 from twophase.spark.driver import DriverHook, HookConfig
+from twophase.spark.publisher import ProgressPublisher
+from twophase.supervisor import Supervision
 from twophase.zkserver import ZooKeeperServer
 
 
@@ -40,3 +44,25 @@ def test_sinks_of_one_app_share_a_hook_and_the_last_release_stops_it(zk_server, 
     assert DriverHook._hooks.get(config.key) is second and second.client.connected
     second.release()
     assert DriverHook._hooks.get(config.key) is None and not second.client.connected
+
+
+def test_zookeeper_trouble_is_waited_out_not_escalated(zk_server, zk_root, tmp_path, monkeypatch):
+    """Failure case 8: ZooKeeper away longer than the supervisor's retries must not halt the runs."""
+    calls = []
+    published = threading.Event()
+
+    def publish_after_an_outage(self):
+        calls.append(1)
+        if len(calls) <= 10:
+            raise ConnectionLoss("ZooKeeper is away")
+        published.set()
+
+    monkeypatch.setattr(ProgressPublisher, "publish", publish_after_an_outage)
+    quick = Supervision(attempts=2, first_backoff=0.001, max_backoff=0.001)
+    hook = DriverHook.acquire(HookConfig(zk_server.hosts, zk_root, "app", b"s" * 32, supervision=quick),
+                              FileSink(str(tmp_path / "out")), NoSpark())
+    try:
+        assert published.wait(60)
+        assert hook.failure is None
+    finally:
+        hook.release()

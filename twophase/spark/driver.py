@@ -28,6 +28,7 @@ import socket
 import threading
 from dataclasses import dataclass, field
 
+from kazoo.exceptions import KazooException
 from pyspark.sql import SparkSession
 
 from coordinator.app import AppCoordinator, CommitPolicy, publish_app
@@ -164,14 +165,25 @@ class DriverHook:
     # -- jobs ---------------------------------------------------------------
 
     def _publish_loop(self, stop: threading.Event) -> None:
+        zookeeper_away: KazooException | None = None
         while not stop.is_set():
             active = self.watcher.active()
-            if active is None:  # the SparkContext stopped: its queries ended with it
-                self.publisher.update({})
+            self.publisher.update(active or {})  # None: the SparkContext stopped, its queries with it
+            try:
                 self.publisher.publish()
-                return
-            self.publisher.update(active)
-            self.publisher.publish()
+            except KazooException as e:
+                # ZooKeeper trouble is not a failure of the hook: tasks stall on it too, and the
+                # publisher catches up once it is back (failure case 8). Said once, not per poll.
+                if zookeeper_away is None:
+                    log.warning("app %s: cannot publish progress while ZooKeeper is away: %r",
+                                self.config.app, e)
+                zookeeper_away = e
+            else:
+                if zookeeper_away is not None:
+                    log.info("app %s: ZooKeeper is back; progress published", self.config.app)
+                zookeeper_away = None
+                if active is None:
+                    return
             stop.wait(POLL_INTERVAL)
 
     def _give_up(self, job: str, error: BaseException) -> None:
