@@ -15,8 +15,9 @@ ZooKeeper before any commit, so a successor resumes it rather than re-deciding.
 Usage::
 
     app = AppCoordinator(client, "/twophase", "orders", signer, owner="driver")
-    app.acquire()          # fences any previous owner
-    app.run(stop_event)    # or app.reconcile() once, as the recovery CLI does
+    app.prepare()          # fences any previous owner and watches the app (sets app.wake)
+    report = app.reconcile()   # one pass; the daemon and the driver's host loop on app.wake,
+                               # the recovery CLI runs one after app.acquire()
 """
 
 from __future__ import annotations
@@ -162,14 +163,6 @@ class AppCoordinator:
         self.acquire()
         self.client.retry(self.client.ensure_path, self.paths.queries)
         ChildrenWatch(self.client, self.paths.queries, self._watch_queries)
-
-    def run(self, stop: threading.Event) -> None:
-        """Reconcile on every wake-up (watch, listener) and every poll interval, until stopped or fenced."""
-        self.prepare()
-        while not stop.is_set():
-            self.wake.clear()
-            self.reconcile_logged()
-            self.wake.wait(self.policy.poll_interval)
 
     def reconcile_logged(self) -> None:
         """One reconcile pass for a long-running loop: transient trouble is logged, fencing is raised."""

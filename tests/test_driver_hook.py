@@ -61,7 +61,7 @@ def test_a_publisher_failing_for_good_stops_the_query_with_its_cause(spark, zk, 
 
     def publish_then_fail(self):
         publish(self)
-        if any(q.published_run for q in self.queries.values()):  # once a run is there to halt
+        if any(run.published for run in self.runs.values()):  # once a run is there to halt
             raise RuntimeError("injected publisher failure")
 
     monkeypatch.setattr(ProgressPublisher, "publish", publish_then_fail)

@@ -45,7 +45,7 @@ def test_await_committed_long_after_the_query_stopped(spark, zk_server, zk_root,
         query = start_query(spark, writer, str(tmp_path / "in"), str(tmp_path / "ck"))
         query.awaitTermination()
         writer.await_committed(query, timeout=60)
-        writer._hook.publisher.queries.clear()  # what the hook does shortly after termination
+        writer._hook.publisher.runs.clear()  # what the hook does shortly after termination
         assert writer.await_committed(query, timeout=60) == 0
 
 

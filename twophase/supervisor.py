@@ -92,9 +92,9 @@ class Supervisor:
         return not self._thread.is_alive()
 
     @property
-    def stopping(self) -> bool:
-        """Whether a stop was requested."""
-        return self._stop.is_set()
+    def finished(self) -> bool:
+        """The job ended: stopped, done, or given up on."""
+        return self._thread.ident is not None and not self._thread.is_alive()
 
     def _run(self) -> None:
         failures = 0

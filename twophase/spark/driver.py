@@ -28,13 +28,19 @@ import socket
 import threading
 from dataclasses import dataclass, field
 
-from kazoo.exceptions import KazooException
+from kazoo.exceptions import (
+    ConnectionClosedError,
+    ConnectionLoss,
+    KazooException,
+    OperationTimeoutError,
+    SessionExpiredError,
+)
 from pyspark.sql import SparkSession
+from pyspark.sql.streaming import StreamingQuery
 
 from coordinator.app import AppCoordinator, CommitPolicy, publish_app
 from coordinator.layout import AppPaths
-from coordinator.zk import connect, read_json
-from twophase.checkpoint import last_completed_epoch
+from coordinator.zk import connect
 from twophase.signing import Signer
 from twophase.sink import TwoPhaseCommitSink
 from twophase.spark.host import CoordinatorHost
@@ -46,6 +52,10 @@ from twophase.supervisor import Supervision, Supervisor
 log = logging.getLogger("twophase.driver")
 
 POLL_INTERVAL = 0.25  # seconds between looks at Spark's queries: the barrier's latency
+
+# ZooKeeper being away (or the session being renewed) is waited out; any other ZooKeeper error
+# (NoAuth after an ACL change, say) is a failure of the job, retried and then escalated.
+ZOOKEEPER_AWAY = (ConnectionLoss, SessionExpiredError, OperationTimeoutError, ConnectionClosedError)
 
 
 class HookFailed(RuntimeError):
@@ -88,6 +98,15 @@ class DriverHook:
             raise RuntimeError("TwoPhaseSink must be created on the driver with an active SparkSession")
         with cls._lock:
             hook = cls._hooks.get(config.key)
+            if hook is not None and hook.config != config:
+                raise ValueError(f"app {config.app} already runs in this driver with other settings "
+                                 f"(coordinator mode, secret, policy or supervision); one app, one configuration")
+            if hook is not None and not hook._serves(spark):
+                # Its SparkContext stopped (the watcher and publisher ended with it), it failed for
+                # good, or it watches another session: a new sink gets a working hook.
+                del cls._hooks[config.key]
+                stale, hook = hook, None
+                stale._close()
             if hook is None:
                 hook = cls._hooks[config.key] = DriverHook(spark, config, sink)
             else:
@@ -131,6 +150,9 @@ class DriverHook:
         if self.host is not None:
             self.host.start()
 
+    def _serves(self, spark: SparkSession) -> bool:
+        return self.failure is None and self.watcher.spark is spark and not self._publisher_job.finished
+
     def store_sink(self, sink: TwoPhaseCommitSink, mode: str) -> None:
         """Publish ``sink`` (signed) and the coordinator ``mode`` in ZooKeeper for every coordinator of the app."""
         publish_app(self.client, self.paths, self.signer, sink, mode)
@@ -145,6 +167,15 @@ class DriverHook:
         self._close()
 
     def _close(self) -> None:
+        live = self.publisher.live_runs()
+        if live and self.failure is None:
+            # Its phase two stops with the hook: refuse further batches rather than pre-commit
+            # rows that nothing would commit. Ending the query before closing avoids this.
+            try:
+                self.publisher.halt(f"the TwoPhaseSink of app {self.config.app} was closed in the driver "
+                                    f"while its query was still running")
+            except KazooException as e:
+                log.error("app %s: cannot halt the runs of a closing hook: %r", self.config.app, e)
         jobs = [self._publisher_job] + ([self.host.supervisor] if self.host is not None else [])
         for job in jobs:
             job.request_stop()
@@ -167,13 +198,13 @@ class DriverHook:
     def _publish_loop(self, stop: threading.Event) -> None:
         zookeeper_away: KazooException | None = None
         while not stop.is_set():
-            active = self.watcher.active()
-            self.publisher.update(active or {})  # None: the SparkContext stopped, its queries with it
+            seen = self.watcher.poll()
+            self.publisher.update(seen.active, seen.ended)
             try:
                 self.publisher.publish()
-            except KazooException as e:
-                # ZooKeeper trouble is not a failure of the hook: tasks stall on it too, and the
-                # publisher catches up once it is back (failure case 8). Said once, not per poll.
+            except ZOOKEEPER_AWAY as e:
+                # Not a failure of the hook: tasks stall on it too, and the publisher catches up
+                # once it is back (failure case 8). Said once, not per poll.
                 if zookeeper_away is None:
                     log.warning("app %s: cannot publish progress while ZooKeeper is away: %r",
                                 self.config.app, e)
@@ -182,7 +213,7 @@ class DriverHook:
                 if zookeeper_away is not None:
                     log.info("app %s: ZooKeeper is back; progress published", self.config.app)
                 zookeeper_away = None
-                if active is None:
+                if seen.spark_stopped:
                     return
             stop.wait(POLL_INTERVAL)
 
@@ -194,23 +225,25 @@ class DriverHook:
 
     # -- waiting ------------------------------------------------------------
 
-    def await_committed(self, query_id: str, timeout: float) -> int | None:
+    def await_committed(self, query: StreamingQuery, timeout: float) -> int | None:
         """Wait until the watermark reaches the last epoch Spark completed for the query.
 
-        None if the query has completed no epoch (or its checkpoint cannot be found).
-        Raises HookFailed at once if the hook stopped for good.
+        None if the query has completed no epoch. Raises HookFailed at once if the hook
+        stopped for good. Reads the query's own commit log (any checkpoint file system); a
+        query that ended before the publisher ever saw it (it ran between two polls) is
+        handed to the publisher here, so its checkpoint and last barrier reach the coordinator.
         """
         if self.failure is not None:
             raise self.failure
-        checkpoint = (self.watcher.checkpoint_of(query_id)
-                      or read_json(self.client, self.paths.query(query_id).base, {}).get("checkpoint"))
-        target = last_completed_epoch(checkpoint) if checkpoint else None
-        if target is None:
+        snapshot = QueryWatcher.snapshot_of(query._jsq)
+        if not query.isActive:
+            self.publisher.update_ended(snapshot)
+        if snapshot.last_batch is None:
             return None
         if self.host is not None:
             self.host.wake()
-        return await_watermark(self.client, self.paths.query(query_id).watermark, target, timeout,
-                               self.config.app, failure=lambda: self.failure)
+        return await_watermark(self.client, self.paths.query(snapshot.query_id).watermark, snapshot.last_batch,
+                               timeout, self.config.app, failure=lambda: self.failure)
 
 
 atexit.register(DriverHook.close_all)

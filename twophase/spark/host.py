@@ -15,6 +15,8 @@ import logging
 import threading
 from collections.abc import Callable
 
+from kazoo.exceptions import KazooException
+
 from coordinator.app import AppCoordinator
 from coordinator.fence import Fenced
 from twophase.supervisor import Supervision, Supervisor
@@ -23,7 +25,7 @@ log = logging.getLogger("twophase.driver")
 
 
 class CoordinatorHost:
-    """Runs ``coordinator.run`` (ownership, watches, reconcile loop) until stopped or fenced.
+    """Runs the app's coordinator (ownership, watches, reconcile loop) until stopped or fenced.
 
     A failure anywhere, start-up included, is logged and the coordinator restarted with
     backoff; if it keeps failing, ``on_give_up`` is told (the hook then halts the runs).
@@ -47,7 +49,19 @@ class CoordinatorHost:
         self.coordinator.wake.set()
 
     def _run(self, stop: threading.Event) -> None:
+        # AppCoordinator.run logs and retries every failed pass for ever (what a daemon serving
+        # many apps wants); here a pass that fails for another reason than ZooKeeper being away
+        # (a refused signature, a sink that cannot be loaded, a bug) goes to the supervisor, so
+        # that one that keeps failing halts the runs instead of stalling phase two quietly.
+        coordinator = self.coordinator
         try:
-            self.coordinator.run(stop)
+            coordinator.prepare()
+            while not stop.is_set():
+                coordinator.wake.clear()
+                try:
+                    coordinator.reconcile()
+                except KazooException as e:
+                    log.warning("app %s: ZooKeeper trouble, retrying: %r", coordinator.app, e)
+                coordinator.wake.wait(coordinator.policy.poll_interval)
         except Fenced:
-            log.info("app %s: fenced; another coordinator owns phase two now", self.coordinator.app)
+            log.info("app %s: fenced; another coordinator owns phase two now", coordinator.app)

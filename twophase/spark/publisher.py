@@ -1,22 +1,25 @@
 """The driver hook's ZooKeeper side: what Spark did, published where every coordinator reads it.
 
-For each query of the app that has written through it (its query node exists after the
-first pre-commit) the publisher records the checkpoint location, the current run with an
-ephemeral ``alive`` child, and the barrier: the last epoch Spark completed. It talks to
-ZooKeeper only; what Spark did comes in as :class:`~twophase.spark.queries.QuerySnapshot`
-values from the query watcher.
+For each run of a query of the app that has written through it (its query node exists
+after the first pre-commit) the publisher records the checkpoint location, the run with an
+ephemeral ``alive`` child while it lasts, and the barrier: the last epoch Spark completed.
+It talks to ZooKeeper only; what Spark did comes in as
+:class:`~twophase.spark.queries.QuerySnapshot` values from the query watcher.
 
 Usage::
 
     publisher = ProgressPublisher(client, AppPaths(root, app), owner="driver host:123")
-    publisher.update(watcher.active())   # in the hook's thread, every poll
-    publisher.publish()                  # raises KazooException while ZooKeeper is away
+    seen = watcher.poll()
+    publisher.update(seen.active, seen.ended)   # in the hook's thread, every poll
+    publisher.publish()                         # raises KazooException while ZooKeeper is away
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from kazoo.client import KazooClient, KazooState
@@ -28,107 +31,140 @@ from twophase.spark.queries import QuerySnapshot
 
 log = logging.getLogger("twophase.driver")
 
-# A query is kept until its query node exists (its first pre-commit through this app), or
-# forgotten this long after it terminated: it never wrote through this app.
+# A run is kept until its query node exists (its first pre-commit through this app), or
+# forgotten this long after it ended: it never wrote through this app.
 FORGET_AFTER = 60.0
 
 
 @dataclass
-class PublishedQuery:
+class PublishedRun:
     """What the publisher knows of one run of one query, and how much of it is in ZooKeeper."""
 
+    query_id: str
     run_id: str
     checkpoint: str | None = None
-    published_run: bool = False
+    published: bool = False
     barrier: int = -1
-    published_barrier: int = -1
-    terminated: float | None = None
+    ended: float | None = None
+    halted: bool = False  # its halted node is written
 
 
 class ProgressPublisher:
-    """Publishes runs, liveness and barriers of the app's queries; halts runs on request."""
+    """Publishes runs, liveness and barriers of the app's queries; halts runs on request.
+
+    ``update`` and ``publish`` run in the hook's publisher thread; ``halt`` may come from
+    another job's supervisor, so the run table is guarded by a lock.
+    """
 
     def __init__(self, client: KazooClient, paths: AppPaths, owner: str) -> None:
         self.client = client
         self.paths = paths
         self.owner = owner
-        self.queries: dict[str, PublishedQuery] = {}
+        self.runs: dict[tuple[str, str], PublishedRun] = {}
+        self.halted: str | None = None  # once set, every run published from then on is halted too
+        self._barriers: dict[str, int] = {}  # per query: the barrier in ZooKeeper (never moves back)
+        self._lock = threading.RLock()
         self._session_lost = False
         client.add_listener(self._on_state)
 
     def close(self) -> None:
-        """Stop listening to the ZooKeeper session's state."""
         self.client.remove_listener(self._on_state)
 
     def _on_state(self, state: str) -> None:
         if state == KazooState.LOST:
             self._session_lost = True  # the runs' ephemeral liveness nodes went with the session
 
-    def update(self, active: dict[str, QuerySnapshot]) -> None:
-        """Take in the queries Spark runs now; those gone since the last call have terminated."""
-        for qid, snap in active.items():
-            query = self.queries.get(qid)
-            if query is None or query.run_id != snap.run_id:
-                query = self.queries[qid] = PublishedQuery(snap.run_id, snap.checkpoint)
-            if snap.last_batch is not None:
-                query.barrier = max(query.barrier, snap.last_batch)
-        now = time.time()
-        for qid, query in self.queries.items():
-            if qid not in active and query.terminated is None:
-                query.terminated = now
+    def update(self, active: Mapping[str, QuerySnapshot], ended: Iterable[QuerySnapshot] = ()) -> None:
+        """Take in the runs Spark has now and those that ended (with their final commit log)."""
+        with self._lock:
+            for snap in active.values():
+                self._take(snap, ended=False)
+            for snap in ended:
+                self._take(snap, ended=True)
+            live = {(s.query_id, s.run_id) for s in active.values()}
+            for key, run in self.runs.items():
+                if key not in live and run.ended is None:
+                    run.ended = time.time()
+
+    def update_ended(self, snap: QuerySnapshot) -> None:
+        """Take in one run that has ended, whether or not a poll ever saw it active."""
+        with self._lock:
+            self._take(snap, ended=True)
+
+    def _take(self, snap: QuerySnapshot, ended: bool) -> None:
+        run = self.runs.setdefault((snap.query_id, snap.run_id),
+                                   PublishedRun(snap.query_id, snap.run_id, snap.checkpoint))
+        if snap.last_batch is not None:
+            run.barrier = max(run.barrier, snap.last_batch)
+        if ended and run.ended is None:
+            run.ended = time.time()
 
     def publish(self) -> None:
         """Bring ZooKeeper up to date; raises KazooException when it cannot (retried by the caller)."""
-        if self._session_lost:
-            self._session_lost = False
-            for query in self.queries.values():
-                query.published_run = False
-        for qid, query in list(self.queries.items()):
-            qp = self.paths.query(qid)
-            if not query.published_run:
-                if not self.client.exists(qp.base):  # no pre-commit through this app yet
-                    if query.terminated and time.time() - query.terminated > FORGET_AFTER:
-                        del self.queries[qid]
-                    continue
-                if query.checkpoint:
-                    self.client.set(qp.base, dump({"checkpoint": query.checkpoint}))
-                self.client.ensure_path(qp.run(query.run_id))
-                self.client.set(qp.run(query.run_id), dump({"started": time.time(), "driver": self.owner}))
-                try:
-                    self.client.create(f"{qp.run(query.run_id)}/alive", ephemeral=True)
-                except NodeExistsError:
-                    pass
-                query.published_run = True
-            if query.barrier > query.published_barrier:
-                self.client.ensure_path(qp.barrier)
-                self.client.set(qp.barrier, dump({"epoch": query.barrier, "run": query.run_id}))
-                query.published_barrier = query.barrier
-            if query.terminated:
-                self._end_run(qp.run(query.run_id))
-                del self.queries[qid]
+        with self._lock:
+            if self._session_lost:
+                self._session_lost = False
+                for run in self.runs.values():
+                    run.published = False
+            for key, run in list(self.runs.items()):
+                qp = self.paths.query(run.query_id)
+                if not run.published:
+                    if not self.client.exists(qp.base):  # no pre-commit through this app yet
+                        if run.ended and time.time() - run.ended > FORGET_AFTER:
+                            del self.runs[key]
+                        continue
+                    self._publish_run(run)
+                if self.halted is not None and run.ended is None and not run.halted:
+                    self._halt_run(run)
+                if run.barrier > self._barriers.get(run.query_id, -1):
+                    self.client.ensure_path(qp.barrier)
+                    self.client.set(qp.barrier, dump({"epoch": run.barrier, "run": run.run_id}))
+                    self._barriers[run.query_id] = run.barrier
+                if run.ended:
+                    self._end_run(qp.run(run.run_id))
+                    del self.runs[key]
+
+    def _publish_run(self, run: PublishedRun) -> None:
+        qp = self.paths.query(run.query_id)
+        if run.checkpoint:
+            self.client.set(qp.base, dump({"checkpoint": run.checkpoint}))
+        self.client.ensure_path(qp.run(run.run_id))
+        self.client.set(qp.run(run.run_id), dump({"started": time.time(), "driver": self.owner}))
+        if run.ended is None:
+            try:
+                self.client.create(f"{qp.run(run.run_id)}/alive", ephemeral=True)
+            except NodeExistsError:
+                pass
+        run.published = True
 
     def halt(self, reason: str) -> None:
         """Stop every live run of the app: their next task fails with ``reason`` (TaskAttempt.open).
 
-        Only runs of queries that wrote through this app: the watcher sees every query of the
-        session, and a query that has not pre-committed yet has nothing waiting for phase two.
+        Runs published later are halted as they are published, and a write ZooKeeper refused
+        is made again by the next ``publish``. Only runs of queries that wrote through this
+        app: the watcher sees every query of the session. Raises KazooException if
+        ZooKeeper is away (the halt stays recorded).
         """
         log.error("app %s: phase two stopped in this driver: %s", self.paths.app, reason)
-        for qid, query in list(self.queries.items()):
-            if query.terminated or not query.published_run:
-                continue
-            path = self.paths.query(qid).halted(query.run_id)
-            try:
-                self.client.retry(self.client.create, path, reason.encode(), makepath=True)
-            except NodeExistsError:
-                pass
-            log.error("app %s query %s: run %s halted", self.paths.app, qid, query.run_id)
+        with self._lock:
+            self.halted = reason
+            for run in list(self.runs.values()):
+                if run.published and run.ended is None and not run.halted:
+                    self._halt_run(run)
 
-    def end_runs(self) -> None:
-        """Mark every run this publisher made alive as ended (the driver is going away)."""
-        for qid, query in self.queries.items():
-            if query.published_run:
-                self._end_run(self.paths.query(qid).run(query.run_id))
+    def live_runs(self) -> list[PublishedRun]:
+        """Runs that wrote through the app and have not ended, as of the last update."""
+        with self._lock:
+            return [run for run in self.runs.values() if run.published and run.ended is None]
+
+    def _halt_run(self, run: PublishedRun) -> None:
+        path = self.paths.query(run.query_id).halted(run.run_id)
+        try:
+            self.client.create(path, (self.halted or "").encode(), makepath=True)
+        except NodeExistsError:
+            pass
+        run.halted = True
+        log.error("app %s query %s: run %s halted", self.paths.app, run.query_id, run.run_id)
 
     def _end_run(self, run_path: str) -> None:
         try:

@@ -8,26 +8,33 @@ Python into the JVM do not go through that server, so the watcher asks instead.
 
 The barrier comes from the query's commit log (``commits/N``, read by Spark itself, so any
 checkpoint file system works), not from ``lastProgress``: an idle trigger reports the
-*next* batch id there, which has not run.
+*next* batch id there, which has not run. A run that left the active queries since the
+last poll is read once more, so the batch it completed just before it stopped is not missed.
 
 Usage::
 
     watcher = QueryWatcher(spark)
-    for qid, snap in (watcher.active() or {}).items():
-        print(qid, snap.run_id, snap.last_batch)     # None: the SparkContext is stopped
+    seen = watcher.poll()
+    for snap in seen.active.values():
+        print(snap.query_id, snap.run_id, snap.last_batch)
+    for snap in seen.ended:                  # runs gone since the last poll, final commit log
+        ...
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+import threading
+from dataclasses import dataclass, field
 
-from pyspark import SparkContext
 from pyspark.sql import SparkSession
+
+log = logging.getLogger("twophase.driver")
 
 
 @dataclass(frozen=True)
 class QuerySnapshot:
-    """One active query as Spark reports it now."""
+    """One run of a query as Spark reports it."""
 
     query_id: str
     run_id: str
@@ -35,31 +42,61 @@ class QuerySnapshot:
     last_batch: int | None  # the last batch with commits/N in the checkpoint, None before the first
 
 
+@dataclass(frozen=True)
+class Poll:
+    """What one look at Spark found."""
+
+    active: dict[str, QuerySnapshot] = field(default_factory=dict)  # by query id
+    ended: tuple[QuerySnapshot, ...] = ()  # runs that left the active queries since the last poll
+    spark_stopped: bool = False  # the SparkContext is gone: nothing more to watch
+
+
 class QueryWatcher:
-    """Reads the session's active streaming queries through py4j (Python-to-JVM calls only)."""
+    """Reads the session's streaming queries through py4j (Python-to-JVM calls only).
+
+    ``poll`` belongs to one caller (the hook's publisher): it hands each ended run out once.
+    """
 
     def __init__(self, spark: SparkSession) -> None:
         self.spark = spark
+        self._lock = threading.Lock()
         self._executions: dict[tuple[str, str], object] = {}  # (query, run) -> its JVM StreamExecution
 
-    def active(self) -> dict[str, QuerySnapshot] | None:
-        """Every active query by id; None once the SparkContext has stopped (nothing to watch)."""
-        if SparkContext._active_spark_context is None:
-            return None
-        snapshots = {}
-        for jsq in self.spark._jsparkSession.streams().active():
-            qid, run_id = str(jsq.id().toString()), str(jsq.runId().toString())
-            execution = self._executions.get((qid, run_id))
-            if execution is None:
-                execution = self._executions[(qid, run_id)] = jsq.streamingQuery()
-            latest = execution.commitLog().getLatestBatchId()
-            snapshots[qid] = QuerySnapshot(qid, run_id, str(execution.resolvedCheckpointRoot()),
-                                           int(latest.get()) if latest.isDefined() else None)
-        for key in [k for k in self._executions if k[0] not in snapshots or snapshots[k[0]].run_id != k[1]]:
-            del self._executions[key]
-        return snapshots
+    def poll(self) -> Poll:
+        """The active queries, and the final state of runs that ended since the last poll."""
+        with self._lock:
+            if self.spark_stopped:
+                ended = tuple(self._final(key) for key in list(self._executions))
+                return Poll(ended=tuple(s for s in ended if s is not None), spark_stopped=True)
+            active = {}
+            for jsq in self.spark._jsparkSession.streams().active():
+                qid, run_id = str(jsq.id().toString()), str(jsq.runId().toString())
+                execution = self._executions.setdefault((qid, run_id), jsq.streamingQuery())
+                active[qid] = self._snapshot(qid, run_id, execution)
+            gone = [key for key in self._executions if key[0] not in active or active[key[0]].run_id != key[1]]
+            ended = tuple(s for s in (self._final(key) for key in gone) if s is not None)
+            return Poll(active, ended)
 
-    def checkpoint_of(self, query_id: str) -> str | None:
-        """The resolved checkpoint root of an active query, None if it is not active."""
-        snap = (self.active() or {}).get(query_id)
-        return snap.checkpoint if snap else None
+    @staticmethod
+    def snapshot_of(jsq) -> QuerySnapshot:
+        """A query's run as its JVM handle reports it, active or ended (any thread)."""
+        return QueryWatcher._snapshot(str(jsq.id().toString()), str(jsq.runId().toString()), jsq.streamingQuery())
+
+    @property
+    def spark_stopped(self) -> bool:
+        """The session's SparkContext is stopped (PySpark drops its JVM handle on stop)."""
+        return self.spark.sparkContext._jsc is None
+
+    @staticmethod
+    def _snapshot(qid: str, run_id: str, execution) -> QuerySnapshot:
+        latest = execution.commitLog().getLatestBatchId()
+        return QuerySnapshot(qid, run_id, str(execution.resolvedCheckpointRoot()),
+                             int(latest.get()) if latest.isDefined() else None)
+
+    def _final(self, key: tuple[str, str]) -> QuerySnapshot | None:
+        execution = self._executions.pop(key)
+        try:
+            return self._snapshot(key[0], key[1], execution)
+        except Exception as e:  # noqa: BLE001 - the JVM may be gone with the SparkContext
+            log.warning("query %s run %s: cannot read its commit log after it ended: %r", key[0], key[1], e)
+            return None

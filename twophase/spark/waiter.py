@@ -26,21 +26,24 @@ def await_watermark(client: KazooClient, watermark: str, target: int, timeout: f
     once instead of letting the caller wait out the timeout.
     """
     reached = threading.Event()
+    done = threading.Event()  # the watch unregisters at its next call once the wait is over
 
     def on_change(data: bytes | None, _stat) -> bool:
         if data and json.loads(data)["epoch"] >= target:
             reached.set()
-            return False
-        return not reached.is_set()
+        return not (reached.is_set() or done.is_set())
 
     DataWatch(client, watermark, on_change)
     deadline = time.monotonic() + timeout
-    while not reached.wait(max(0.0, min(0.5, deadline - time.monotonic()))):
-        error = failure()
-        if error is not None:
-            raise error
-        if time.monotonic() >= deadline:
-            current = read_json(client, watermark, {"epoch": -1})["epoch"]
-            raise TimeoutError(f"app {app}: epoch {target} not committed after {timeout}s "
-                               f"(watermark {current}); see `twophase status`")
+    try:
+        while not reached.wait(max(0.0, min(0.5, deadline - time.monotonic()))):
+            error = failure()
+            if error is not None:
+                raise error
+            if time.monotonic() >= deadline:
+                current = read_json(client, watermark, {"epoch": -1})["epoch"]
+                raise TimeoutError(f"app {app}: epoch {target} not committed after {timeout}s "
+                                   f"(watermark {current}); see `twophase status`")
+    finally:
+        done.set()
     return target

@@ -112,7 +112,7 @@ class TwoPhaseSink:
         """
         if self._hook is None:
             raise RuntimeError("this TwoPhaseSink is closed")
-        return self._hook.await_committed(str(query.id), timeout)
+        return self._hook.await_committed(query, timeout)
 
     # -- ForeachWriter protocol (runs in Spark tasks) ---------------------
 
