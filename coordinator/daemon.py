@@ -91,13 +91,24 @@ class CoordinatorDaemon:
                 self._wake.clear()
                 for name in self._daemon_apps(client):
                     if name not in apps:
-                        apps[name] = AppCoordinator(client, self.root, name, self.signer,
-                                                    f"daemon {self.identifier}", self.policy, self._wake)
-                        apps[name].prepare()
+                        app = AppCoordinator(client, self.root, name, self.signer,
+                                             f"daemon {self.identifier}", self.policy, self._wake)
+                        try:
+                            app.prepare()
+                        except Fenced:
+                            raise
+                        except Exception as e:  # noqa: BLE001 - one app's trouble must not stop the others
+                            log.error("daemon %s: app %s cannot start phase two: %r; retried next round",
+                                      self.identifier, name, e, exc_info=e)
+                            continue
+                        apps[name] = app
                     apps[name].reconcile_logged()
                 self._wake.wait(self.policy.poll_interval)
         except Fenced:
             log.error("daemon %s: fenced by a newer leader; stepping down", self.identifier)
+        except Exception as e:  # noqa: BLE001 - said with its cause; the daemon contends again
+            log.error("daemon %s: leading failed: %r; stepping down", self.identifier, e, exc_info=e)
+            stop.wait(self.policy.poll_interval)  # not a tight loop when the cause persists
         finally:
             self.leading.clear()
             log.info("daemon %s: no longer leading", self.identifier)

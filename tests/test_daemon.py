@@ -6,11 +6,15 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 
 import pytest
 
-from sinks.files import read_committed_rows
-from tests.harness import Pipeline, ids_out
+from coordinator.app import AppCoordinator, CommitPolicy, publish_app
+from coordinator.daemon import CoordinatorDaemon
+from coordinator.layout import AppPaths
+from sinks.files import FileSink, read_committed_rows
+from tests.harness import SIGNER, Pipeline, ids_out
 from tests.slow_sinks import SlowCommitFileSink
 from tests.waiting import wait_until
 from twophase.verify import count_rows
@@ -102,3 +106,30 @@ def test_a_paused_leader_is_fenced_when_it_wakes(zk, zk_root, tmp_path, daemons)
     wait_until(lambda: len(zk.Election(f"{zk_root}/daemon/election").contenders()) == 2, what="a to rejoin")
     assert count_rows(expected, ids_out(pipe)).exact
     assert leader_of(zk, zk_root, [a, b]) is b
+
+
+def test_an_app_that_cannot_start_does_not_stop_the_daemon_serving_the_others(zk, zk_server, zk_root, tmp_path,
+                                                                           monkeypatch, caplog):
+    good = Pipeline(zk, zk_root, FileSink(str(tmp_path / "good")), mode="daemon")
+    publish_app(zk, AppPaths(zk_root, "bad"), SIGNER, FileSink(str(tmp_path / "bad")), "daemon")
+    prepare = AppCoordinator.prepare
+
+    def prepare_unless_bad(self):
+        if self.app == "bad":
+            raise RuntimeError("injected: app bad cannot start")
+        prepare(self)
+
+    monkeypatch.setattr(AppCoordinator, "prepare", prepare_unless_bad)
+    expected = run_epoch(good, 0)
+    stop = threading.Event()
+    daemon = CoordinatorDaemon(zk_server.hosts, zk_root, SIGNER, CommitPolicy(poll_interval=0.1))
+    thread = threading.Thread(target=daemon.run, args=(stop,), name="daemon-under-test")
+    thread.start()
+    try:
+        wait_until(lambda: good.watermark() == 0, what="the good app's epoch to commit")
+        wait_until(lambda: "app bad cannot start phase two" in caplog.text, what="the bad app's error logged")
+    finally:
+        stop.set()
+        thread.join(60)
+    assert not thread.is_alive()
+    assert count_rows(expected, ids_out(good)).exact
