@@ -101,16 +101,16 @@ class DriverHook:
             if hook is not None and hook.config != config:
                 raise ValueError(f"app {config.app} already runs in this driver with other settings "
                                  f"(coordinator mode, secret, policy or supervision); one app, one configuration")
-            if hook is not None and not hook._serves(spark):
-                # Its SparkContext stopped (the watcher and publisher ended with it), it failed for
-                # good, or it watches another session: a new sink gets a working hook.
+            if hook is not None and not hook._serves():
+                # Its SparkContext stopped (the watcher and publisher ended with it) or it failed
+                # for good: a new sink gets a working hook.
                 del cls._hooks[config.key]
                 stale, hook = hook, None
                 stale._close()
             if hook is None:
                 hook = cls._hooks[config.key] = DriverHook(spark, config, sink)
             else:
-                hook.store_sink(sink, config.mode)
+                hook.store_sink(sink)
             hook._users += 1
             return hook
 
@@ -131,7 +131,7 @@ class DriverHook:
         self._users = 0
         self.client = connect(config.zk)
         try:
-            self.store_sink(sink, config.mode)
+            self.store_sink(sink)
         except BaseException:
             self._close_client()
             raise
@@ -150,12 +150,12 @@ class DriverHook:
         if self.host is not None:
             self.host.start()
 
-    def _serves(self, spark: SparkSession) -> bool:
-        return self.failure is None and self.watcher.spark is spark and not self._publisher_job.finished
+    def _serves(self) -> bool:
+        return self.failure is None and not self._publisher_job.finished
 
-    def store_sink(self, sink: TwoPhaseCommitSink, mode: str) -> None:
-        """Publish ``sink`` (signed) and the coordinator ``mode`` in ZooKeeper for every coordinator of the app."""
-        publish_app(self.client, self.paths, self.signer, sink, mode)
+    def store_sink(self, sink: TwoPhaseCommitSink) -> None:
+        """Publish ``sink`` (signed) and the coordinator mode in ZooKeeper for every coordinator of the app."""
+        publish_app(self.client, self.paths, self.signer, sink, self.config.mode)
 
     def release(self) -> None:
         """One TwoPhaseSink is done with the hook; the last one stops it."""
@@ -196,7 +196,7 @@ class DriverHook:
     # -- jobs ---------------------------------------------------------------
 
     def _publish_loop(self, stop: threading.Event) -> None:
-        zookeeper_away: KazooException | None = None
+        zookeeper_away = False
         while not stop.is_set():
             seen = self.watcher.poll()
             self.publisher.update(seen.active, seen.ended)
@@ -205,14 +205,14 @@ class DriverHook:
             except ZOOKEEPER_AWAY as e:
                 # Not a failure of the hook: tasks stall on it too, and the publisher catches up
                 # once it is back (failure case 8). Said once, not per poll.
-                if zookeeper_away is None:
+                if not zookeeper_away:
                     log.warning("app %s: cannot publish progress while ZooKeeper is away: %r",
                                 self.config.app, e)
-                zookeeper_away = e
+                zookeeper_away = True
             else:
-                if zookeeper_away is not None:
+                if zookeeper_away:
                     log.info("app %s: ZooKeeper is back; progress published", self.config.app)
-                zookeeper_away = None
+                zookeeper_away = False
                 if seen.spark_stopped:
                     return
             stop.wait(POLL_INTERVAL)

@@ -49,8 +49,8 @@ class CoordinatorHost:
         self.coordinator.wake.set()
 
     def _run(self, stop: threading.Event) -> None:
-        # AppCoordinator.run logs and retries every failed pass for ever (what a daemon serving
-        # many apps wants); here a pass that fails for another reason than ZooKeeper being away
+        # AppCoordinator.reconcile_logged logs and retries every failed pass for ever (what the
+        # daemon, serving many apps, wants); here a pass that fails for another reason than ZooKeeper being away
         # (a refused signature, a sink that cannot be loaded, a bug) goes to the supervisor, so
         # that one that keeps failing halts the runs instead of stalling phase two quietly.
         coordinator = self.coordinator

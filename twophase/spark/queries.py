@@ -66,16 +66,15 @@ class QueryWatcher:
         """The active queries, and the final state of runs that ended since the last poll."""
         with self._lock:
             if self.spark_stopped:
-                ended = tuple(self._final(key) for key in list(self._executions))
-                return Poll(ended=tuple(s for s in ended if s is not None), spark_stopped=True)
+                return Poll(ended=self._finals(list(self._executions)), spark_stopped=True)
             active = {}
             for jsq in self.spark._jsparkSession.streams().active():
-                qid, run_id = str(jsq.id().toString()), str(jsq.runId().toString())
-                execution = self._executions.setdefault((qid, run_id), jsq.streamingQuery())
-                active[qid] = self._snapshot(qid, run_id, execution)
+                key = (str(jsq.id().toString()), str(jsq.runId().toString()))
+                if key not in self._executions:
+                    self._executions[key] = jsq.streamingQuery()
+                active[key[0]] = self._snapshot(*key, self._executions[key])
             gone = [key for key in self._executions if key[0] not in active or active[key[0]].run_id != key[1]]
-            ended = tuple(s for s in (self._final(key) for key in gone) if s is not None)
-            return Poll(active, ended)
+            return Poll(active, self._finals(gone))
 
     @staticmethod
     def snapshot_of(jsq) -> QuerySnapshot:
@@ -93,10 +92,13 @@ class QueryWatcher:
         return QuerySnapshot(qid, run_id, str(execution.resolvedCheckpointRoot()),
                              int(latest.get()) if latest.isDefined() else None)
 
-    def _final(self, key: tuple[str, str]) -> QuerySnapshot | None:
-        execution = self._executions.pop(key)
-        try:
-            return self._snapshot(key[0], key[1], execution)
-        except Exception as e:  # noqa: BLE001 - the JVM may be gone with the SparkContext
-            log.warning("query %s run %s: cannot read its commit log after it ended: %r", key[0], key[1], e)
-            return None
+    def _finals(self, keys: list[tuple[str, str]]) -> tuple[QuerySnapshot, ...]:
+        """Forget these runs, reading each one's commit log a last time where the JVM still answers."""
+        finals = []
+        for key in keys:
+            execution = self._executions.pop(key)
+            try:
+                finals.append(self._snapshot(*key, execution))
+            except Exception as e:  # noqa: BLE001 - the JVM may be gone with the SparkContext
+                log.warning("query %s run %s: cannot read its commit log after it ended: %r", *key, e)
+        return tuple(finals)
