@@ -132,11 +132,21 @@ def test_transactions_tracked_and_closed_by_markers(log):
     assert log.producers.open_transactions() == {other: 3}
     with pytest.raises(TransactionCoordinatorFencedError):  # a marker from a stale coordinator
         log.append(control_batch(PID, 0, commit=False, coordinator_epoch=2, timestamp_ms=0), 0, from_client=False)
-    with pytest.raises(InvalidProducerEpochError):
-        log.append(control_batch(other, -1, commit=False, coordinator_epoch=3, timestamp_ms=0), 0, from_client=False)
     # Sequences continue after the marker (same epoch).
     log.append(pbatch(2, transactional=True), 0)
     assert log.producers.open_transactions() == {PID: 5, other: 3}
+
+
+def test_a_coordinator_marker_is_never_refused_for_an_older_epoch(log):
+    # Data claiming an epoch its producer was never given (older logs may hold such batches) must
+    # not keep the coordinator's marker out: the transaction could never end.
+    log.append(pbatch(0, epoch=32767, transactional=True), 0)
+    assert log.producers.open_transactions() == {PID: 0}
+    log.append(control_batch(PID, 1, commit=False, coordinator_epoch=0, timestamp_ms=0), 0, from_client=False)
+    assert log.producers.open_transactions() == {}
+    assert log.producers.entry(PID).epoch == 1  # the coordinator's epoch again: its producer may go on
+    log.append(pbatch(0, epoch=1, transactional=True), 0)
+    assert log.producers.open_transactions() == {PID: 2}
 
 
 def test_state_survives_clean_reopen(tmp_path):

@@ -39,7 +39,7 @@ from .groups import GroupCoordinator
 from .server import DEFAULT_MAX_REQUEST_BYTES, Dispatcher, KafkaServer
 from .group_commit import GroupCommit
 from .storage import LogConfig, LogManager, TopicInfo, run_flushes
-from .txn import TXN_DIR, Failpoint, TransactionCoordinator, TxnSettings
+from .txn import TXN_DIR, Failpoint, TransactionCoordinator, TxnSettings, open_transactions
 from twophase.durable import atomic_write
 from twophase.wire.errors import UnknownTopicOrPartitionError
 
@@ -170,8 +170,12 @@ class Broker:
             self.transactions = TransactionCoordinator(
                 os.path.join(self.data_dir, TXN_DIR), partition_log=self.logs.partition, offsets=self.groups.offsets,
                 allocate_producer_id=self.allocate_producer_id, data_arrived=self.data_arrived,
-                settings=self.config.transaction_settings(), failpoint=Failpoint.from_env())
+                settings=self.config.transaction_settings(), failpoint=Failpoint.from_env(),
+                producer_id_issued=self.producer_id_issued)
             self.transactions.recover(int(time.time() * 1000))  # before any request is served
+            # Transactions partitions hold open that the coordinator will not end (torn marker, lost log).
+            self.transactions.resolve_open_transactions(open_transactions(self.logs.partitions()),
+                                                        int(time.time() * 1000))
         except BaseException:
             await self.stop_async()  # closes whatever was opened, and the server
             self._server = None
@@ -344,6 +348,10 @@ class Broker:
         producer_id = self._next_producer_id
         self._next_producer_id += 1
         return producer_id
+
+    def producer_id_issued(self, producer_id: int) -> bool:
+        """Whether ``producer_id`` may have been handed out (ids at or above the next one never were)."""
+        return 0 <= producer_id < self._next_producer_id
 
     # -- topics and partitions (for the API handlers; event-loop thread only) ---------------------
 

@@ -20,6 +20,7 @@ from . import (  # noqa: F401  (importing a handler module registers it)
     create_topics,
     delete_topics,
     describe_groups,
+    describe_producers,
     describe_transactions,
     end_txn,
     fetch,
@@ -37,6 +38,7 @@ from . import (  # noqa: F401  (importing a handler module registers it)
     produce,
     sync_group,
     txn_offset_commit,
+    write_txn_markers,
 )
 
 APIS: tuple[Api, ...] = served()

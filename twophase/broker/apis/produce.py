@@ -11,7 +11,11 @@ A transactional batch needs the request's transactional id (INVALID_RECORD witho
 request with a transactional id must carry transactional batches (INVALID_RECORD otherwise)
 of the transaction's current producer id and epoch (INVALID_PRODUCER_EPOCH for a fenced one),
 for a partition added to the open transaction (INVALID_TXN_STATE otherwise): data the
-coordinator does not know about would hold back the last stable offset forever.
+coordinator does not know about would hold back the last stable offset forever. A batch without a
+transactional id may only carry a producer id InitProducerId issued for idempotence, with its epoch
+(0): UNKNOWN_PRODUCER_ID for an id never issued, INVALID_PRODUCER_ID_MAPPING for a transactional
+id's, INVALID_PRODUCER_EPOCH for another epoch. Producer ids are sequential: without this check a
+client could claim the next one with a high epoch and fence the transactional producer that gets it.
 """
 
 from __future__ import annotations
@@ -107,6 +111,10 @@ def _transaction_check(broker, transactional_id: str | None, topic: str, partiti
         if transactional_id is None:
             if header.is_transactional:
                 return ErrorCode.invalid_record, "a transactional batch without a transactional id"
+            if header.has_producer_id and (code := broker.transactions.check_idempotent_produce(
+                    header.producer_id, header.producer_epoch)):
+                return error(code), (f"producer id {header.producer_id} epoch {header.producer_epoch} "
+                                     "was not issued to an idempotent producer")
             continue
         if not header.is_transactional:
             return ErrorCode.invalid_record, "a transactional producer sent a non-transactional batch"

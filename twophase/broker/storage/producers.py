@@ -2,7 +2,8 @@
 
 A retried batch whose sequence range matches one of the producer's last five batches is answered with
 its original offsets instead of being stored again; a gap raises OUT_OF_ORDER_SEQUENCE_NUMBER (45), an
-older epoch INVALID_PRODUCER_EPOCH (47). State is snapshotted to ``<offset>.snapshot`` (on segment roll
+older epoch INVALID_PRODUCER_EPOCH (47); a marker (written only by the transaction coordinator) is
+never refused for its epoch. State is snapshotted to ``<offset>.snapshot`` (on segment roll
 and close) and rebuilt after a crash by replaying the batch headers written after the newest snapshot.
 
 Example::
@@ -116,6 +117,10 @@ class ProducerStateManager:
         """The state of ``producer_id``, or None if it is unknown here."""
         return self._producers.get(producer_id)
 
+    def entries(self) -> list[ProducerEntry]:
+        """Every known producer's state (DescribeProducers), by producer id."""
+        return [self._producers[pid] for pid in sorted(self._producers)]
+
     def producer_ids(self) -> list[int]:
         """Every known producer id, sorted."""
         return sorted(self._producers)
@@ -213,13 +218,19 @@ class ProducerStateManager:
     @staticmethod
     def _validate(entry: ProducerEntry, header: BatchHeader, marker: ControlRecord | None, from_client: bool) -> None:
         pid, epoch = header.producer_id, header.producer_epoch
-        if epoch < entry.epoch:
-            raise InvalidProducerEpochError(f"producer {pid}: epoch {epoch} is older than current {entry.epoch}")
         if header.is_control:
             if marker is not None and marker.coordinator_epoch < entry.coordinator_epoch:
                 raise TransactionCoordinatorFencedError(
                     f"producer {pid}: coordinator epoch {marker.coordinator_epoch} < {entry.coordinator_epoch}")
+            if epoch < entry.epoch:
+                # Only the coordinator writes markers, and it knows the producer's true epoch: data
+                # claiming a later one was not its producer's (Produce refuses such data; older logs
+                # may hold some). The marker wins, or the transaction could never end.
+                log.warning("producer %d: a marker with epoch %d ends what data of epoch %d held open",
+                            pid, epoch, entry.epoch)
             return
+        if epoch < entry.epoch:
+            raise InvalidProducerEpochError(f"producer {pid}: epoch {epoch} is older than current {entry.epoch}")
         if not from_client:
             return
         if epoch != entry.epoch:

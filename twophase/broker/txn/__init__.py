@@ -2,11 +2,12 @@
 
 from .coordinator import InitResult, TransactionCoordinator, TxnDescription, TxnSettings
 from .failpoints import Failpoint
+from .hanging import OpenTxn, open_transactions
 from .log import TransactionLog
 from .metadata import TxnMetadata
 from .state import TRANSITIONS, TxnState
 
 TXN_DIR = "transactions"  # under the broker's data directory
 
-__all__ = ["Failpoint", "InitResult", "TRANSITIONS", "TXN_DIR", "TransactionCoordinator", "TransactionLog",
-           "TxnDescription", "TxnMetadata", "TxnSettings", "TxnState"]
+__all__ = ["Failpoint", "InitResult", "OpenTxn", "TRANSITIONS", "TXN_DIR", "TransactionCoordinator",
+           "TransactionLog", "TxnDescription", "TxnMetadata", "TxnSettings", "TxnState", "open_transactions"]

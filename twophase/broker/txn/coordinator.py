@@ -27,6 +27,7 @@ from twophase.wire.errors import KafkaError, UnknownTopicOrPartitionError
 
 from ..groups.offsets import CommittedOffset, OffsetStore
 from .failpoints import Failpoint
+from .hanging import HangingTransactions, OpenTxn
 from .log import TransactionLog, TransactionLogFailed
 from .metadata import TxnMetadata
 from .state import TRANSITIONS, TxnState
@@ -40,11 +41,13 @@ NONE = 0
 COORDINATOR_NOT_AVAILABLE = 15
 NOT_ENOUGH_REPLICAS = 19  # what Produce answers instead: every producer retries it, none knows 15 there
 INVALID_REQUEST = 42
+UNKNOWN_TOPIC_OR_PARTITION = 3
 INVALID_PRODUCER_EPOCH = 47
 INVALID_TXN_STATE = 48
 INVALID_PRODUCER_ID_MAPPING = 49
 INVALID_TRANSACTION_TIMEOUT = 50
 CONCURRENT_TRANSACTIONS = 51
+UNKNOWN_PRODUCER_ID = 59
 TRANSACTIONAL_ID_AUTHORIZATION_FAILED = 53
 PRODUCER_FENCED = 90
 TRANSACTIONAL_ID_NOT_FOUND = 105
@@ -52,6 +55,7 @@ TRANSACTION_ABORTABLE = 120  # KIP-890: "abort, then this transactional id can g
 INVALID_REGULAR_EXPRESSION = 128
 
 COORDINATOR_EPOCH = 0  # one broker, never re-elected
+COMPLETION_ERROR_LOG_INTERVAL_S = 60.0  # a completion retried every check logs its ERROR this often
 MAX_PATTERN_LENGTH = 1_000  # ListTransactions patterns run on the event loop: keep them small
 # What one transaction may hold: with the longest topic names (249 characters) and group ids (32767
 # characters, 6 bytes each in the worst JSON escape) its log record stays far below MAX_RECORD_BYTES.
@@ -135,9 +139,12 @@ class TransactionCoordinator:
     """
     def __init__(self, directory: str, *, partition_log: Callable, offsets: OffsetStore,
                  allocate_producer_id: Callable[[], int], data_arrived: Callable[[str, int], None],
-                 settings: TxnSettings | None = None, failpoint: Failpoint | None = None) -> None:
+                 settings: TxnSettings | None = None, failpoint: Failpoint | None = None,
+                 producer_id_issued: Callable[[int], bool] | None = None) -> None:
         """``partition_log(topic, partition)`` returns a PartitionLog or raises
-        UnknownTopicOrPartitionError; ``data_arrived`` wakes read_committed long polls."""
+        UnknownTopicOrPartitionError; ``data_arrived`` wakes read_committed long polls;
+        ``producer_id_issued(id)`` says whether the allocator may have handed ``id`` out (None:
+        any id >= 0, for a coordinator used without Produce)."""
         self.settings = settings or TxnSettings()
         self._log = TransactionLog(directory)
         self._partition_log = partition_log
@@ -146,6 +153,12 @@ class TransactionCoordinator:
         self._data_arrived = data_arrived
         self._failpoint = failpoint or Failpoint(None)
         self._txns: dict[str, TxnMetadata] = {}
+        self._issued = producer_id_issued or (lambda producer_id: producer_id >= 0)
+        # Producer id -> the transactional id it belongs to (its current one, or its open transaction's):
+        # such an id is for transactional batches of that id only.
+        self._owners: dict[int, str] = {}
+        self._hanging = HangingTransactions()  # found at start, outcome unknown: aborted at their deadline
+        self._completion_errors: dict[str, float] = {}  # transactional id -> when its failure was last logged
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -153,6 +166,7 @@ class TransactionCoordinator:
         """Replay the log; finish every transaction whose decision was logged but not completed."""
         for tid, value in self._log.open().items():
             self._txns[tid] = TxnMetadata.from_dict(tid, value)
+            self._own(self._txns[tid])
         for meta in list(self._txns.values()):
             if meta.state.completing:
                 log.info("recovery: completing %s of transactional id %r on %d partitions",
@@ -208,6 +222,8 @@ class TransactionCoordinator:
                 TRANSITIONS.check(meta.state, TxnState.DEAD, repr(meta.transactional_id))
                 self._log.append(meta.transactional_id, None)
                 del self._txns[meta.transactional_id]
+                self._disown(meta)
+        self._abort_hanging_due(now_ms)
 
     # -- InitProducerId --------------------------------------------------------------------------
 
@@ -366,6 +382,102 @@ class TransactionCoordinator:
             return INVALID_TXN_STATE
         return NONE
 
+    def check_idempotent_produce(self, producer_id: int, producer_epoch: int) -> int:
+        """Whether a non-transactional batch may carry this producer id and epoch: only an id handed
+        out for idempotence (never a transactional id's), with the epoch it was handed out with (0).
+
+        Producer ids are sequential, so a client can guess the next one; a batch claiming it (with a
+        high epoch) would fence the transactional producer that gets it and refuse its coordinator's
+        markers. Only ids the broker issued, as it issued them, get in.
+        """
+        if not self._issued(producer_id):
+            return UNKNOWN_PRODUCER_ID
+        if producer_id in self._owners:
+            return INVALID_PRODUCER_ID_MAPPING
+        if producer_epoch != 0:
+            return INVALID_PRODUCER_EPOCH
+        return NONE
+
+    # -- hanging transactions (KIP-664) ----------------------------------------------------------
+
+    def resolve_open_transactions(self, found: Iterable[OpenTxn], now_ms: int) -> None:
+        """At start, after :meth:`recover`: end what partitions hold open that this coordinator does not.
+
+        A transaction the log says completed whose marker is missing (a torn tail) gets the logged
+        outcome's marker now: committed data stays committed. One the coordinator does not know (its
+        transaction log was lost) is aborted once the longest transaction timeout has passed, unless
+        an operator ends it first; both are logged as WARNINGs naming partition, producer and offset.
+        """
+        for txn in found:
+            meta = self._txns.get(self._owners.get(txn.producer_id, ""))
+            holds = (meta is not None and meta.txn_producer_id == txn.producer_id
+                     and (txn.topic, txn.partition) in meta.partitions)
+            if holds and (meta.state is TxnState.ONGOING or meta.state.completing):
+                continue  # the coordinator ends it (a Prepare* left by recover() is retried by check())
+            if holds and meta.state in (TxnState.COMPLETE_COMMIT, TxnState.COMPLETE_ABORT):
+                commit = meta.state is TxnState.COMPLETE_COMMIT
+                log.warning("%s-%d: the transaction of %r (producer %d epoch %d, from offset %d) is %s in the "
+                            "transaction log but its marker is missing: writing the %s marker",
+                            txn.topic, txn.partition, meta.transactional_id, txn.producer_id, txn.producer_epoch,
+                            txn.start_offset, meta.state.value, "COMMIT" if commit else "ABORT")
+                try:
+                    self._write_marker(meta, txn.topic, txn.partition, commit, now_ms)
+                except (KafkaError, OSError) as exc:
+                    log.error("%s-%d: writing the missing marker of producer %d failed; the partition's last "
+                              "stable offset stays at %d until a restart: %s",
+                              txn.topic, txn.partition, txn.producer_id, txn.start_offset, exc)
+                continue
+            deadline = now_ms + self.settings.max_timeout_ms
+            log.warning("%s-%d: open transaction of producer %d epoch %d from offset %d is unknown to the transaction "
+                        "coordinator (transaction log lost?): aborting it in %d ms unless an operator ends it first "
+                        "(twophase txns find-hanging / abort --topic)", txn.topic, txn.partition, txn.producer_id,
+                        txn.producer_epoch, txn.start_offset, self.settings.max_timeout_ms)
+            self._hanging.add(txn, deadline)
+
+    def _abort_hanging_due(self, now_ms: int) -> None:
+        for txn in self._hanging.due(now_ms):
+            log.warning("%s-%d: aborting the hanging transaction of producer %d epoch %d from offset %d: its outcome "
+                        "is unknown and the transaction timeout has passed", txn.topic, txn.partition,
+                        txn.producer_id, txn.producer_epoch, txn.start_offset)
+            code = self.abort_hanging(txn.topic, txn.partition, txn.producer_id, txn.producer_epoch, now_ms)
+            if code not in (NONE, INVALID_TXN_STATE):  # INVALID_TXN_STATE: it ended meanwhile
+                log.error("%s-%d: aborting the hanging transaction of producer %d failed (error %d); retrying",
+                          txn.topic, txn.partition, txn.producer_id, code)
+                self._hanging.add(txn, now_ms + self.settings.check_interval_ms)
+
+    def abort_hanging(self, topic: str, partition: int, producer_id: int, producer_epoch: int, now_ms: int) -> int:
+        """Write an ABORT marker ending ``producer_id``'s open transaction on the partition (WriteTxnMarkers
+        from an operator, KIP-664); an error code.
+
+        Only a hanging transaction may be ended this way: INVALID_TXN_STATE if the producer has none
+        open there, INVALID_PRODUCER_EPOCH unless ``producer_epoch`` is the one the partition holds,
+        CONCURRENT_TRANSACTIONS if this coordinator holds it open (abort it by its transactional id:
+        writing a marker behind the coordinator's back could abort what it then commits).
+        """
+        try:
+            plog = self._partition_log(topic, partition)
+        except UnknownTopicOrPartitionError:
+            return UNKNOWN_TOPIC_OR_PARTITION
+        start = plog.producers.open_transactions().get(producer_id)
+        if start is None:
+            return INVALID_TXN_STATE
+        if plog.producers.entry(producer_id).epoch != producer_epoch:
+            return INVALID_PRODUCER_EPOCH
+        meta = self._txns.get(self._owners.get(producer_id, ""))
+        if (meta is not None and meta.txn_producer_id == producer_id and (topic, partition) in meta.partitions
+                and (meta.state is TxnState.ONGOING or meta.state.completing)):
+            return CONCURRENT_TRANSACTIONS
+        try:
+            offset = plog.append_marker(producer_id, producer_epoch, False, COORDINATOR_EPOCH, now_ms)
+        except KafkaError as exc:
+            log.error("%s-%d: the ABORT marker for producer %d failed: %s", topic, partition, producer_id, exc)
+            return exc.code
+        self._hanging.discard(topic, partition, producer_id)
+        self._data_arrived(topic, partition)
+        log.warning("%s-%d: aborted the hanging transaction of producer %d epoch %d (offsets %d-%d)",
+                    topic, partition, producer_id, producer_epoch, start, offset)
+        return NONE
+
     # -- EndTxn ----------------------------------------------------------------------------------
 
     @_unavailable_when_the_log_fails(COORDINATOR_NOT_AVAILABLE)
@@ -412,12 +524,25 @@ class TransactionCoordinator:
             for group_id in sorted(meta.groups):
                 self._offsets.complete_pending(group_id, meta.txn_producer_id, commit)
         except (KafkaError, OSError) as exc:
-            log.error("completing %s of %r failed, will retry: %s", meta.state.value, meta.transactional_id, exc)
+            self._completion_failed(meta, exc)
             return meta
+        self._completion_errors.pop(meta.transactional_id, None)
         self._failpoint.hit("after_markers")
         completed = meta.copy()
         completed.transition(TxnState.COMPLETE_COMMIT if commit else TxnState.COMPLETE_ABORT)
         return self._log_and_install(completed, now_ms)
+
+    def _completion_failed(self, meta: TxnMetadata, exc: BaseException) -> None:
+        """Log a failed completion as an ERROR once per COMPLETION_ERROR_LOG_INTERVAL_S per id: the
+        periodic check and every client retry try again, and one stuck transaction must not flood the log."""
+        now = time.monotonic()
+        last = self._completion_errors.get(meta.transactional_id)
+        if last is None or now - last >= COMPLETION_ERROR_LOG_INTERVAL_S:
+            self._completion_errors[meta.transactional_id] = now
+            log.error("completing %s of %r failed, will retry (logged again in %.0f s if it still fails): %s",
+                      meta.state.value, meta.transactional_id, COMPLETION_ERROR_LOG_INTERVAL_S, exc)
+        else:
+            log.debug("completing %s of %r failed again: %s", meta.state.value, meta.transactional_id, exc)
 
     def _write_marker(self, meta: TxnMetadata, topic: str, partition: int, commit: bool, now_ms: int) -> None:
         try:
@@ -434,8 +559,22 @@ class TransactionCoordinator:
         write raises TransactionLogFailed and leaves memory at the last durable state."""
         changed.last_update_ms = now_ms
         self._log.append(changed.transactional_id, changed.to_dict())
+        old = self._txns.get(changed.transactional_id)
         self._txns[changed.transactional_id] = changed
+        if old is not None:
+            self._disown(old)
+        self._own(changed)
         return changed
+
+    def _own(self, meta: TxnMetadata) -> None:
+        for producer_id in (meta.producer_id, meta.txn_producer_id):
+            if producer_id >= 0:
+                self._owners[producer_id] = meta.transactional_id
+
+    def _disown(self, meta: TxnMetadata) -> None:
+        for producer_id in (meta.producer_id, meta.txn_producer_id):
+            if self._owners.get(producer_id) == meta.transactional_id:
+                del self._owners[producer_id]
 
     # -- ListTransactions / DescribeTransactions -------------------------------------------------
 
@@ -456,7 +595,8 @@ class TransactionCoordinator:
             return INVALID_REGULAR_EXPRESSION, [], []
         found = []
         for tid, meta in sorted(self._txns.items()):
-            if ((states and meta.state.value not in states) or (producer_ids and meta.producer_id not in producer_ids)
+            if ((states and meta.state.value not in states)
+                    or (producer_ids and not producer_ids & {meta.producer_id, meta.txn_producer_id})
                     or (min_duration_ms >= 0 and now_ms - meta.start_ms <= min_duration_ms)
                     or (regex and not regex.fullmatch(tid))):
                 continue

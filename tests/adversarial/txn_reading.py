@@ -1,0 +1,54 @@
+"""What a read_committed consumer sees, for the transaction attacks.
+
+Reading to the end is an event, not a pause: a committed END record goes to every partition
+(from a transactional producer of its own), and a partition is read once its END arrived.
+read_committed consumers only get records below the last stable offset, so an END arriving
+also proves the LSO moved past everything before it.
+
+Example::
+
+    seen = read_committed(broker.bootstrap, topic, partitions=2)   # {partition: [values before END]}
+"""
+
+from __future__ import annotations
+
+import uuid
+
+from tests.waiting import wait_until
+from twophase.client import Consumer, Producer
+
+END = b"end"
+
+
+def commit_end_records(bootstrap: str, topic: str, partitions: int) -> None:
+    """One committed END record on each partition of ``topic``."""
+    with Producer(bootstrap, transactional_id=f"end-{uuid.uuid4().hex[:8]}") as p:
+        p.init_transactions()
+        p.begin_transaction()
+        for partition in range(partitions):
+            p.send(topic, END, partition=partition)
+        p.commit_transaction()
+
+
+def read_committed(bootstrap: str, topic: str, partitions: int, timeout: float = 60.0) -> dict[int, list[bytes]]:
+    """Commit END records, then read every partition with read_committed up to its END: the values before it."""
+    commit_end_records(bootstrap, topic, partitions)
+    seen: dict[int, list[bytes]] = {p: [] for p in range(partitions)}
+    ended: set[int] = set()
+    with Consumer(bootstrap, isolation_level="read_committed") as c:
+        c.assign([(topic, p) for p in range(partitions)])
+        for p in range(partitions):
+            c.seek(topic, p, 0)
+
+        def all_ended() -> bool:
+            for m in c.poll(timeout_s=0.2):
+                if m.partition in ended:
+                    continue
+                if m.value == END:
+                    ended.add(m.partition)
+                else:
+                    seen[m.partition].append(m.value)
+            return len(ended) == partitions
+
+        wait_until(all_ended, timeout=timeout, what=f"END on every partition of {topic} (saw {sorted(ended)})")
+    return seen
