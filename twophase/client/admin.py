@@ -1,4 +1,4 @@
-"""Admin client: create and delete topics, list, describe and abort transactions.
+"""Admin client: create and delete topics; list, describe and abort transactions; find and abort hanging ones.
 
 Example::
 
@@ -8,6 +8,8 @@ Example::
             print(txn.transactional_id, txn.state)
         [info] = admin.describe_transactions(["t1"])
         admin.abort_transaction("t1")         # fences the id and aborts what it left open, 2PC too
+        for h in admin.find_hanging(topic="orders", max_transaction_timeout_ms=0):   # KIP-664
+            admin.abort_hanging(h.topic, h.partition, h.producer_id, h.producer_epoch)
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ from .connection import MS, Connection, message, part
 from .errors import check
 from .retry import retry
 from .transactions import init_producer_id
+
+OPEN_STATES = ("Ongoing", "PrepareCommit", "PrepareAbort")  # a transaction the coordinator holds open
+DEFAULT_MAX_TRANSACTION_TIMEOUT_MS = 15 * 60 * 1000  # Kafka's transaction.max.timeout.ms default
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +61,40 @@ class TransactionDescription:
         return max(0.0, (now_ms - self.start_time_ms) / 1000)
 
 
+@dataclasses.dataclass(frozen=True)
+class ProducerState:
+    """One producer a partition knows (DescribeProducers): its epoch, last sequence, last append time,
+    the coordinator epoch of its last marker and where its open transaction starts (None if none is open)."""
+    producer_id: int
+    producer_epoch: int
+    last_sequence: int
+    last_timestamp_ms: int
+    coordinator_epoch: int
+    txn_start_offset: int | None
+
+
+@dataclasses.dataclass(frozen=True)
+class HangingTransaction:
+    """A transaction open on a partition that no transaction coordinator holds open (KIP-664): it holds the
+    partition's last stable offset back until someone writes its marker (:meth:`Admin.abort_hanging`)."""
+    topic: str
+    partition: int
+    producer_id: int
+    producer_epoch: int
+    coordinator_epoch: int
+    start_offset: int
+    last_timestamp_ms: int
+
+
+# What WriteTxnMarkers' refusals of an operator's abort mean here (twophase.broker.apis.write_txn_markers).
+_ABORT_REFUSALS = {
+    ErrorCode.invalid_txn_state: "the producer has no transaction open on the partition",
+    ErrorCode.invalid_producer_epoch: "the partition holds another epoch for the producer (see find-hanging)",
+    ErrorCode.concurrent_transactions: ("the transaction coordinator holds this transaction open: "
+                                        "abort it by its transactional id instead"),
+}
+
+
 def _ms(value) -> int | None:
     """kio hands datetime_i64 fields over as datetimes (None for -1)."""
     if value is None:
@@ -65,7 +104,8 @@ def _ms(value) -> int | None:
 
 
 class Admin:
-    """An admin client: create and delete topics; list, describe and abort transactions.
+    """An admin client: create and delete topics; list, describe and abort transactions; find and abort
+    hanging transactions (KIP-664).
 
     Each call retries retriable errors for up to ``request_timeout_ms`` and
     raises KafkaError otherwise.
@@ -79,6 +119,8 @@ class Admin:
             [info] = admin.describe_transactions(["t1"])
             print(info.state, info.age_s(), info.partitions)
             admin.abort_transaction("t1")
+            for h in admin.find_hanging(topic="orders"):     # open longer than 15 minutes, no coordinator's
+                admin.abort_hanging(h.topic, h.partition, h.producer_id, h.producer_epoch)
             admin.delete_topics(["orders"])
     """
     def __init__(self, bootstrap: str, *, request_timeout_ms: int = 30_000, client_id: str = "twophase-admin") -> None:
@@ -130,14 +172,17 @@ class Admin:
 
     # --- transactions -------------------------------------------------------------------------
 
-    def list_transactions(self, states: Iterable[str] | None = None) -> list[TransactionListing]:
-        """Transactions every broker knows, optionally only in the given states (e.g. "Ongoing")."""
+    def list_transactions(self, states: Iterable[str] | None = None,
+                          producer_ids: Iterable[int] | None = None) -> list[TransactionListing]:
+        """Transactions every broker knows, optionally only in the given states (e.g. "Ongoing") or of the
+        given producer ids."""
         state_filters = tuple(states or ())
+        producer_id_filters = tuple(producer_ids or ())
 
         def call(conn: Connection) -> list[TransactionListing]:
             v = conn.version(ApiKey.LIST_TRANSACTIONS, 1)
             response = conn.request(message(ApiKey.LIST_TRANSACTIONS, v, state_filters=state_filters,
-                                            producer_id_filters=(), duration_filter=-1))
+                                            producer_id_filters=producer_id_filters, duration_filter=-1))
             check(response.error_code, "ListTransactions")
             if response.unknown_state_filters:
                 raise KafkaError(f"unknown transaction states: {', '.join(response.unknown_state_filters)}")
@@ -188,6 +233,98 @@ class Admin:
 
         self.cluster.coordinator_call(transactional_id, CoordinatorType.TRANSACTION, call, self.request_timeout_s,
                                        f"aborting {transactional_id!r}")
+
+    # --- hanging transactions (KIP-664) -------------------------------------------------------
+
+    def partitions_of(self, topic: str | None = None, partition: int | None = None,
+                      broker_id: int | None = None) -> list[tuple[str, int]]:
+        """The partitions to look at: one, a topic's, those ``broker_id`` leads, or all; sorted."""
+        if partition is not None and topic is None:
+            raise ValueError("a partition needs its topic")
+        if topic is not None:
+            found = [(topic, p) for p in self.cluster.partitions(topic)]
+            if partition is not None:
+                if (topic, partition) not in found:
+                    raise KafkaError(f"no partition {topic}-{partition}", ErrorCode.unknown_topic_or_partition)
+                found = [(topic, partition)]
+        else:
+            codes = retry(lambda: self.cluster.refresh(None), self.request_timeout_s, "Metadata")
+            found = [(t, p) for t, code in codes.items() if code == ErrorCode.none for p in self.cluster.partitions(t)]
+        if broker_id is not None:
+            found = [tp for tp in found if self.cluster.leader(*tp) == broker_id]
+        return sorted(found)
+
+    def describe_producers(self, partitions: Iterable[tuple[str, int]]) -> dict[tuple[str, int], list[ProducerState]]:
+        """The producers each partition's leader knows (DescribeProducers, KIP-664), by partition."""
+        by_leader: dict[int, dict[str, list[int]]] = {}
+        for topic, partition in partitions:
+            by_leader.setdefault(self.cluster.leader(topic, partition), {}).setdefault(topic, []).append(partition)
+        found: dict[tuple[str, int], list[ProducerState]] = {}
+        for node, topics in sorted(by_leader.items()):
+            def call(conn: Connection, topics=topics) -> None:
+                v = conn.version(ApiKey.DESCRIBE_PRODUCERS, 0)
+                response = conn.request(message(ApiKey.DESCRIBE_PRODUCERS, v, topics=tuple(
+                    part(ApiKey.DESCRIBE_PRODUCERS, v, "TopicRequest", name=t, partition_indexes=tuple(ps))
+                    for t, ps in topics.items())))
+                for t in response.topics:
+                    for p in t.partitions:
+                        check(p.error_code, f"DescribeProducers({t.name}-{p.partition_index})"
+                              + (f": {p.error_message}" if p.error_message else ""))
+                        found[(t.name, int(p.partition_index))] = [ProducerState(
+                            int(s.producer_id), int(s.producer_epoch), int(s.last_sequence), int(s.last_timestamp),
+                            int(s.coordinator_epoch),
+                            None if s.current_txn_start_offset < 0 else int(s.current_txn_start_offset))
+                            for s in p.active_producers]
+
+            retry(lambda: call(self.cluster.connection(node)), self.request_timeout_s, "DescribeProducers")
+        return found
+
+    def find_hanging(self, topic: str | None = None, partition: int | None = None, broker_id: int | None = None,
+                     max_transaction_timeout_ms: int = DEFAULT_MAX_TRANSACTION_TIMEOUT_MS,
+                     now_ms: int | None = None) -> list[HangingTransaction]:
+        """Transactions open on the partitions (as :meth:`partitions_of` picks them) longer than
+        ``max_transaction_timeout_ms`` that no coordinator holds open, as ``kafka-transactions.sh
+        find-hanging`` finds them: the producer's transactional id is unknown, or its transaction is
+        not open, or it does not include the partition."""
+        now_ms = int(time.time() * 1000) if now_ms is None else now_ms
+        candidates = [HangingTransaction(t, p, s.producer_id, s.producer_epoch, s.coordinator_epoch,
+                                         s.txn_start_offset, s.last_timestamp_ms)
+                      for (t, p), states in sorted(self.describe_producers(
+                          self.partitions_of(topic, partition, broker_id)).items())
+                      for s in states
+                      if s.txn_start_offset is not None and now_ms - s.last_timestamp_ms >= max_transaction_timeout_ms]
+        holding: dict[int, set[tuple[str, int]]] = {}  # producer id -> partitions a coordinator holds open for it
+        for producer_id in sorted({c.producer_id for c in candidates}):
+            listings = self.list_transactions(states=OPEN_STATES, producer_ids=[producer_id])
+            held = holding.setdefault(producer_id, set())
+            for d in self.describe_transactions([t.transactional_id for t in listings]):
+                if d.state in OPEN_STATES:
+                    held.update(d.partitions)
+        return [c for c in candidates if (c.topic, c.partition) not in holding[c.producer_id]]
+
+    def abort_hanging(self, topic: str, partition: int, producer_id: int, producer_epoch: int,
+                      coordinator_epoch: int = 0) -> None:
+        """Write an ABORT marker for the producer's hanging transaction on the partition (WriteTxnMarkers to
+        its leader, as ``kafka-transactions.sh abort --topic ... --producer-id ...`` does); KafkaError
+        with the broker's reason if it refuses."""
+        def call(conn: Connection) -> None:
+            v = conn.version(ApiKey.WRITE_TXN_MARKERS, 2, 1)
+            marker = part(ApiKey.WRITE_TXN_MARKERS, v, "WritableTxnMarker", producer_id=producer_id,
+                          producer_epoch=producer_epoch, transaction_result=False, coordinator_epoch=coordinator_epoch,
+                          topics=(part(ApiKey.WRITE_TXN_MARKERS, v, "WritableTxnMarkerTopic", name=topic,
+                                       partition_indexes=(partition,)),))
+            response = conn.request(message(ApiKey.WRITE_TXN_MARKERS, v, markers=(marker,)))
+            [m] = response.markers
+            [t] = m.topics
+            [p] = t.partitions
+            if p.error_code:  # a refusal with its reason; not retried (CONCURRENT_TRANSACTIONS would be)
+                code = ErrorCode(p.error_code)
+                raise KafkaError(f"aborting producer {producer_id} epoch {producer_epoch} on {topic}-{partition}: "
+                                 f"{code.name.upper()} ({int(code)})"
+                                 + (f": {_ABORT_REFUSALS[code]}" if code in _ABORT_REFUSALS else ""), code)
+
+        retry(lambda: call(self.cluster.leader_connection(topic, partition)), self.request_timeout_s,
+              f"WriteTxnMarkers({topic}-{partition})")
 
     def close(self) -> None:
         """Close every connection."""

@@ -3,6 +3,13 @@
     twophase txns --bootstrap-server HOST:PORT list [--state Ongoing ...]
     twophase txns --bootstrap-server HOST:PORT describe ID [ID ...]
     twophase txns --bootstrap-server HOST:PORT abort ID
+    twophase txns --bootstrap-server HOST:PORT find-hanging [--topic T [--partition P] | --broker N]
+                                                            [--max-transaction-timeout MIN]
+    twophase txns --bootstrap-server HOST:PORT abort --topic T --partition P --producer-id X --producer-epoch E
+
+``find-hanging`` and ``abort --topic`` are KIP-664's ``kafka-transactions.sh`` commands: a hanging
+transaction is open on a partition while no transaction coordinator holds it open (its
+transaction log was lost, say), so only a marker written on the partition ends it.
 
 Wiring (twophase/cli.py)::
 
@@ -16,10 +23,16 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 
 from twophase.wire.errors import KafkaError
 
-from .admin import Admin, TransactionDescription
+from .admin import (
+    DEFAULT_MAX_TRANSACTION_TIMEOUT_MS,
+    Admin,
+    HangingTransaction,
+    TransactionDescription,
+)
 
 _COLUMNS = ("TRANSACTIONAL ID", "STATE", "PRODUCER", "EPOCH", "AGE", "TIMEOUT", "PARTITIONS")
 
@@ -51,8 +64,50 @@ def cmd_describe(admin: Admin, args) -> int:
     return 0
 
 
+_HANGING_COLUMNS = ("TOPIC", "PARTITION", "PRODUCER", "EPOCH", "COORDINATOR EPOCH", "START OFFSET", "IDLE")
+
+
+def _hanging_row(h: HangingTransaction, now_ms: int) -> tuple[str, ...]:
+    return (h.topic, str(h.partition), str(h.producer_id), str(h.producer_epoch), str(h.coordinator_epoch),
+            str(h.start_offset), f"{max(0, now_ms - h.last_timestamp_ms) / 60_000:.1f}min")
+
+
+def cmd_find_hanging(admin: Admin, args) -> int:
+    """``twophase txns find-hanging``: print the hanging transactions of the chosen partitions; returns 0."""
+    if args.partition is not None and args.topic is None:
+        raise ValueError("--partition needs --topic")
+    if args.max_transaction_timeout < 0:
+        raise ValueError("--max-transaction-timeout must be at least 0 minutes")
+    now_ms = int(time.time() * 1000)
+    found = admin.find_hanging(args.topic, args.partition, args.broker,
+                               max_transaction_timeout_ms=int(args.max_transaction_timeout * 60_000), now_ms=now_ms)
+    print(format_table([_hanging_row(h, now_ms) for h in found], _HANGING_COLUMNS))
+    return 0
+
+
 def cmd_abort(admin: Admin, args) -> int:
-    """``twophase txns abort``: abort the id's transaction and print its state before and after; returns 0."""
+    """``twophase txns abort``: abort a transactional id's transaction, or (``--topic``...) a hanging
+    transaction on one partition; prints what it ended; returns 0."""
+    by_partition = (args.topic, args.partition, args.producer_id, args.producer_epoch)
+    if args.id is not None:
+        if any(v is not None for v in by_partition):
+            raise ValueError("give a transactional id, or --topic/--partition/--producer-id/--producer-epoch, not both")
+        return _abort_transactional_id(admin, args)
+    if any(v is None for v in by_partition):
+        raise ValueError("give a transactional id, or all of --topic, --partition, --producer-id and --producer-epoch")
+    states = admin.describe_producers([(args.topic, args.partition)])[(args.topic, args.partition)]
+    state = next((s for s in states if s.producer_id == args.producer_id), None)
+    start = state.txn_start_offset if state else None
+    coordinator_epoch = args.coordinator_epoch
+    if coordinator_epoch is None:
+        coordinator_epoch = max(state.coordinator_epoch, 0) if state else 0
+    admin.abort_hanging(args.topic, args.partition, args.producer_id, args.producer_epoch, coordinator_epoch)
+    print(f"{args.topic}-{args.partition}: aborted the transaction of producer {args.producer_id} "
+          f"epoch {args.producer_epoch} (open from offset {start})")
+    return 0
+
+
+def _abort_transactional_id(admin: Admin, args) -> int:
     [before] = admin.describe_transactions([args.id])
     admin.abort_transaction(args.id)
     [after] = admin.describe_transactions([args.id])
@@ -84,8 +139,26 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     q = sub.add_parser("describe", help="details of the given transactional ids")
     q.add_argument("ids", nargs="+", metavar="ID", help="transactional id")
     q.set_defaults(txns_func=cmd_describe)
-    q = sub.add_parser("abort", help="fence a transactional id and abort its open (or prepared) transaction")
-    q.add_argument("id", metavar="ID", help="transactional id")
+    q = sub.add_parser("find-hanging", help="transactions open on partitions that no coordinator holds open (KIP-664)")
+    where = q.add_mutually_exclusive_group()
+    where.add_argument("--topic", help="only this topic's partitions")
+    where.add_argument("--broker", type=int, metavar="ID", help="only partitions this broker leads")
+    q.add_argument("--partition", type=int, help="only this partition (with --topic)")
+    q.add_argument("--max-transaction-timeout", type=float, metavar="MIN",
+                   default=DEFAULT_MAX_TRANSACTION_TIMEOUT_MS / 60_000,
+                   help="only transactions idle at least this many minutes (default %(default)g, "
+                        "the brokers' transaction.max.timeout.ms)")
+    q.set_defaults(txns_func=cmd_find_hanging)
+    q = sub.add_parser("abort", help="fence a transactional id and abort its open (or prepared) transaction, or "
+                                     "abort a hanging transaction on one partition")
+    q.add_argument("id", metavar="ID", nargs="?", help="transactional id")
+    q.add_argument("--topic", help="the hanging transaction's topic")
+    q.add_argument("--partition", type=int, help="its partition")
+    q.add_argument("--producer-id", type=int, help="its producer id (find-hanging shows it)")
+    q.add_argument("--producer-epoch", type=int, help="its producer epoch (find-hanging shows it)")
+    q.add_argument("--coordinator-epoch", type=int,
+                   help="the marker's coordinator epoch (default: the partition's, as find-hanging shows it; "
+                        "the built-in broker ignores it)")
     q.set_defaults(txns_func=cmd_abort)
     p.set_defaults(func=run_txns)
     return p
