@@ -159,6 +159,9 @@ def test_an_operator_finds_and_aborts_a_hanging_transaction(broker_factory, tmp_
         live.abort_transaction()
     finally:
         live.close()
+    assert txns([*bootstrap, "find-hanging", "--broker-id", "0", "--max-transaction-timeout", "0"]) == 0
+    assert [row.split()[:3] for row in capsys.readouterr().out.splitlines()[1:]] == [
+        [topic, "0", str(producer_id)], [topic, "1", str(producer_id)]]
     # A wrong epoch or a producer with nothing open is refused with the reason, and changes nothing.
     assert txns([*bootstrap, "abort", "--topic", topic, "--partition", "0", "--producer-id", str(producer_id),
                  "--producer-epoch", str(epoch + 1)]) == 1

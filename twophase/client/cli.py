@@ -3,7 +3,7 @@
     twophase txns --bootstrap-server HOST:PORT list [--state Ongoing ...]
     twophase txns --bootstrap-server HOST:PORT describe ID [ID ...]
     twophase txns --bootstrap-server HOST:PORT abort ID
-    twophase txns --bootstrap-server HOST:PORT find-hanging [--topic T [--partition P] | --broker N]
+    twophase txns --bootstrap-server HOST:PORT find-hanging [--topic T [--partition P] | --broker-id N]
                                                             [--max-transaction-timeout MIN]
     twophase txns --bootstrap-server HOST:PORT abort --topic T --partition P --producer-id X --producer-epoch E
 
@@ -142,7 +142,8 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     q = sub.add_parser("find-hanging", help="transactions open on partitions that no coordinator holds open (KIP-664)")
     where = q.add_mutually_exclusive_group()
     where.add_argument("--topic", help="only this topic's partitions")
-    where.add_argument("--broker", type=int, metavar="ID", help="only partitions this broker leads")
+    where.add_argument("--broker-id", "--broker", dest="broker", type=int, metavar="ID",
+                       help="only partitions this broker leads")
     q.add_argument("--partition", type=int, help="only this partition (with --topic)")
     q.add_argument("--max-transaction-timeout", type=float, metavar="MIN",
                    default=DEFAULT_MAX_TRANSACTION_TIMEOUT_MS / 60_000,

@@ -56,6 +56,7 @@ INVALID_REGULAR_EXPRESSION = 128
 
 COORDINATOR_EPOCH = 0  # one broker, never re-elected
 COMPLETION_ERROR_LOG_INTERVAL_S = 60.0  # a completion retried every check logs its ERROR this often
+HANGING_RETRY_MS = 60_000  # a failed abort of a hanging transaction (a partition offline) is retried this often
 MAX_PATTERN_LENGTH = 1_000  # ListTransactions patterns run on the event loop: keep them small
 # What one transaction may hold: with the longest topic names (249 characters) and group ids (32767
 # characters, 6 bytes each in the worst JSON escape) its log record stays far below MAX_RECORD_BYTES.
@@ -436,14 +437,20 @@ class TransactionCoordinator:
 
     def _abort_hanging_due(self, now_ms: int) -> None:
         for txn in self._hanging.due(now_ms):
+            try:
+                entry = self._partition_log(txn.topic, txn.partition).producers.entry(txn.producer_id)
+            except UnknownTopicOrPartitionError:
+                continue  # deleted with its topic
+            if entry is None or entry.txn_first_offset != txn.start_offset:
+                continue  # ended meanwhile (an operator's abort)
             log.warning("%s-%d: aborting the hanging transaction of producer %d epoch %d from offset %d: its outcome "
                         "is unknown and the transaction timeout has passed", txn.topic, txn.partition,
-                        txn.producer_id, txn.producer_epoch, txn.start_offset)
-            code = self.abort_hanging(txn.topic, txn.partition, txn.producer_id, txn.producer_epoch, now_ms)
-            if code not in (NONE, INVALID_TXN_STATE):  # INVALID_TXN_STATE: it ended meanwhile
-                log.error("%s-%d: aborting the hanging transaction of producer %d failed (error %d); retrying",
-                          txn.topic, txn.partition, txn.producer_id, code)
-                self._hanging.add(txn, now_ms + self.settings.check_interval_ms)
+                        txn.producer_id, entry.epoch, txn.start_offset)
+            code = self.abort_hanging(txn.topic, txn.partition, txn.producer_id, entry.epoch, now_ms)
+            if code:
+                log.error("%s-%d: aborting the hanging transaction of producer %d failed (error %d); retrying in "
+                          "%.0f s", txn.topic, txn.partition, txn.producer_id, code, HANGING_RETRY_MS / 1000)
+                self._hanging.add(txn, now_ms + HANGING_RETRY_MS)
 
     def abort_hanging(self, topic: str, partition: int, producer_id: int, producer_epoch: int, now_ms: int) -> int:
         """Write an ABORT marker ending ``producer_id``'s open transaction on the partition (WriteTxnMarkers
