@@ -25,6 +25,7 @@ from tests.waiting import wait_until
 from twophase.broker.txn import TXN_DIR
 from twophase.client import Admin, Producer
 from twophase.client.cli import main as txns
+from twophase.client.connection import Connection
 
 LONG_TIMEOUT_MS = 3_600_000  # the broker would not abort a hanging transaction during the test by itself
 
@@ -194,7 +195,6 @@ def test_txns_refuses_incomplete_abort_and_find_hanging_options(broker, args, me
 
 
 def test_describe_producers_and_write_txn_markers_are_advertised(broker):
-    from twophase.client.connection import Connection
     conn = Connection("127.0.0.1", broker.port)
     try:
         assert conn.version(61, 0) == 0

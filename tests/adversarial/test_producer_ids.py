@@ -10,6 +10,7 @@ for its epoch (data planted before the fix cannot keep one out either).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import uuid
@@ -22,6 +23,8 @@ from tests.adversarial.txn_reading import read_committed
 from tests.broker.batches import batch
 from tests.broker.conftest import MS, only_partition, produce_request, req
 from twophase.client import Admin, Producer
+from twophase.client.connection import Connection
+from twophase.client.transactions import init_producer_id
 from twophase.wire.errors import KafkaError
 
 MAX_EPOCH = 32767
@@ -125,7 +128,8 @@ def test_data_planted_with_a_high_epoch_cannot_keep_the_coordinators_marker_out(
     broker = broker_factory(data_dir=data, default_partitions=2)
     with Admin(broker.bootstrap) as admin:
         admin.create_topics({topic: 2})
-    next_id = broker.call(lambda: broker._next_producer_id)
+    with contextlib.closing(Connection("127.0.0.1", broker.port)) as conn:
+        next_id = init_producer_id(conn, None, 60_000).producer_id + 1  # what the next InitProducerId gets
     hijack = batch([b"hijack"], producer_id=next_id, producer_epoch=MAX_EPOCH, base_sequence=0)
     # Straight into storage, as the unchecked Produce of an older broker stored it.
     broker.call(lambda: broker.logs.partition(topic, 0).append(hijack, int(time.time() * 1000)))

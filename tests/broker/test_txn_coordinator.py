@@ -15,7 +15,7 @@ from twophase.broker.txn import (
     TRANSITIONS, TransactionCoordinator, TransactionLog, TxnMetadata, TxnSettings, TxnState)
 from twophase.broker.txn.coordinator import (
     CONCURRENT_TRANSACTIONS, INVALID_PRODUCER_EPOCH, INVALID_PRODUCER_ID_MAPPING, INVALID_TRANSACTION_TIMEOUT,
-    INVALID_TXN_STATE, NONE, PRODUCER_FENCED, TRANSACTIONAL_ID_AUTHORIZATION_FAILED)
+    INVALID_TXN_STATE, NONE, PRODUCER_FENCED, TRANSACTIONAL_ID_AUTHORIZATION_FAILED, UNKNOWN_PRODUCER_ID)
 from twophase.broker.txn.log import LOG_FILE
 from twophase.broker.txn.metadata import MAX_EPOCH
 from twophase.states import IllegalTransition
@@ -553,3 +553,26 @@ def test_a_failed_log_write_takes_the_coordinator_offline_until_a_restart(h, mon
     h.restart()  # the record reached the file (only its fsync failed): recovery finishes the decision
     assert state(h) == "CompleteCommit" and h.markers == [("a-0", pid, epoch, True)]
     assert h.txns.end_txn("app", pid, epoch, True, T0) == NONE  # the producer's retry
+
+
+# -- producer ids in plain (non-transactional) batches ---------------------------------------------
+
+def test_plain_batches_take_only_idempotent_producer_ids_with_their_epoch(h):
+    pid, _ = init(h)
+    idempotent = h.allocate()
+    assert h.txns.check_idempotent_produce(idempotent, 0) == NONE
+    assert h.txns.check_idempotent_produce(idempotent, 1) == INVALID_PRODUCER_EPOCH
+    assert h.txns.check_idempotent_produce(pid, 0) == INVALID_PRODUCER_ID_MAPPING  # a transactional id's
+    assert h.txns.check_idempotent_produce(-5, 0) == UNKNOWN_PRODUCER_ID
+    h.restart()  # ownership comes back from the transaction log
+    assert h.txns.check_idempotent_produce(pid, 0) == INVALID_PRODUCER_ID_MAPPING
+
+
+def test_an_id_keeps_its_producer_ids_through_an_epoch_roll_over_while_its_transaction_is_open(h):
+    pid, _ = init(h)
+    write_epoch(h, MAX_EPOCH - 1)
+    assert h.txns.add_partitions("app", pid, MAX_EPOCH - 1, [("a", 0)], T0) == NONE
+    new_pid, _ = init(h, keep_prepared=True, enable_two_phase=True)  # a take-over keeps the open transaction
+    assert new_pid != pid
+    for owned in (pid, new_pid):  # the open transaction's and the current instance's
+        assert h.txns.check_idempotent_produce(owned, 0) == INVALID_PRODUCER_ID_MAPPING

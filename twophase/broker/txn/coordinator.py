@@ -7,7 +7,10 @@ partition of the transaction, pending group offsets are applied or discarded, an
 CompleteCommit/CompleteAbort is logged. A broker that dies in between finishes the job in
 :meth:`recover`. Every change is made to a copy of the id's metadata, logged, and installed only
 once the log write succeeded, so memory is never ahead of the log; once a write failed, every
-request that could change or add to a transaction is refused until a restart. Handlers in
+request that could change or add to a transaction is refused until a restart. It also knows which
+producer ids belong to transactional ids (Produce takes plain batches only with ids issued for
+idempotence), and at start ends the transactions partitions hold open that it does not (KIP-664
+hanging transactions, :mod:`.hanging`). Handlers in
 :mod:`twophase.broker.apis` translate wire messages to calls here; nothing here knows about kio.
 All calls run on the broker's event loop thread. :class:`TransactionCoordinator` shows its use.
 """
@@ -35,20 +38,20 @@ from .state import TRANSITIONS, TxnState
 log = logging.getLogger("twophase.broker.txn")
 
 NONE = 0
+UNKNOWN_TOPIC_OR_PARTITION = 3
 # A failed transaction-log write: Kafka answers NOT_COORDINATOR or COORDINATOR_NOT_AVAILABLE; both make
 # every client look the coordinator up again and retry. This single broker stays the coordinator, so
 # "not available" (until a restart) is the true one.
 COORDINATOR_NOT_AVAILABLE = 15
 NOT_ENOUGH_REPLICAS = 19  # what Produce answers instead: every producer retries it, none knows 15 there
 INVALID_REQUEST = 42
-UNKNOWN_TOPIC_OR_PARTITION = 3
 INVALID_PRODUCER_EPOCH = 47
 INVALID_TXN_STATE = 48
 INVALID_PRODUCER_ID_MAPPING = 49
 INVALID_TRANSACTION_TIMEOUT = 50
 CONCURRENT_TRANSACTIONS = 51
-UNKNOWN_PRODUCER_ID = 59
 TRANSACTIONAL_ID_AUTHORIZATION_FAILED = 53
+UNKNOWN_PRODUCER_ID = 59
 PRODUCER_FENCED = 90
 TRANSACTIONAL_ID_NOT_FOUND = 105
 TRANSACTION_ABORTABLE = 120  # KIP-890: "abort, then this transactional id can go on"
@@ -132,6 +135,7 @@ class TransactionCoordinator:
                                       offsets=groups.offsets, allocate_producer_id=broker.allocate_producer_id,
                                       data_arrived=broker.data_arrived, settings=TxnSettings())
         txns.recover(now_ms)
+        txns.resolve_open_transactions(open_transactions(logs.partitions()), now_ms)
         r = txns.init_producer_id("app-1", 60_000, now_ms=now_ms)
         txns.add_partitions("app-1", r.producer_id, r.producer_epoch, [("t", 0)], now_ms)
         txns.end_txn("app-1", r.producer_id, r.producer_epoch, commit=True, now_ms=now_ms)   # 0

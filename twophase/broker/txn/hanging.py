@@ -66,6 +66,3 @@ class HangingTransactions:
         """The transactions whose deadline has passed; each is handed out once."""
         due = [key for key, (_, deadline) in self._deadlines.items() if deadline <= now_ms]
         return [self._deadlines.pop(key)[0] for key in due]
-
-    def __len__(self) -> int:
-        return len(self._deadlines)
