@@ -23,6 +23,7 @@ from tests.adversarial.txn_reading import read_committed
 from tests.broker.batches import batch
 from tests.broker.conftest import MS, only_partition, produce_request, req
 from twophase.client import Admin, Producer
+from twophase.client.cli import main as txns
 from twophase.client.connection import Connection
 from twophase.client.transactions import init_producer_id
 from twophase.wire.errors import KafkaError
@@ -121,7 +122,7 @@ def test_real_idempotent_and_transactional_clients_still_produce(broker, two_par
 
 
 def test_data_planted_with_a_high_epoch_cannot_keep_the_coordinators_marker_out(broker_factory, tmp_path, topic,
-                                                                                 caplog):
+                                                                                 caplog, capsys):
     """Data a broker stored before the Produce check (the attack as it was) must not wedge anything:
     the coordinator's abort marker wins, the LSO moves, and after a restart too."""
     data = tmp_path / "data"
@@ -146,8 +147,12 @@ def test_data_planted_with_a_high_epoch_cannot_keep_the_coordinators_marker_out(
     finally:
         victim.close()
     with caplog.at_level(logging.WARNING, "twophase.broker.storage.producers"):
+        # The operator's abort (CONCURRENT_TRANSACTIONS for good, before): the marker gets in.
+        capsys.readouterr()
+        assert txns(["--bootstrap-server", broker.bootstrap, "--timeout", "10", "abort", "victim"]) == 0
+        assert "victim: was Ongoing" in capsys.readouterr().out
         with Producer(broker.bootstrap, transactional_id="victim") as p:
-            p.init_transactions()  # aborts what the first instance left open: the marker gets in
+            p.init_transactions()
             p.begin_transaction()
             p.send(topic, b"committed-0", partition=0)
             p.send(topic, b"committed-1", partition=1)
