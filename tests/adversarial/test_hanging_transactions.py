@@ -188,6 +188,7 @@ def test_an_operator_finds_and_aborts_a_hanging_transaction(broker_factory, tmp_
     (["abort", "--topic", "t", "--partition", "0"], "all of --topic"),
     (["find-hanging", "--partition", "0"], "--partition needs --topic"),
     (["find-hanging", "--max-transaction-timeout", "-1"], "at least 0 minutes"),
+    (["find-hanging", "--max-transaction-timeout", "nan"], "at least 0 minutes"),
 ])
 def test_txns_refuses_incomplete_abort_and_find_hanging_options(broker, args, message, capsys):
     assert txns(["--bootstrap-server", broker.bootstrap, "--timeout", "5", *args]) == 1

@@ -76,7 +76,7 @@ def cmd_find_hanging(admin: Admin, args) -> int:
     """``twophase txns find-hanging``: print the hanging transactions of the chosen partitions; returns 0."""
     if args.partition is not None and args.topic is None:
         raise ValueError("--partition needs --topic")
-    if args.max_transaction_timeout < 0:
+    if not args.max_transaction_timeout >= 0:  # NaN too
         raise ValueError("--max-transaction-timeout must be at least 0 minutes")
     now_ms = int(time.time() * 1000)
     found = admin.find_hanging(args.topic, args.partition, args.broker,
