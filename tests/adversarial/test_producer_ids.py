@@ -100,12 +100,13 @@ def test_a_transactional_ids_producer_id_takes_no_plain_batches(broker, wire, tw
     assert read_committed(broker.bootstrap, two_partitions, 2) == {0: [b"mine"], 1: []}
 
 
-def test_an_idempotent_id_takes_only_the_epoch_it_was_issued_with(broker, wire, two_partitions):
+def test_an_idempotent_id_takes_a_bumped_epoch_as_the_java_producer_sends_it(broker, wire, two_partitions):
+    """KIP-360: the Java producer bumps an idempotent id's epoch itself; Kafka takes it, so does this
+    broker (a bump fences only that id's own producer, never a transactional one)."""
     client = wire()
     issued = idempotent_producer_id(client)
-    assert claim(client, two_partitions, issued, epoch=1).error_code == ErrorCode.invalid_producer_epoch
-    assert claim(client, two_partitions, issued, epoch=MAX_EPOCH).error_code == ErrorCode.invalid_producer_epoch
     assert claim(client, two_partitions, issued, epoch=0).error_code == ErrorCode.none
+    assert claim(client, two_partitions, issued, epoch=1).error_code == ErrorCode.none
 
 
 def test_real_idempotent_and_transactional_clients_still_produce(broker, two_partitions):

@@ -388,19 +388,19 @@ class TransactionCoordinator:
         return NONE
 
     def check_idempotent_produce(self, producer_id: int, producer_epoch: int) -> int:
-        """Whether a non-transactional batch may carry this producer id and epoch: only an id handed
-        out for idempotence (never a transactional id's), with the epoch it was handed out with (0).
+        """Whether a non-transactional batch may carry this producer id: only an id handed out for
+        idempotence, never a transactional id's.
 
         Producer ids are sequential, so a client can guess the next one; a batch claiming it (with a
         high epoch) would fence the transactional producer that gets it and refuse its coordinator's
-        markers. Only ids the broker issued, as it issued them, get in.
+        markers. Only ids the broker issued for idempotence get in. Their epoch is not checked: the
+        Java producer bumps an idempotent producer's epoch itself (KIP-360), as Kafka allows, and a
+        higher epoch on an idempotent id fences nobody but that id's own producer.
         """
         if not self._issued(producer_id):
             return UNKNOWN_PRODUCER_ID
         if producer_id in self._owners:
             return INVALID_PRODUCER_ID_MAPPING
-        if producer_epoch != 0:
-            return INVALID_PRODUCER_EPOCH
         return NONE
 
     # -- hanging transactions (KIP-664) ----------------------------------------------------------
