@@ -18,7 +18,7 @@ from twophase.client.group import decode_assignment, encode_subscription, range_
 from twophase.client.partitioner import StickyPartitions, murmur2, partition_for_key
 from twophase.client.transactions import PreparedTxn, TxnState, TxnStateMachine
 from twophase.states import IllegalTransition
-from twophase.wire.errors import CorruptRecordError, KafkaError
+from twophase.wire.errors import CorruptRecordError, InvalidRecordError, KafkaError
 from twophase.wire.records import (
     COMPRESSION_GZIP, Record, control_batch, decode_batch_records, record_batch, set_base_offset, validate_batch,
 )
@@ -75,10 +75,11 @@ def test_decode_reads_batches_written_by_other_encoders():
 def test_decode_rejects_garbage_and_unsupported_codecs():
     data = bytearray(record_batch([(0, None, b"v" * 50, [])]))
     data[-10:] = b"\xff" * 10
-    with pytest.raises(CorruptRecordError):
+    with pytest.raises(InvalidRecordError):  # Kafka's INVALID_RECORD: the records do not parse
         decode_batch_records(data)
-    with pytest.raises(CorruptRecordError, match="codec 3"):
+    with pytest.raises(KafkaError, match="codec 3") as info:
         decode_batch_records(_with_codec(3))
+    assert info.value.code == 76  # UNSUPPORTED_COMPRESSION_TYPE
     with pytest.raises(ValueError):
         record_batch([])
 
