@@ -19,7 +19,14 @@ from confluent_kafka import KafkaError as ConfluentError
 
 from tests.adversarial.crafted import ATTR_CONTROL, GZIP, gzip_bomb, raw_batch, record
 from tests.broker.batches import batch
-from tests.broker.conftest import list_offsets_request, only_partition, produce_request
+from tests.broker.conftest import (
+    MS,
+    list_offsets_request,
+    only_partition,
+    produce_request,
+    req,
+    sub,
+)
 from tests.waiting import wait_for
 from twophase.client import Consumer
 
@@ -42,7 +49,7 @@ ATTACKS = {
                                "malformed records"),
     "gzip that does not inflate": (lambda: raw_batch(GARBAGE, count=1, codec=GZIP), CORRUPT_MESSAGE, "gzip"),
     "gzip bomb, 1 MB to 1 GiB": (lambda: raw_batch(gzip_bomb(), count=1, codec=GZIP), MESSAGE_TOO_LARGE,
-                                 "inflates to more than"),
+                                 "inflate to more than"),
     "control batch from a client": (lambda: raw_batch(_control_record(), count=1, attributes=ATTR_CONTROL),
                                     INVALID_RECORD, "control"),
     "garbage under a bad CRC": (lambda: _bad_crc(raw_batch(GARBAGE, count=2)), CORRUPT_MESSAGE, "CRC"),
@@ -121,3 +128,16 @@ def test_well_formed_gzip_batch_is_accepted(broker, wire, topic):
     body = gzip.compress(record(0, b"x" * 1000) + record(1, b"y" * 1000, timestamp_delta=5))
     assert _produce(client, topic, raw_batch(body, count=2, codec=GZIP)).error_code == 0
     assert _read_with_twophase_client(broker.bootstrap, topic, 2) == [b"x" * 1000, b"y" * 1000]
+
+
+def test_inflation_is_bounded_per_request_not_per_batch(wire, topic):
+    """Two batches of 40 MiB inflated each, in one request: the first fits the request's 64 MiB, the
+    second does not (many bombs in one request cost no more than one)."""
+    body = gzip.compress(record(0, bytes(40 << 20)))
+    data = raw_batch(body, count=1, codec=GZIP)
+    topics = (f"{topic}-a", f"{topic}-b")
+    request = req(0, 9, transactional_id=None, acks=-1, timeout=30_000 * MS, topic_data=tuple(
+        sub(0, 9, "TopicProduceData", name=t, partition_data=(sub(0, 9, "PartitionProduceData", index=0,
+                                                                      records=data),)) for t in topics))
+    responses = {t.name: t.partition_responses[0].error_code for t in wire().request(request).responses}
+    assert responses == {topics[0]: 0, topics[1]: MESSAGE_TOO_LARGE}

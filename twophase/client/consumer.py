@@ -47,6 +47,7 @@ from twophase.wire.errors import (
 from twophase.wire.records import (
     DEFAULT_MAX_INFLATED_BYTES,
     HEADER_SIZE,
+    INT32_MAX,
     LOG_OVERHEAD,
     decode_batch_records,
     parse_control_record,
@@ -154,8 +155,8 @@ class Consumer:
             raise ValueError(f"auto_offset_reset must be earliest or latest, not {auto_offset_reset!r}")
         if on_corrupt not in _ON_CORRUPT:
             raise ValueError(f"on_corrupt must be raise or skip, not {on_corrupt!r}")
-        if max_inflated_batch_bytes < 1:
-            raise ValueError(f"max_inflated_batch_bytes must be positive, not {max_inflated_batch_bytes}")
+        if not 1 <= max_inflated_batch_bytes <= INT32_MAX - HEADER_SIZE:  # a batch's length is an int32
+            raise ValueError(f"max_inflated_batch_bytes must be between 1 and 2 GiB, not {max_inflated_batch_bytes}")
         self.group_id = group_id
         self.isolation = _ISOLATION[isolation_level]
         self.reset = EARLIEST if auto_offset_reset == "earliest" else LATEST

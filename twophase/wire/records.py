@@ -377,14 +377,20 @@ def _gunzip_into(out: bytearray, payload: Buffer, max_bytes: int) -> None:
                     raise CorruptRecordError("truncated gzip data")
                 out += chunk
                 if len(out) > limit:
-                    raise MessageTooLargeError(f"compressed batch inflates to more than {max_bytes} bytes")
+                    raise MessageTooLargeError(f"compressed records inflate to more than {max_bytes} bytes")
             data = inflater.unused_data
     except zlib.error as exc:
         raise CorruptRecordError(f"bad gzip data: {exc}") from None
 
 
-def _uncompressed(batch: Buffer, header: BatchHeader, max_inflated_bytes: int) -> Buffer:
-    """``batch`` itself if it is not compressed, else a copy of it with its records inflated and its codec bits cleared."""
+def inflate_batch(batch: Buffer, max_inflated_bytes: int = DEFAULT_MAX_INFLATED_BYTES) -> Buffer:
+    """The batch that starts ``batch`` with its records uncompressed: ``batch`` itself if they are not
+    compressed, else a copy with the records inflated, the codec bits cleared and the length set (the
+    CRC is not recomputed). Raises CorruptRecordError for gzip data that does not inflate,
+    MessageTooLargeError for more than ``max_inflated_bytes`` of it, and KafkaError with
+    UNSUPPORTED_COMPRESSION_TYPE for codecs other than none and gzip.
+    """
+    header = parse_header(batch)
     if header.compression == COMPRESSION_NONE:
         return batch
     if header.compression != COMPRESSION_GZIP:
@@ -393,17 +399,20 @@ def _uncompressed(batch: Buffer, header: BatchHeader, max_inflated_bytes: int) -
     out = bytearray(batch[:HEADER_SIZE])
     out[_ATTRIBUTES_LOW_BYTE] &= ~ATTR_COMPRESSION_MASK
     _gunzip_into(out, memoryview(batch)[HEADER_SIZE : header.size], max_inflated_bytes)
+    struct.pack_into(">i", out, 8, len(out) - LOG_OVERHEAD)
     return out
 
 
-def _read_records(batch: Buffer, max_inflated_bytes: int, convert: Callable[[object], _T]) -> list[_T]:
-    """``convert`` applied to each record of the batch that starts ``batch``, checked as the module says."""
+def _read_records(batch: Buffer, convert: Callable[[object], _T]) -> list[_T]:
+    """``convert`` applied to each record of the uncompressed batch that starts ``batch``, checked as the
+    module says."""
     header = parse_header(batch)
+    if header.compression != COMPRESSION_NONE:
+        raise ValueError("compressed records: inflate_batch first")
     # The reader takes its end from the buffer: exactly the batch. It may read one byte past a
     # record field that runs to the end: that is the next batch, or the terminating NUL byte that
     # bytes and bytearray objects keep after their data.
-    data = _uncompressed(batch, header, max_inflated_bytes)
-    reader = _RecordReader(memoryview(data)[: header.size] if data is batch else data)
+    reader = _RecordReader(memoryview(batch)[: header.size])
     try:
         records = list(map(convert, reader))
     except (CorruptRecordException, UnicodeDecodeError) as exc:
@@ -418,15 +427,15 @@ def _check_offsets(header: BatchHeader, offsets: list[int]) -> None:
         raise InvalidRecordError(f"record offset deltas are not 0..{len(offsets) - 1} in order")
 
 
-def check_batch_records(batch: Buffer, max_inflated_bytes: int = DEFAULT_MAX_INFLATED_BYTES) -> None:
-    """Check the records of the batch that starts ``batch`` (its CRC is not checked here).
+_OFFSET = attrgetter("offset")
 
-    Raises InvalidRecordError for records that do not parse as the module says, CorruptRecordError
-    for compressed data that does not inflate, MessageTooLargeError for more than
-    ``max_inflated_bytes`` of it, and KafkaError with UNSUPPORTED_COMPRESSION_TYPE for codecs
-    other than none and gzip.
+
+def check_batch_records(batch: Buffer) -> None:
+    """Check the records of the uncompressed batch that starts ``batch`` (see :func:`inflate_batch`);
+    its CRC is not checked here. Raises InvalidRecordError for records that do not parse as the module
+    says.
     """
-    _check_offsets(parse_header(batch), _read_records(batch, max_inflated_bytes, _OFFSET))
+    _check_offsets(parse_header(batch), _read_records(batch, _OFFSET))
 
 
 def _record(r) -> Record:
@@ -434,14 +443,12 @@ def _record(r) -> Record:
     return Record(r.offset, -1 if timestamp is None else timestamp, r.key, r.value, tuple(r.headers))
 
 
-_OFFSET = attrgetter("offset")
-
-
 def decode_batch_records(batch: Buffer, max_inflated_bytes: int = DEFAULT_MAX_INFLATED_BYTES) -> list[Record]:
     """The records of one complete batch (``batch`` starts at its first byte); gzip is inflated.
 
-    Raises what :func:`check_batch_records` raises.
+    Raises what :func:`inflate_batch` and :func:`check_batch_records` raise.
     """
-    records = _read_records(batch, max_inflated_bytes, _record)
-    _check_offsets(parse_header(batch), [r.offset for r in records])
+    data = inflate_batch(batch, max_inflated_bytes)
+    records = _read_records(data, _record)
+    _check_offsets(parse_header(data), [r.offset for r in records])
     return records

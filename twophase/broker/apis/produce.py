@@ -30,7 +30,7 @@ from twophase.wire.errors import CorruptRecordError, KafkaError
 from twophase.wire.records import iter_batches
 
 from ..protocol import handles
-from ..storage.validation import validate_records
+from ..storage.validation import InflationBudget, validate_records
 from ..txn.coordinator import NOT_ENOUGH_REPLICAS
 from ._common import NO_THROTTLE, NONE, error
 
@@ -44,6 +44,7 @@ async def handle(broker, request):
     TopicResponse, PartitionResponse = nested(rt, "TopicProduceResponse"), nested(rt, "PartitionProduceResponse")
     acks = body.acks
     now_ms = int(time.time() * 1000)
+    inflation = InflationBudget()  # what the request's compressed batches may inflate to, in total
 
     def partition_response(index, code, base_offset=-1, append_time=-1, log_start=-1, message=None):
         return build(PartitionResponse, index=index, error_code=code, base_offset=base_offset,
@@ -79,7 +80,7 @@ async def handle(broker, request):
                 partitions.append(partition_response(part.index, refusal[0], message=refusal[1]))
                 continue
             try:
-                validate_records(part.records)  # what storage does not check: the records themselves
+                validate_records(part.records, inflation)  # what storage does not check: the records
                 plog = broker.partition_log(topic.name, part.index, create=True)
                 # Under fsync "always" the fsync is shared with other requests (group commit); acks=0
                 # has no response to hold back, so it syncs inline.
