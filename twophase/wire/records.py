@@ -1,5 +1,5 @@
-"""RecordBatch v2: batch headers, validation and control markers (the broker never decodes records on
-the produce path), and whole records for the client.
+"""RecordBatch v2: batch headers, validation and control markers, and whole records: built and read
+by the client, checked by the broker before it stores a produced batch.
 
 The 61-byte header (big-endian)::
 
@@ -17,18 +17,18 @@ Example::
     marker = control_batch(producer_id=7, producer_epoch=0, commit=True,
                            coordinator_epoch=0, timestamp_ms=now_ms)
 
-The client (twophase.client) also builds and reads whole records, and the broker checks them on
-produce (a batch whose records do not parse is never stored)::
+Whole records::
 
     data = record_batch([(ts, b"key", b"value", [("h", b"x")])], compression=COMPRESSION_GZIP)
     records = decode_batch_records(fetched_batch)   # [Record(offset, timestamp_ms, key, value, headers)]
-    check_batch_records(produced_batch)             # the same checks, without building the records
+    check_batch_records(inflate_batch(produced_batch))   # the same checks, without building the records
 
 Both walk the records with aiokafka's record reader (C, about 0.1 us a record) and check that the
 header's record count matches the records, each record's length matches its fields, the records
 end exactly at the batch's end and their offset deltas run 0..n-1. A gzip batch is inflated in
 1 MiB steps up to ``max_inflated_bytes`` (default 64 MiB): a 1 MB batch that would inflate to
-1 GiB costs at most that much memory, then raises MessageTooLargeError.
+1 GiB costs at most that much memory, then raises MessageTooLargeError. The reader builds each
+record's key and value: checking costs about what decoding does.
 """
 
 from __future__ import annotations
