@@ -13,14 +13,25 @@ from kafka.record import MemoryRecords
 from tests.broker.batches import batch as independent_batch
 from tests.broker.batches import kafka_batch
 from twophase.client.consumer import records_of
-from twophase.client.errors import ProducerFenced, RetriableError, TransactionStateError, error_for
+from twophase.client.errors import (
+    ProducerFenced,
+    RetriableError,
+    TransactionStateError,
+    error_for,
+)
 from twophase.client.group import decode_assignment, encode_subscription, range_assign
 from twophase.client.partitioner import StickyPartitions, murmur2, partition_for_key
 from twophase.client.transactions import PreparedTxn, TxnState, TxnStateMachine
 from twophase.states import IllegalTransition
 from twophase.wire.errors import CorruptRecordError, InvalidRecordError, KafkaError
 from twophase.wire.records import (
-    COMPRESSION_GZIP, Record, control_batch, decode_batch_records, record_batch, set_base_offset, validate_batch,
+    COMPRESSION_GZIP,
+    Record,
+    control_batch,
+    decode_batch_records,
+    record_batch,
+    set_base_offset,
+    validate_batch,
 )
 
 
