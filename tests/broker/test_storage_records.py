@@ -1,7 +1,9 @@
-"""RecordBatch v2 header parsing, validation, offset rewriting and control batches."""
+"""RecordBatch v2 header parsing, validation, offset rewriting, control batches, and the checks of
+the records themselves."""
 
 from __future__ import annotations
 
+import gzip
 import struct
 
 import pytest
@@ -9,9 +11,17 @@ from hypothesis import given
 from hypothesis import strategies as st
 from kafka.record import MemoryRecords
 
-from twophase.wire.errors import CorruptRecordError
+from tests.adversarial.crafted import GZIP, raw_batch, record
+from twophase.wire.errors import (
+    CorruptRecordError,
+    InvalidRecordError,
+    MessageTooLargeError,
+)
 from twophase.wire.records import (
+    check_batch_records,
     control_batch,
+    decode_batch_records,
+    inflate_batch,
     iter_batches,
     iter_record_timestamps,
     parse_control_record,
@@ -121,3 +131,35 @@ def test_parse_header_needs_61_bytes():
 def test_varint_round_trip(value):
     encoded = encode_varint(value)
     assert decode_varint(encoded + b"junk", 0) == (value, len(encoded))
+
+
+def _record_body(*fields: bytes) -> bytes:
+    body = b"".join(fields)
+    return encode_varint(len(body)) + body
+
+
+@pytest.mark.parametrize("records", [
+    _record_body(b"\x00", encode_varint(0), encode_varint(0), encode_varint(2**63 - 40), b"xx"),  # wraps a C length
+    _record_body(b"\x00", encode_varint(0), encode_varint(0), encode_varint(2**62), b"xx"),
+    _record_body(b"\x00", encode_varint(0), encode_varint(0), encode_varint(-1), encode_varint(-1), encode_varint(5)),
+    _record_body(b"\x00", encode_varint(0), encode_varint(0), encode_varint(-1), encode_varint(-1), encode_varint(1),
+                 encode_varint(2), b"\xff\xfe", encode_varint(-1)),  # a header key that is not UTF-8
+    encode_varint(-3) + b"\x00",
+    b"\xff\xff",
+    b"",
+], ids=["length-2^63", "length-2^62", "headers-past-end", "header-key-not-utf8", "negative-length",
+        "truncated-varint", "no-records"])
+def test_records_that_do_not_parse_are_invalid_not_a_crash(records):
+    with pytest.raises(InvalidRecordError):
+        check_batch_records(raw_batch(records, count=1))
+
+
+def test_gzip_inflation_is_bounded_and_checked():
+    body = record(0, b"v" * 5000)
+    data = raw_batch(gzip.compress(body[:3000]) + gzip.compress(body[3000:]), count=1, codec=GZIP)  # two members
+    assert [r.value for r in decode_batch_records(data)] == [b"v" * 5000]
+    with pytest.raises(MessageTooLargeError):
+        inflate_batch(data, max_inflated_bytes=4999)
+    assert len(inflate_batch(data, max_inflated_bytes=len(body))) == 61 + len(body)
+    with pytest.raises(CorruptRecordError, match="truncated"):
+        inflate_batch(raw_batch(gzip.compress(body)[:-20], count=1, codec=GZIP))

@@ -13,14 +13,25 @@ from kafka.record import MemoryRecords
 from tests.broker.batches import batch as independent_batch
 from tests.broker.batches import kafka_batch
 from twophase.client.consumer import records_of
-from twophase.client.errors import ProducerFenced, RetriableError, TransactionStateError, error_for
+from twophase.client.errors import (
+    ProducerFenced,
+    RetriableError,
+    TransactionStateError,
+    error_for,
+)
 from twophase.client.group import decode_assignment, encode_subscription, range_assign
 from twophase.client.partitioner import StickyPartitions, murmur2, partition_for_key
 from twophase.client.transactions import PreparedTxn, TxnState, TxnStateMachine
 from twophase.states import IllegalTransition
-from twophase.wire.errors import CorruptRecordError, KafkaError
+from twophase.wire.errors import CorruptRecordError, InvalidRecordError, KafkaError
 from twophase.wire.records import (
-    COMPRESSION_GZIP, Record, control_batch, decode_batch_records, record_batch, set_base_offset, validate_batch,
+    COMPRESSION_GZIP,
+    Record,
+    control_batch,
+    decode_batch_records,
+    record_batch,
+    set_base_offset,
+    validate_batch,
 )
 
 
@@ -75,10 +86,11 @@ def test_decode_reads_batches_written_by_other_encoders():
 def test_decode_rejects_garbage_and_unsupported_codecs():
     data = bytearray(record_batch([(0, None, b"v" * 50, [])]))
     data[-10:] = b"\xff" * 10
-    with pytest.raises(CorruptRecordError):
+    with pytest.raises(InvalidRecordError):  # Kafka's INVALID_RECORD: the records do not parse
         decode_batch_records(data)
-    with pytest.raises(CorruptRecordError, match="codec 3"):
+    with pytest.raises(KafkaError, match="codec 3") as info:
         decode_batch_records(_with_codec(3))
+    assert info.value.code == 76  # UNSUPPORTED_COMPRESSION_TYPE
     with pytest.raises(ValueError):
         record_batch([])
 
@@ -106,17 +118,17 @@ def test_read_committed_skips_aborted_batches_and_control_batches():
     data = (_txn(0, 1, b"c0", b"c1") + _at(2, control_batch(1, 0, True, 0, 0)) + _txn(3, 2, b"a0")
             + _txn(4, 1, b"c2") + _txn(5, 2, b"a1") + _at(6, control_batch(2, 0, False, 0, 0))
             + _txn(7, 2, b"c3") + _at(8, control_batch(1, 0, True, 0, 0)) + _at(9, control_batch(2, 0, True, 0, 0)))
-    committed, position = records_of("t", 0, data, 0, [(2, 3)], read_committed=True)
+    committed, position, corrupt = records_of("t", 0, data, 0, [(2, 3)], read_committed=True)
     assert [m.value for m in committed] == [b"c0", b"c1", b"c2", b"c3"]
-    assert position == 10
-    everything, _ = records_of("t", 0, data, 0, [(2, 3)], read_committed=False)
+    assert position == 10 and corrupt is None
+    everything, _, _ = records_of("t", 0, data, 0, [(2, 3)], read_committed=False)
     assert [m.value for m in everything] == [b"c0", b"c1", b"a0", b"c2", b"a1", b"c3"]
 
 
 def test_records_before_the_position_and_a_truncated_tail_are_not_returned():
     data = _at(10, record_batch([(0, None, b"%d" % i, []) for i in range(5)]))
     tail = _at(15, record_batch([(0, None, b"late", [])]))
-    messages, position = records_of("t", 0, data + tail[:-3], 12, [], read_committed=False)
+    messages, position, _ = records_of("t", 0, data + tail[:-3], 12, [], read_committed=False)
     assert [m.offset for m in messages] == [12, 13, 14] and position == 15
 
 

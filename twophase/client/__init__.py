@@ -18,12 +18,19 @@ from twophase.wire.errors import KafkaError
 
 from .admin import Admin, TransactionDescription, TransactionListing
 from .consumer import Consumer, Message
-from .errors import KafkaConnectionError, KafkaTimeout, PreparedTxnLost, ProducerFenced, TransactionStateError
+from .errors import (
+    CorruptRecordBatch,
+    KafkaConnectionError,
+    KafkaTimeout,
+    PreparedTxnLost,
+    ProducerFenced,
+    TransactionStateError,
+)
 from .producer import Producer
 from .transactions import PreparedTxn
 
 __all__ = [
-    "Admin", "Consumer", "KafkaConnectionError", "KafkaError", "KafkaTimeout", "Message", "PreparedTxn",
+    "Admin", "Consumer", "CorruptRecordBatch", "KafkaConnectionError", "KafkaError", "KafkaTimeout", "Message", "PreparedTxn",
     "PreparedTxnLost", "Producer", "ProducerFenced", "TransactionDescription", "TransactionListing",
     "TransactionStateError",
 ]

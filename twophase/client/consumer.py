@@ -7,6 +7,14 @@ batches are never returned. Offsets are committed only by :meth:`Consumer.commit
 move to another member in a rebalance continue there from the group's committed offset
 (at-least-once unless the caller commits before it polls again).
 
+What a broker sends is not trusted: each batch's CRC and records are checked, and a compressed
+batch is inflated only up to ``max_inflated_batch_bytes`` (64 MiB by default: generous for real
+batches, which producers cap at about 1 MiB before compression; a 1 MB gzip bomb costs at most that
+much memory, however far it would inflate). A batch that fails is a :class:`CorruptRecordBatch`:
+``poll`` returns the records before it, then raises it (again at each poll, until the caller seeks
+past it). With ``on_corrupt="skip"`` the consumer moves past it instead, counts it in
+``corrupt_batches_skipped`` and logs a WARNING naming the topic, partition and offsets.
+
 Example::
 
     c = Consumer("127.0.0.1:9092", isolation_level="read_committed", group_id="g")
@@ -25,18 +33,31 @@ import heapq
 import logging
 import time
 from collections.abc import Iterable
+from typing import NamedTuple
 
 from kio.schema.errors import ErrorCode
 
 from twophase.wire.api_keys import ApiKey
-from twophase.wire.errors import KafkaError
+from twophase.wire.errors import (
+    CorruptRecordError,
+    InvalidRecordError,
+    KafkaError,
+    MessageTooLargeError,
+)
 from twophase.wire.records import (
-    HEADER_SIZE, LOG_OVERHEAD, decode_batch_records, parse_control_record, parse_header, validate_batch,
+    DEFAULT_MAX_INFLATED_BYTES,
+    HEADER_SIZE,
+    INT32_MAX,
+    LOG_OVERHEAD,
+    decode_batch_records,
+    parse_control_record,
+    parse_header,
+    validate_batch,
 )
 
 from .cluster import Cluster
 from .connection import MS, message, part
-from .errors import error_for
+from .errors import CorruptRecordBatch, error_for
 from .group import GroupMember, TopicPartitionKey
 from .retry import retry
 
@@ -44,6 +65,8 @@ log = logging.getLogger("twophase.client")
 
 EARLIEST, LATEST = -2, -1
 _ISOLATION = {"read_uncommitted": 0, "read_committed": 1}
+_ON_CORRUPT = ("raise", "skip")
+_UNREADABLE = (CorruptRecordError, InvalidRecordError, MessageTooLargeError)  # what makes a batch corrupt
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,12 +81,21 @@ class Message:
     timestamp_ms: int
 
 
+class PartitionRecords(NamedTuple):
+    """What one partition's fetched data holds from a position on (see :func:`records_of`)."""
+
+    messages: list[Message]
+    position: int  # where to read next: after the last batch read, or at the corrupt batch
+    corrupt: CorruptRecordBatch | None  # the first batch that cannot be read: nothing after it was read
+
+
 def records_of(topic: str, partition: int, data: bytes, position: int, aborted: Iterable[tuple[int, int]],
-               read_committed: bool) -> tuple[list[Message], int]:
+               read_committed: bool, max_inflated_bytes: int = DEFAULT_MAX_INFLATED_BYTES) -> PartitionRecords:
     """Messages at or after ``position`` in the complete batches of ``data``, and the next position.
 
     ``aborted`` is the Fetch response's (producer id, first offset) list; with ``read_committed``
-    transactional batches of aborted transactions and all control batches are dropped.
+    transactional batches of aborted transactions and all control batches are dropped. Reading stops
+    at the first batch that cannot be read (CRC, records, more than ``max_inflated_bytes`` inflated).
     """
     pending = sorted((first, pid) for pid, first in aborted) if read_committed else []
     aborting: set[int] = set()
@@ -73,19 +105,23 @@ def records_of(topic: str, partition: int, data: bytes, position: int, aborted: 
         header = parse_header(data, pos) if pos + HEADER_SIZE <= len(data) else None
         if header is None or pos + header.size > len(data):
             break  # the broker cuts the last batch at the size limit
-        validate_batch(data, pos)
         batch = memoryview(data)[pos : pos + header.size]
-        pos += header.size
         while pending and pending[0][0] <= header.last_offset:
             aborting.add(heapq.heappop(pending)[1])
-        if header.is_control:
-            if not parse_control_record(batch).commit:
-                aborting.discard(header.producer_id)
-        elif not (header.is_transactional and header.producer_id in aborting):
-            out.extend(Message(topic, partition, r.offset, r.key, r.value, r.headers, r.timestamp_ms)
-                       for r in decode_batch_records(batch) if r.offset >= position)
+        try:
+            validate_batch(data, pos)
+            if header.is_control:
+                if not parse_control_record(batch).commit:
+                    aborting.discard(header.producer_id)
+            elif not (header.is_transactional and header.producer_id in aborting):
+                out.extend(Message(topic, partition, r.offset, r.key, r.value, r.headers, r.timestamp_ms)
+                           for r in decode_batch_records(batch, max_inflated_bytes) if r.offset >= position)
+        except _UNREADABLE as exc:
+            corrupt = CorruptRecordBatch(topic, partition, header.base_offset, header.last_offset, str(exc))
+            return PartitionRecords(out, position, corrupt)
+        pos += header.size
         position = max(position, header.last_offset + 1)
-    return out, position
+    return PartitionRecords(out, position, None)
 
 
 class Consumer:
@@ -102,21 +138,32 @@ class Consumer:
                 print(m.topic, m.partition, m.offset, m.key, m.value, m.headers)
             c.commit()                         # the positions after what poll returned
             c.committed([("orders", 0)])       # {("orders", 0): offset}, -1 if none
+
+    A batch that cannot be read raises :class:`CorruptRecordBatch` from ``poll`` (after the records
+    before it); ``on_corrupt="skip"`` skips it instead, counted in ``corrupt_batches_skipped`` and
+    logged. ``max_inflated_batch_bytes`` bounds what one compressed batch may inflate to.
     """
     def __init__(self, bootstrap: str, *, group_id: str | None = None, isolation_level: str = "read_uncommitted",
                  auto_offset_reset: str = "earliest", max_wait_ms: int = 500, min_bytes: int = 1,
                  max_partition_bytes: int = 1 << 20, max_bytes: int = 50 << 20, session_timeout_ms: int = 10_000,
                  rebalance_timeout_ms: int = 30_000, heartbeat_interval_ms: int = 1_000,
-                 request_timeout_ms: int = 30_000, client_id: str = "twophase-consumer") -> None:
+                 request_timeout_ms: int = 30_000, client_id: str = "twophase-consumer",
+                 max_inflated_batch_bytes: int = DEFAULT_MAX_INFLATED_BYTES, on_corrupt: str = "raise") -> None:
         if isolation_level not in _ISOLATION:
             raise ValueError(f"isolation_level must be read_committed or read_uncommitted, not {isolation_level!r}")
         if auto_offset_reset not in ("earliest", "latest"):
             raise ValueError(f"auto_offset_reset must be earliest or latest, not {auto_offset_reset!r}")
+        if on_corrupt not in _ON_CORRUPT:
+            raise ValueError(f"on_corrupt must be raise or skip, not {on_corrupt!r}")
+        if not 1 <= max_inflated_batch_bytes <= INT32_MAX - HEADER_SIZE:  # a batch's length is an int32
+            raise ValueError(f"max_inflated_batch_bytes must be between 1 and 2 GiB, not {max_inflated_batch_bytes}")
         self.group_id = group_id
         self.isolation = _ISOLATION[isolation_level]
         self.reset = EARLIEST if auto_offset_reset == "earliest" else LATEST
         self.max_wait_ms, self.min_bytes = max_wait_ms, min_bytes
         self.max_partition_bytes, self.max_bytes = max_partition_bytes, max_bytes
+        self.max_inflated_batch_bytes, self.on_corrupt = max_inflated_batch_bytes, on_corrupt
+        self.corrupt_batches_skipped = 0  # batches skipped under on_corrupt="skip"
         self._cluster = Cluster(bootstrap, client_id=client_id, request_timeout_s=request_timeout_ms / 1000)
         self._group = (GroupMember(self._cluster, group_id, session_timeout_ms=session_timeout_ms,
                                    rebalance_timeout_ms=rebalance_timeout_ms,
@@ -125,6 +172,7 @@ class Consumer:
         self._assigned: list[TopicPartitionKey] = []
         self._positions: dict[TopicPartitionKey, int] = {}
         self._buffer: collections.deque[Message] = collections.deque()
+        self._corrupt: dict[TopicPartitionKey, CorruptRecordBatch] = {}  # raised once the buffer is empty
 
     # --- assignment ---------------------------------------------------------------------------
 
@@ -151,6 +199,7 @@ class Consumer:
         self._assigned = sorted(set(partitions))
         self._positions = {tp: o for tp, o in self._positions.items() if tp in self._assigned}
         self._buffer = collections.deque(m for m in self._buffer if (m.topic, m.partition) in self._assigned)
+        self._corrupt = {tp: e for tp, e in self._corrupt.items() if tp in self._assigned}
 
     def seek(self, topic: str, partition: int, offset: int) -> None:
         """Read ``topic``-``partition`` from ``offset`` next (EARLIEST/LATEST: -2/-1 resolve via ListOffsets)."""
@@ -158,6 +207,7 @@ class Consumer:
         if tp not in self._assigned:
             raise KafkaError(f"{topic}-{partition} is not assigned to this consumer")
         self._buffer = collections.deque(m for m in self._buffer if (m.topic, m.partition) != tp)
+        self._corrupt.pop(tp, None)
         self._positions[tp] = self._list_offset(tp, offset) if offset < 0 else offset
 
     def position(self, topic: str, partition: int) -> int | None:
@@ -211,7 +261,10 @@ class Consumer:
     # --- polling ------------------------------------------------------------------------------
 
     def poll(self, timeout_s: float = 1.0, max_records: int = 500) -> list[Message]:
-        """Up to ``max_records`` messages, waiting up to ``timeout_s`` for the first (long polling)."""
+        """Up to ``max_records`` messages, waiting up to ``timeout_s`` for the first (long polling).
+
+        Raises CorruptRecordBatch for a batch that cannot be read, once the messages before it are returned.
+        """
         deadline = time.monotonic() + timeout_s
         while True:
             if self._subscribed:
@@ -220,6 +273,8 @@ class Consumer:
                     self._set_assignment(new)
             if self._buffer:
                 return [self._buffer.popleft() for _ in range(min(max_records, len(self._buffer)))]
+            if self._corrupt:  # the position stays at the batch: the next poll fetches and raises it again
+                raise self._corrupt.pop(next(iter(self._corrupt)))
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return []
@@ -282,9 +337,22 @@ class Consumer:
                     raise error_for(p.error_code, f"Fetch({tp[0]}-{tp[1]})")
                 elif p.records:
                     aborted = [(int(a.producer_id), int(a.first_offset)) for a in (p.aborted_transactions or ())]
-                    messages, self._positions[tp] = records_of(tp[0], tp[1], p.records, self._positions[tp],
-                                                               aborted, self.isolation == 1)
-                    self._buffer.extend(messages)
+                    read = records_of(tp[0], tp[1], p.records, self._positions[tp], aborted, self.isolation == 1,
+                                      self.max_inflated_batch_bytes)
+                    self._buffer.extend(read.messages)
+                    self._positions[tp] = read.position
+                    if read.corrupt is not None:
+                        self._corrupt_batch(read.corrupt)
+
+    def _corrupt_batch(self, corrupt: CorruptRecordBatch) -> None:
+        """Skip the batch, counted and logged (on_corrupt="skip"), or keep it for poll to raise."""
+        tp = (corrupt.topic, corrupt.partition)
+        if self.on_corrupt == "skip":
+            self.corrupt_batches_skipped += 1
+            self._positions[tp] = max(self._positions[tp], corrupt.last_offset + 1)
+            log.warning("skipped %s (on_corrupt=skip; %d skipped so far)", corrupt, self.corrupt_batches_skipped)
+        else:
+            self._corrupt[tp] = corrupt
 
     def close(self) -> None:
         """Leave the group (if subscribed) and close every connection; final."""

@@ -47,6 +47,30 @@ class PreparedTxnLost(KafkaError):
     """A prepared transaction cannot be committed: it was aborted or replaced by someone else."""
 
 
+class CorruptRecordBatch(KafkaError):
+    """A fetched batch the consumer cannot read (CORRUPT_MESSAGE): a bad CRC, records that do not parse,
+    or compressed records inflating past ``max_inflated_batch_bytes``. ``topic``, ``partition`` and the
+    batch's offsets ``base_offset``..``last_offset`` say where it is; the consumer's position stays at it.
+
+    Example::
+
+        try:
+            messages = consumer.poll()
+        except CorruptRecordBatch as e:       # or Consumer(on_corrupt="skip"): skipped, counted, logged
+            log.error("%s", e)
+            consumer.seek(e.topic, e.partition, e.last_offset + 1)   # accept the loss
+    """
+
+    code = 2
+
+    def __init__(self, topic: str, partition: int, base_offset: int, last_offset: int, reason: str) -> None:
+        super().__init__(f"corrupt record batch in {topic}-{partition} at offsets {base_offset}..{last_offset}: "
+                         f"{reason}")
+        self.topic, self.partition = topic, partition
+        self.base_offset, self.last_offset = base_offset, last_offset
+        self.reason = reason
+
+
 def error_for(code: int, context: str) -> KafkaError:
     """The exception for a non-zero error code: ProducerFenced, RetriableError or KafkaError."""
     error = ErrorCode(code)

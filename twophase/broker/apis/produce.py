@@ -1,8 +1,9 @@
 """Produce (key 0), v3-v9: append RecordBatch v2 bytes to partition logs.
 
-The records are handed to storage as they are: it validates each batch (CRC-32C, magic,
-idempotent-producer sequence), assigns offsets and never decodes individual records. A retried
-idempotent batch is acknowledged with its original offset. acks must be 0, 1 or -1; with acks=0
+The records are checked (twophase.broker.storage.validation: a batch no client could read is
+refused) and handed to storage as they are: it validates each batch (CRC-32C, magic,
+idempotent-producer sequence) and assigns offsets. A retried idempotent batch is acknowledged
+with its original offset. acks must be 0, 1 or -1; with acks=0
 no response is sent. Unknown topics are created when the broker auto-creates topics. Under fsync
 "always" a response waits until its batches are fsynced; that fsync runs off the event loop and is
 shared with every other append made before it started (twophase.broker.group_commit).
@@ -33,6 +34,7 @@ from twophase.wire.errors import CorruptRecordError, KafkaError
 from twophase.wire.records import iter_batches
 
 from ..protocol import handles
+from ..storage.validation import InflationBudget, validate_records
 from ..txn.coordinator import NOT_ENOUGH_REPLICAS
 from ._common import NO_THROTTLE, NONE, error
 
@@ -46,6 +48,7 @@ async def handle(broker, request):
     TopicResponse, PartitionResponse = nested(rt, "TopicProduceResponse"), nested(rt, "PartitionProduceResponse")
     acks = body.acks
     now_ms = int(time.time() * 1000)
+    inflation = InflationBudget()  # what the request's compressed batches may inflate to, in total
 
     def partition_response(index, code, base_offset=-1, append_time=-1, log_start=-1, message=None):
         return build(PartitionResponse, index=index, error_code=code, base_offset=base_offset,
@@ -81,6 +84,7 @@ async def handle(broker, request):
                 partitions.append(partition_response(part.index, refusal[0], message=refusal[1]))
                 continue
             try:
+                validate_records(part.records, inflation)  # what storage does not check: the records
                 plog = broker.partition_log(topic.name, part.index, create=True)
                 # Under fsync "always" the fsync is shared with other requests (group commit); acks=0
                 # has no response to hold back, so it syncs inline.

@@ -1,0 +1,126 @@
+"""Issue 11, item 9: twophase.client does not trust what it fetches.
+
+The broker now refuses malformed batches on Produce, so these attacks play a broker that serves
+them anyway: a real Broker whose partition log got the crafted batch through PartitionLog.append,
+which checks the batch's framing, header and CRC but not its records (as a log written before the
+produce-side checks, or damaged under a valid CRC, would hold). The consumer must inflate with a
+bound, stop at the bad batch with an error naming its offsets, and skip it on request, counted and
+logged.
+"""
+
+from __future__ import annotations
+
+import gzip
+import logging
+import struct
+import time
+import tracemalloc
+
+import pytest
+
+from tests.adversarial.crafted import GZIP, gzip_bomb, raw_batch, record
+from tests.broker.batches import batch
+from tests.waiting import wait_for
+from twophase.client import Consumer, CorruptRecordBatch, Producer
+from twophase.client.consumer import records_of
+
+MIB = 1 << 20
+BAD_BATCHES = {
+    "count says 3, holds 2": lambda: raw_batch(record(0, b"a") + record(1, b"b"), count=3),
+    "gzip bomb, 1 MB to 1 GiB": lambda: raw_batch(gzip_bomb(), count=1, codec=GZIP),
+}
+
+
+def _store_behind_the_produce_checks(broker, topic: str, data: bytes) -> int:
+    """Append ``data`` to partition 0 as storage takes it (no record checks); its first offset."""
+    now_ms = int(time.time() * 1000)
+    return broker.call(lambda: broker.partition_log(topic, 0).append(data, now_ms).base_offset)
+
+
+@pytest.fixture
+def poisoned(broker, topic):
+    """Partition 0 of ``topic``: good records at 0-1, a crafted bad batch from 2, a good record after it.
+    Returns the bad batch's last offset."""
+    def make(bad: bytes) -> int:
+        with Producer(broker.bootstrap) as producer:
+            for value in (b"good-0", b"good-1"):
+                producer.send(topic, value=value, partition=0)
+            producer.flush()
+        assert _store_behind_the_produce_checks(broker, topic, bad) == 2
+        with Producer(broker.bootstrap) as producer:
+            producer.send(topic, value=b"good-after", partition=0)
+            producer.flush()
+        (last_offset_delta,) = struct.unpack_from(">i", bad, 23)
+        return 2 + last_offset_delta
+    return make
+
+
+def _poll_values(consumer: Consumer, expected: int) -> list[bytes]:
+    values: list[bytes] = []
+    wait_for(lambda: values.extend(m.value for m in consumer.poll(timeout_s=0.5)) or len(values) >= expected,
+             what=f"{expected} records")
+    return values
+
+
+def test_gzip_bomb_inflates_within_the_bound():
+    """1 MB that would inflate to 1 GiB: decoding stops at the bound, in bounded memory, and says why."""
+    bomb = raw_batch(gzip_bomb(), count=1, codec=GZIP)
+    tracemalloc.start()
+    try:
+        read = records_of("t", 0, bomb, 0, [], read_committed=False)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert read.messages == [] and read.position == 0
+    assert "inflate to more than" in read.corrupt.reason
+    assert peak < 100 * MIB, f"decoding the bomb peaked at {peak / MIB:.0f} MiB"
+
+
+def test_inflation_bound_follows_the_setting():
+    body = record(0, b"x" * (2 * MIB))
+    data = raw_batch(gzip.compress(body), count=1, codec=GZIP)
+    assert records_of("t", 0, data, 0, [], False, max_inflated_bytes=MIB).corrupt is not None
+    assert [m.value for m in records_of("t", 0, data, 0, [], False, max_inflated_bytes=3 * MIB).messages] == [
+        b"x" * (2 * MIB)]
+
+
+def test_bad_crc_stops_reading_at_the_batch_with_its_offsets():
+    good, bad = bytearray(batch([b"a", b"b"])), bytearray(batch([b"c"], base_offset=2))
+    bad[-1] ^= 0xFF
+    read = records_of("t", 0, bytes(good + bad), 0, [], read_committed=False)
+    assert [m.value for m in read.messages] == [b"a", b"b"] and read.position == 2
+    assert (read.corrupt.base_offset, read.corrupt.last_offset) == (2, 2) and "CRC" in read.corrupt.reason
+
+
+@pytest.mark.parametrize("bad", list(BAD_BATCHES))
+def test_corrupt_batch_raises_with_its_offsets_until_the_consumer_seeks_past(broker, topic, poisoned, bad):
+    last = poisoned(BAD_BATCHES[bad]())
+    with Consumer(broker.bootstrap) as consumer:
+        consumer.assign([(topic, 0)])
+        assert _poll_values(consumer, 2) == [b"good-0", b"good-1"]
+        for _ in range(2):  # it does not go away by itself, and nothing after it is delivered
+            with pytest.raises(CorruptRecordBatch) as raised:
+                wait_for(lambda: consumer.poll(timeout_s=0.5), what="the corrupt batch")
+            error = raised.value
+            assert (error.topic, error.partition, error.base_offset, error.last_offset) == (topic, 0, 2, last)
+            assert f"{topic}-0 at offsets 2..{last}" in str(error)
+        assert consumer.position(topic, 0) == 2
+        consumer.seek(topic, 0, error.last_offset + 1)
+        assert _poll_values(consumer, 1) == [b"good-after"]
+
+
+@pytest.mark.parametrize("bad", list(BAD_BATCHES))
+def test_skip_mode_moves_past_the_corrupt_batch_counted_and_logged(broker, topic, poisoned, bad, caplog):
+    last = poisoned(BAD_BATCHES[bad]())
+    caplog.set_level(logging.WARNING, logger="twophase.client")
+    with Consumer(broker.bootstrap, on_corrupt="skip") as consumer:
+        consumer.assign([(topic, 0)])
+        assert _poll_values(consumer, 3) == [b"good-0", b"good-1", b"good-after"]
+        assert consumer.corrupt_batches_skipped == 1
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any(f"{topic}-0 at offsets 2..{last}" in w and "skipped" in w for w in warnings), warnings
+
+
+def test_on_corrupt_must_be_raise_or_skip():
+    with pytest.raises(ValueError, match="on_corrupt"):
+        Consumer("127.0.0.1:1", on_corrupt="ignore")
