@@ -172,7 +172,7 @@ class PartitionLog:
                 segment.txn_index.append(aborted)
             replayed += 1
         for segment in self._segments[:-1]:
-            segment.txn_index.close()  # sealed: fsync what the replay added
+            segment.txn_index.seal(segment.next_offset)  # sealed: fsync what the replay added
         self._last_abort_marker = max((s.txn_index.last_marker for s in self._segments), default=-1)
         if replayed:
             log.info("%s: replayed %d batches into producer state from offset %d", self.directory, replayed, start)

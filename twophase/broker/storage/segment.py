@@ -309,7 +309,7 @@ class Segment:
     def seal(self) -> None:
         """Make the segment durable before it stops being the active one: fsync the log and both indexes."""
         self.flush()
-        self.txn_index.close()  # fsynced; reopened if the segment is appended to again
+        self.txn_index.seal(self.next_offset)  # fsynced; reopened if the segment is appended to again
         self._write_index(self._index_bytes())
 
     def seal_detached(self) -> DetachedSeal:
@@ -319,7 +319,7 @@ class Segment:
         without one is CRC-checked on recovery, as the active segment is, so a crash before the call
         ran loses nothing that was synced and keeps no torn batch.
         """
-        self.txn_index.close()
+        self.txn_index.seal(self.next_offset)
         stale = index_path(self.directory, self.base_offset)  # from a close() before a restart
         if os.path.exists(stale):
             os.unlink(stale)
@@ -349,7 +349,10 @@ class Segment:
                     os.close(self._fd)
                     self._fd = -1
             finally:
-                self.txn_index.close(sync=sync)
+                if sync:
+                    self.txn_index.seal(self.next_offset)
+                else:
+                    self.txn_index.close(sync=False)
 
     def delete(self) -> None:
         """Close without syncing and remove the log, offset index and transaction index files."""
