@@ -13,12 +13,18 @@ import logging
 import os
 import uuid
 
+import pytest
 from confluent_kafka import OFFSET_BEGINNING, TopicPartition
 from confluent_kafka import Consumer as ConfluentConsumer
+from confluent_kafka import KafkaError as ConfluentError
 
-from tests.waiting import wait_until
+from tests.broker.batches import batch, batch_offsets
+from tests.waiting import wait_for, wait_until
+from twophase.broker.storage import LogConfig, PartitionLog
 from twophase.broker.storage.txnindex import ENTRY
 from twophase.client import Admin, Consumer, Producer
+from twophase.wire.errors import CorruptRecordError
+from twophase.wire.records import HEADER_SIZE, iter_batches
 
 END = b"end"
 SMALL_SEGMENTS = {"segment.bytes": "1024"}  # the smallest allowed: a few transactions per segment
@@ -119,3 +125,136 @@ def test_emptied_and_cut_transaction_indexes_are_rebuilt(broker_factory, tmp_pat
         assert not [v for v in values if v.startswith(b"aborted")], read.__name__
         assert sorted(values) == sorted(committed), read.__name__
         assert len(values) == len(committed), read.__name__  # each once
+
+
+# -- a flipped byte in a closed segment ----------------------------------------------------------------
+
+# Where in a batch the flipped byte lies: its records (under the CRC), the CRC itself, the length and the
+# base offset (framing, outside the CRC), the magic byte.
+FLIPS = {"record": HEADER_SIZE + 2, "crc": 17, "length": 11, "base_offset": 7, "magic": 16}
+
+
+def flip_in_closed_segment(directory: str, where: str, segment: int = 1) -> int:
+    """Flip one byte of the middle batch of the ``segment``-th segment; returns that batch's base offset."""
+    path = sorted(glob.glob(os.path.join(directory, "*.log")))[segment]
+    with open(path, "rb") as f:
+        raw = f.read()
+    batches = list(iter_batches(raw))
+    pos, header = batches[len(batches) // 2]
+    at = pos + FLIPS[where]
+    with open(path, "r+b") as f:
+        f.seek(at)
+        f.write(bytes([raw[at] ^ 0x01]))
+    return header.base_offset
+
+
+def read_until_refused(plog: PartitionLog, max_bytes: int) -> tuple[list[int], int]:
+    """Read from offset 0 as a consumer does; (every offset returned, the offset refused)."""
+    offsets: list[int] = []
+    offset = 0
+    while True:
+        try:
+            data, end = plog.read_range(offset, max_bytes)
+        except CorruptRecordError:
+            return offsets, offset
+        assert data, f"nothing returned at {offset} below the high watermark {plog.high_watermark}"
+        for base, last in batch_offsets(data):
+            offsets.extend(range(base, last + 1))
+        offset = end
+
+
+@pytest.mark.parametrize("index_interval", [0, 4096], ids=["indexed", "unindexed"])
+@pytest.mark.parametrize("where", sorted(FLIPS))
+def test_a_flipped_byte_in_a_closed_segment_is_refused_not_served(tmp_path, where, index_interval, caplog):
+    """Item 10, in storage: whatever byte of a batch flips, the batches before it are served once, its offset
+    is refused with CORRUPT_MESSAGE, the next segment stays readable, and an ERROR names the place."""
+    directory = str(tmp_path / "t-0")
+    config = LogConfig(segment_bytes=1024, index_interval_bytes=index_interval)
+    plog = PartitionLog(directory, config)
+    for i in range(60):
+        plog.append(batch([b"v%03d-%d" % (i, j) for j in range(3)]), now_ms=0)
+    plog.close()
+    damaged = flip_in_closed_segment(directory, where)
+
+    caplog.set_level(logging.ERROR, logger="twophase.broker.storage")
+    plog = PartitionLog(directory, config)
+    for max_bytes in (1, 300, 1 << 20):
+        offsets, refused = read_until_refused(plog, max_bytes)
+        assert offsets == list(range(damaged)) and refused == damaged
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert any(f"damaged batch at offset {damaged} " in m and "00000000000000000" in m for m in errors), errors
+    later = plog.segments[2].base_offset
+    data, _ = plog.read_range(later, 1 << 20)
+    assert batch_offsets(data)[0][0] == later
+    plog.close()
+
+
+def produce_numbered(bootstrap: str, topic: str, rounds: int, per_round: int) -> list[bytes]:
+    """``rounds`` acknowledged batches of ``per_round`` records, then END; returns the values in order."""
+    values = []
+    with Producer(bootstrap) as producer:
+        for i in range(rounds):
+            for j in range(per_round):
+                values.append(b"r%04d" % (i * per_round + j))
+                producer.send(topic, values[-1], partition=0)
+            producer.flush()
+        producer.send(topic, END, partition=0)
+        producer.flush()
+    return values
+
+
+def test_a_flipped_byte_in_a_closed_segment_gives_consumers_a_clear_error(broker_factory, tmp_path, topic, caplog):
+    """Item 10 with real clients: after a byte flips in a closed segment of a real broker's data directory,
+    twophase.client and confluent_kafka read the records before the damage exactly once, then get
+    CORRUPT_MESSAGE at the damaged offset (no silent loop re-consuming records), and the broker logs an
+    ERROR naming the partition, segment and offset."""
+    data_dir = tmp_path / "data"
+    broker = broker_factory(data_dir=data_dir)
+    with Admin(broker.bootstrap) as admin:
+        admin.create_topics({topic: 1}, configs={"segment.bytes": "2048"})
+    written = produce_numbered(broker.bootstrap, topic, rounds=40, per_round=10)
+    directory = partition_dir(broker, topic)
+    broker.stop()
+    damaged = flip_in_closed_segment(directory, "record")
+    assert 0 < damaged < len(written)
+
+    caplog.set_level(logging.ERROR, logger="twophase.broker.storage")
+    broker = broker_factory(data_dir=data_dir)
+
+    with Consumer(broker.bootstrap) as consumer:
+        consumer.assign([(topic, 0)])
+        got: list[bytes] = []
+
+        def refused() -> bool:
+            try:
+                got.extend(m.value for m in consumer.poll(timeout_s=0.5))
+            except CorruptRecordError:
+                return True
+            return False
+
+        wait_until(refused, timeout=60, what="CORRUPT_MESSAGE through twophase.client")
+        assert got == written[:damaged]
+        assert consumer.position(topic, 0) == damaged
+
+    consumer = ConfluentConsumer({"bootstrap.servers": broker.bootstrap, "group.id": f"g-{uuid.uuid4().hex[:8]}",
+                                  "enable.auto.commit": False, "fetch.error.backoff.ms": 10})
+    try:
+        consumer.assign([TopicPartition(topic, 0, OFFSET_BEGINNING)])
+        got = []
+        errors: list[int] = []
+
+        def refused_twice() -> bool:
+            m = consumer.poll(0.5)
+            if m is not None and m.error():
+                errors.append(m.error().code())
+            elif m is not None:
+                got.append(m.value())
+            return len(errors) >= 2  # refused again on the retry, and nothing delivered in between
+        wait_for(refused_twice, timeout=60, what="CORRUPT_MESSAGE twice through confluent_kafka")
+        assert errors == [ConfluentError.INVALID_MSG] * 2  # librdkafka's name for CORRUPT_MESSAGE
+        assert got == written[:damaged]
+    finally:
+        consumer.close()
+
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert any(f"{topic}-0" in m and ".log" in m and f"damaged batch at offset {damaged} " in m for m in errors)

@@ -130,6 +130,8 @@ class PartitionLog:
             if segment.base_offset in unsealed:
                 segment.seal()  # checked and fsynced now: its index spares the next start the CRC scan
         for i in range(len(segments) - 1):
+            if segments[i].damage is not None and segments[i].next_offset < segments[i + 1].base_offset:
+                segments[i].next_offset = segments[i + 1].base_offset  # its damaged part runs to its end
             if segments[i].next_offset != segments[i + 1].base_offset:  # cut short by recovery
                 for later in segments[i + 1:]:
                     log.warning("%s: dropping segment %d, it no longer follows on offset %d",
@@ -162,15 +164,21 @@ class PartitionLog:
                         self.directory, damaged)
             self.producers.clear()
             start = self.log_start_offset
+        # A damaged segment keeps its sealed index: the replay cannot re-derive what lies past the damage.
         for segment in self._segments:
-            segment.txn_index.truncate_from(start)
+            if segment.damage is None:
+                segment.txn_index.truncate_from(start)
         replayed = 0
         for segment, header in self._iter_headers(start):
             marker = self._marker(segment, header) if header.is_control else None
             aborted = self.producers.replay(header, marker, now_ms)
-            if aborted is not None:
+            if aborted is not None and segment.damage is None:
                 segment.txn_index.append(aborted)
             replayed += 1
+        skipped = [s.base_offset for s in self._segments if s.damage is not None and s.next_offset > start]
+        if skipped:
+            log.error("%s: the replay from offset %d skipped the damaged part of segment(s) %s: producer state "
+                      "(sequences, open transactions) may miss what it held", self.directory, start, skipped)
         for segment in self._segments[:-1]:
             segment.txn_index.seal(segment.next_offset)  # sealed: fsync what the replay added
         self._last_abort_marker = max((s.txn_index.last_marker for s in self._segments), default=-1)
