@@ -29,7 +29,7 @@ from collections.abc import Iterable
 from kio.schema.errors import ErrorCode
 
 from twophase.wire.api_keys import ApiKey
-from twophase.wire.errors import KafkaError
+from twophase.wire.errors import CorruptRecordError, KafkaError
 from twophase.wire.records import (
     HEADER_SIZE, LOG_OVERHEAD, decode_batch_records, parse_control_record, parse_header, validate_batch,
 )
@@ -278,6 +278,11 @@ class Consumer:
                 if p.error_code == ErrorCode.offset_out_of_range:
                     log.warning("offset %d out of range for %s: resetting", self._positions[tp], tp)
                     self._positions[tp] = self._list_offset(tp, self.reset)
+                elif p.error_code == ErrorCode.corrupt_message:
+                    # The broker found the batch at this offset damaged: a retry gets the same answer (Kafka's
+                    # consumer raises here too), so say so rather than retry forever.
+                    raise CorruptRecordError(f"Fetch({tp[0]}-{tp[1]}): the broker holds a damaged batch at "
+                                             f"offset {self._positions[tp]} (CORRUPT_MESSAGE)")
                 elif p.error_code:
                     raise error_for(p.error_code, f"Fetch({tp[0]}-{tp[1]})")
                 elif p.records:
