@@ -53,6 +53,7 @@ from twophase.wire.records import (
 )
 
 from .config import LogConfig
+from .errors import DiskFullError
 from .producers import ProducerStateManager
 from .results import AppendResult, TimestampOffset
 from .segment import DetachedSeal, Segment, index_path
@@ -82,6 +83,7 @@ class PartitionLog:
         # clients skip OffsetForLeaderEpoch validation.
         self.leader_epoch = leader_epoch
         self._failed: BaseException | None = None
+        self._disk_full = False  # the last append found no space (logged once per episode)
         self._closed = False
         now = _now_ms() if now_ms is None else now_ms
         os.makedirs(directory, exist_ok=True)
@@ -296,9 +298,20 @@ class PartitionLog:
             if self.config.flush == "always" and not defer_fsync:
                 self._segments[-1].flush()
                 self._durable_end = next_offset
+        except DiskFullError as exc:
+            # Undone, so the log is as before and stays online: the next append tries again, and succeeds
+            # once space returns. Until then every append answers KAFKA_STORAGE_ERROR at once.
+            if not self._disk_full:
+                log.warning("%s: disk full, appends answer KAFKA_STORAGE_ERROR until space returns: %s",
+                            self.directory, exc)
+                self._disk_full = True
+            raise KafkaStorageError(f"disk full: {exc}") from exc
         except OSError as exc:
             self._take_offline(exc, "write")
             raise KafkaStorageError(f"write failed: {exc}") from exc
+        if self._disk_full:
+            log.info("%s: space is back, appends succeed again", self.directory)
+            self._disk_full = False
         self.producers.commit(prepared)
         return AppendResult(assigned[0][1].base_offset, next_offset - 1)
 

@@ -28,6 +28,7 @@ Example::
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import struct
@@ -49,6 +50,7 @@ from twophase.wire.records import (
     validate_batch,
 )
 
+from .errors import DiskFullError
 from .txnindex import TransactionIndex, txn_index_path
 
 log = logging.getLogger(__name__)
@@ -314,7 +316,8 @@ class Segment:
         epoch of its header in ``headers`` (position in ``data``, header with offsets assigned).
 
         ``data`` is neither copied nor modified: each batch goes out as a new 16-byte head followed by a
-        view of its remaining bytes, in as few os.writev calls as IOV_MAX allows.
+        view of its remaining bytes, in as few os.writev calls as IOV_MAX allows. A failed write is undone
+        (the file is cut back); one for want of space raises DiskFullError.
         """
         start = self.size
         try:
@@ -324,10 +327,13 @@ class Segment:
                 size = sum(map(len, group))
                 written = os.writev(self._fd, group)
                 if written != size:
-                    raise OSError(f"short write to {self.path}: {written} of {size} bytes")
-        except BaseException:
+                    # A regular file takes fewer bytes than given only when the disk (or quota) is full.
+                    raise OSError(errno.ENOSPC, f"short write to {self.path}: {written} of {size} bytes")
+        except BaseException as exc:
             # Leave no partial batch behind: the caller reports the failure and state stays consistent.
             os.ftruncate(self._fd, start)
+            if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise DiskFullError(exc.errno, f"{self.path}: {exc.strerror}") from exc
             raise
         for pos, header in headers:
             self._track(start + pos, header)
