@@ -1,7 +1,8 @@
-"""A full disk: the broker's data directory on a small tmpfs that a filler file fills up.
+"""A full disk: the broker's data directory on a small tmpfs that a filler file fills up, or an fsync that
+fails for want of space.
 
 Produce answers KAFKA_STORAGE_ERROR at once (per partition) while there is no space, leaves nothing
-half-written behind, and works again as soon as space is freed, without a restart; a consumer then reads
+half-written behind, and works again once space is back, without a restart; a consumer then reads
 every acknowledged record once and nothing that was refused.
 """
 
@@ -19,6 +20,7 @@ from confluent_kafka import Producer as ConfluentProducer
 from tests.broker.batches import batch
 from tests.broker.conftest import WireClient, only_partition, produce_request
 from tests.waiting import wait_for, wait_until
+from twophase.broker.storage import segment as segment_module
 from twophase.client import Admin, Consumer
 
 KAFKA_STORAGE_ERROR = 56
@@ -93,7 +95,12 @@ def test_disk_full_answers_storage_error_at_once_and_recovers_when_space_returns
         assert answer.error_code == 0
     assert "space is back" in caplog.text
 
-    with Consumer(broker.bootstrap) as consumer:
+    assert read_to_end(broker.bootstrap, topic) == acked  # each acknowledged record once, in order; no refused one
+
+
+def read_to_end(bootstrap: str, topic: str) -> list[bytes]:
+    """The values of partition 0 before END, with twophase.client."""
+    with Consumer(bootstrap) as consumer:
         consumer.assign([(topic, 0)])
         values: list[bytes] = []
 
@@ -105,4 +112,36 @@ def test_disk_full_answers_storage_error_at_once_and_recovers_when_space_returns
             return False
 
         wait_for(saw_end, what="END")
-    assert values == acked  # every acknowledged record once, in order; the refused batch nowhere
+    return values
+
+
+def test_a_partition_offline_after_a_failed_fsync_comes_back_without_a_restart(
+        broker_factory, topic, monkeypatch, caplog):
+    """A failed fsync (ENOSPC, as thin-provisioned or network storage reports a full disk) takes the partition
+    offline: produce answers KAFKA_STORAGE_ERROR at once. Once fsyncs succeed again a later produce brings it
+    back, cut back to what was acknowledged: the batch whose fsync failed is nowhere."""
+    caplog.set_level(logging.WARNING, logger="twophase.broker.storage")
+    broker = broker_factory()
+    with Admin(broker.bootstrap) as admin:
+        admin.create_topics({topic: 1})
+    real_fdatasync = segment_module._fdatasync
+    disk_full = True
+
+    def fdatasync(fd: int) -> None:
+        if disk_full:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_fdatasync(fd)
+
+    with WireClient(broker.port) as wire:
+        def produce(value: bytes) -> int:
+            return only_partition(wire.request(produce_request(topic, batch([value])))).error_code
+
+        assert produce(b"acked") == 0
+        monkeypatch.setattr(segment_module, "_fdatasync", fdatasync)
+        assert produce(b"written, fsync failed") == KAFKA_STORAGE_ERROR
+        assert produce(b"refused, offline") == KAFKA_STORAGE_ERROR  # at once: nothing is written
+        disk_full = False
+        wait_until(lambda: produce(b"after") == 0, what="the partition back online")  # no restart
+        assert produce(END) == 0
+    assert "back online" in caplog.text and "dropping" in caplog.text
+    assert read_to_end(broker.bootstrap, topic) == [b"acked", b"after"]
