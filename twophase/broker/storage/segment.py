@@ -381,13 +381,14 @@ class Segment:
         self._write_index(self._index_bytes())
 
     def seal_detached(self) -> DetachedSeal:
-        """Like ``seal()``, but the log's fsync and the index file are left to a call that may run in any thread.
+        """Like ``seal()``, but the fsyncs (log and transaction index) and the index file are left to a call
+        that may run in any thread.
 
-        The index file is written only after that fsync, and an older one is removed now: a segment
+        The index file is written only after those fsyncs, and an older one is removed now: a segment
         without one is CRC-checked on recovery, as the active segment is, so a crash before the call
         ran loses nothing that was synced and keeps no torn batch.
         """
-        self.txn_index.seal(self.next_offset)
+        self.txn_index.seal(self.next_offset, sync=False)
         stale = index_path(self.directory, self.base_offset)  # from a close() before a restart
         if os.path.exists(stale):
             os.unlink(stale)
@@ -663,7 +664,8 @@ class DetachedSync:
 
 
 class DetachedSeal:
-    """The seal of a rolled segment left to another thread: fsync its log, then write its index file."""
+    """The seal of a rolled segment left to another thread: fsync its log and transaction index, then write
+    its index file."""
 
     def __init__(self, segment: Segment, sync: DetachedSync, index: bytes) -> None:
         self._segment = segment
@@ -672,6 +674,7 @@ class DetachedSeal:
 
     def __call__(self) -> None:
         self._sync()
+        self._segment.txn_index.sync_file()
         self._segment._write_index(self._index)
 
     def discard(self) -> None:

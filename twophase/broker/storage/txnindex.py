@@ -183,14 +183,23 @@ class TransactionIndex:
         self._crc = crc
         self.trusted_until = txn.last_offset + 1
 
-    def seal(self, end_offset: int) -> None:
-        """The segment ends at ``end_offset`` (it is sealed or closed): say so in the seal, fsync and release."""
+    def seal(self, end_offset: int, *, sync: bool = True) -> None:
+        """The segment ends at ``end_offset`` (it is sealed or closed): say so in the seal, fsync (with
+        ``sync``; else see ``sync_file``) and release the file."""
         try:
             if self.trusted_until != end_offset or not self._file_matches:
                 self.trusted_until = end_offset
                 self._write(self._seal_record())
         finally:
-            self.close()
+            self.close(sync=sync)
+
+    def sync_file(self) -> None:
+        """fdatasync the file through a descriptor of its own (after ``seal(sync=False)``; any thread)."""
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            _fdatasync(fd)
+        finally:
+            os.close(fd)
 
     def truncate_from(self, offset: int) -> None:
         """Drop entries whose marker is at or after ``offset``; rewrites the file (atomically) if it differs."""
