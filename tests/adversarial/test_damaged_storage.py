@@ -163,11 +163,14 @@ def read_until_refused(plog: PartitionLog, max_bytes: int) -> tuple[list[int], i
         offset = end
 
 
+@pytest.mark.parametrize("snapshots", [True, False], ids=["snapshot", "full-replay"])
 @pytest.mark.parametrize("index_interval", [0, 4096], ids=["indexed", "unindexed"])
 @pytest.mark.parametrize("where", sorted(FLIPS))
-def test_a_flipped_byte_in_a_closed_segment_is_refused_not_served(tmp_path, where, index_interval, caplog):
+def test_a_flipped_byte_in_a_closed_segment_is_refused_not_served(tmp_path, where, index_interval, snapshots,
+                                                                   caplog):
     """Item 10, in storage: whatever byte of a batch flips, the batches before it are served once, its offset
-    is refused with CORRUPT_MESSAGE, the next segment stays readable, and an ERROR names the place."""
+    is refused with CORRUPT_MESSAGE, the next segment stays readable, and an ERROR names the place; also when
+    recovery replays the whole log (no producer snapshot) through the damaged segment."""
     directory = str(tmp_path / "t-0")
     config = LogConfig(segment_bytes=1024, index_interval_bytes=index_interval)
     plog = PartitionLog(directory, config)
@@ -175,6 +178,9 @@ def test_a_flipped_byte_in_a_closed_segment_is_refused_not_served(tmp_path, wher
         plog.append(batch([b"v%03d-%d" % (i, j) for j in range(3)]), now_ms=0)
     plog.close()
     damaged = flip_in_closed_segment(directory, where)
+    if not snapshots:
+        for path in glob.glob(os.path.join(directory, "*.snapshot")):
+            os.unlink(path)
 
     caplog.set_level(logging.ERROR, logger="twophase.broker.storage")
     plog = PartitionLog(directory, config)

@@ -65,7 +65,7 @@ _LOOKUP_CHUNK = 64 * 1024
 _RECOVERY_CHUNK = 1024 * 1024
 
 _fdatasync = getattr(os, "fdatasync", os.fsync)
-INT64_MAX = 2**63 - 1
+_INT64_MAX = 2**63 - 1
 # Buffers per os.writev call (1024 on Linux); -1 means no limit, where 1024 is as good as any.
 _IOV_MAX = os.sysconf("SC_IOV_MAX")
 if _IOV_MAX < 1:
@@ -194,7 +194,7 @@ class Segment:
                 # retry of it is acknowledged as a duplicate), so it is made durable before anyone can ask.
                 seg._sync()
             # A damaged segment's end is not known from its log: its sealed index says how far it goes.
-            end = seg.next_offset if seg.damage is None else INT64_MAX
+            end = seg.next_offset if seg.damage is None else _INT64_MAX
             seg.txn_index = TransactionIndex.load(directory, base_offset, end)
         except BaseException:
             seg.close(sync=False)
@@ -469,7 +469,9 @@ class Segment:
             return None
         self._refuse_damaged(offset)
         i = bisect_right(self._rel_offsets, offset - self.base_offset) - 1
-        pos, expected = (self._positions[i], self.base_offset + self._rel_offsets[i]) if i >= 0 else (0, self.base_offset)
+        pos, expected = 0, self.base_offset
+        if i >= 0:
+            pos, expected = self._positions[i], self.base_offset + self._rel_offsets[i]
         try:
             for pos, header in self._walk(pos, validate=False, chunk=_LOOKUP_CHUNK):
                 if header.base_offset != expected:
