@@ -502,6 +502,7 @@ class PartitionLog:
                       self.directory, self._reopen_backoff, exc)
             self._reopen_backoff = min(2 * self._reopen_backoff, REOPEN_BACKOFF_MAX_S)
             return None
+        self._reopen_at = float("inf")  # replaced: never opened again through this one
         log.warning("%s: back online after it failed (%s); log end offset %d",
                     self.directory, self._failed, reopened.log_end_offset)
         return reopened
