@@ -178,15 +178,18 @@ class PartitionLog:
                         self.directory, damaged)
             self.producers.clear()
             start = self.log_start_offset
-        # A damaged segment keeps its sealed index: the replay cannot re-derive what lies past the damage.
+        # A damaged segment whose sealed index is intact keeps it: the replay cannot re-derive what lies
+        # past the damage.
+        kept = {s.base_offset for s in self._segments
+                if s.damage is not None and s.txn_index.trusted_until >= s.next_offset}
         for segment in self._segments:
-            if segment.damage is None:
+            if segment.base_offset not in kept:
                 segment.txn_index.truncate_from(start)
         replayed = 0
         for segment, header in self._iter_headers(start):
             marker = self._marker(segment, header) if header.is_control else None
             aborted = self.producers.replay(header, marker, now_ms)
-            if aborted is not None and segment.damage is None:
+            if aborted is not None and segment.base_offset not in kept:
                 segment.txn_index.append(aborted)
             replayed += 1
         skipped = [s.base_offset for s in self._segments if s.damage is not None and s.next_offset > start]
@@ -194,7 +197,10 @@ class PartitionLog:
             log.error("%s: the replay from offset %d skipped the damaged part of segment(s) %s: producer state "
                       "(sequences, open transactions) may miss what it held", self.directory, start, skipped)
         for segment in self._segments[:-1]:
-            segment.txn_index.seal(segment.next_offset)  # sealed: fsync what the replay added
+            if segment.damage is None or segment.base_offset in kept:
+                segment.txn_index.seal(segment.next_offset)  # sealed: fsync what the replay added
+            else:
+                segment.txn_index.close()  # re-derived up to the damage only: its seal claims no more
         self._last_abort_marker = max((s.txn_index.last_marker for s in self._segments), default=-1)
         if replayed:
             log.info("%s: replayed %d batches into producer state from offset %d", self.directory, replayed, start)

@@ -418,10 +418,10 @@ class Segment:
                     os.close(self._fd)
                     self._fd = -1
             finally:
-                if sync:
+                if sync and self.damage is None:
                     self.txn_index.seal(self.next_offset)
-                else:
-                    self.txn_index.close(sync=False)
+                else:  # a damaged segment's index keeps the seal recovery gave it: it cannot vouch for more
+                    self.txn_index.close(sync=sync)
 
     def delete(self) -> None:
         """Close without syncing and remove the log, offset index and transaction index files."""
