@@ -264,3 +264,32 @@ def test_a_flipped_byte_in_a_closed_segment_gives_consumers_a_clear_error(broker
 
     errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     assert any(f"{topic}-0" in m and ".log" in m and f"damaged batch at offset {damaged} " in m for m in errors)
+
+
+def test_a_damaged_segment_whose_transaction_index_is_gone_is_never_sealed_as_complete(tmp_path, caplog):
+    """A closed segment with broken framing and an emptied .txnindex: recovery re-derives the aborted
+    transactions up to the damage, and neither it nor a clean close claims the index complete beyond, so
+    the next start replays again instead of trusting it."""
+    directory = str(tmp_path / "t-0")
+    config = LogConfig(segment_bytes=1024)
+    plog = PartitionLog(directory, config)
+    aborted: list[tuple[int, int]] = []  # (first offset, marker offset) of each aborted transaction
+    for i in range(40):
+        first = plog.append(batch([b"a%d" % i], producer_id=1, producer_epoch=0, base_sequence=i,
+                                  transactional=True), 0).base_offset
+        aborted.append((first, plog.append_marker(1, 0, commit=False, coordinator_epoch=0, now_ms=0)))
+    plog.close()
+    damaged = flip_in_closed_segment(directory, "base_offset")
+    os.truncate(sorted(glob.glob(os.path.join(directory, "*.txnindex")))[1], 0)
+
+    caplog.set_level(logging.WARNING, logger="twophase.broker.storage")
+    for _ in range(2):  # the second start follows a clean close of the first
+        caplog.clear()
+        plog = PartitionLog(directory, config)
+        assert "replaying the whole log" in caplog.text
+        found = {first for _, first in plog.aborted_transactions(0, damaged)}
+        # Every transaction aborted before the damage; the one whose marker was lost may be listed too (the
+        # next ABORT of its producer ends it), nothing else.
+        assert {first for first, marker in aborted if marker < damaged} <= found
+        assert found <= {first for first, _ in aborted if first < damaged}
+        plog.close()
