@@ -333,6 +333,12 @@ class Consumer:
                 if p.error_code == ErrorCode.offset_out_of_range:
                     log.warning("offset %d out of range for %s: resetting", self._positions[tp], tp)
                     self._positions[tp] = self._list_offset(tp, self.reset)
+                elif p.error_code == ErrorCode.corrupt_message:
+                    # The broker found the batch at this offset damaged: a retry gets the same answer (Kafka's
+                    # consumer raises here too), so say so rather than retry forever.
+                    at = self._positions[tp]
+                    raise CorruptRecordBatch(tp[0], tp[1], at, at, "the broker holds a damaged batch here and "
+                                             "refuses to serve it (CORRUPT_MESSAGE)")
                 elif p.error_code:
                     raise error_for(p.error_code, f"Fetch({tp[0]}-{tp[1]})")
                 elif p.records:

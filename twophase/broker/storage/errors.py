@@ -5,3 +5,8 @@ from __future__ import annotations
 
 class DataDirLockedError(RuntimeError):
     """Another process (or LogManager) already holds the data directory."""
+
+
+class DiskFullError(OSError):
+    """An append found no space (ENOSPC, EDQUOT, or a short write) and was undone: the segment holds exactly
+    what it held before, so the log stays usable and the next append tries again."""

@@ -11,6 +11,12 @@ Example::
     log.enforce_retention(now_ms)
     log.close()
 
+A failed write or fsync takes the log offline (KAFKA_STORAGE_ERROR). After a back-off its owner may open it
+again, as a restart would, and use the new log instead (the old one is closed)::
+
+    if log.offline and (reopened := log.reopen()) is not None:
+        log = reopened
+
 Transactions (KIP-98): the coordinator ends a producer's transaction with a marker; the last stable
 offset (LSO) is the first offset of the earliest open transaction, else the high watermark; aborted
 transactions are kept per segment in ``<base>.txnindex`` for read_committed fetches::
@@ -53,12 +59,16 @@ from twophase.wire.records import (
 )
 
 from .config import LogConfig
+from .errors import DiskFullError
 from .producers import ProducerStateManager
 from .results import AppendResult, TimestampOffset
 from .segment import DetachedSeal, Segment, index_path
 from .txnindex import SUFFIX as TXN_INDEX_SUFFIX
 
 log = logging.getLogger(__name__)
+
+REOPEN_BACKOFF_S = 1.0  # before an offline log is first opened again; doubled after each failed try
+REOPEN_BACKOFF_MAX_S = 60.0
 
 
 def _now_ms() -> int:
@@ -82,6 +92,10 @@ class PartitionLog:
         # clients skip OffsetForLeaderEpoch validation.
         self.leader_epoch = leader_epoch
         self._failed: BaseException | None = None
+        self._disk_full = False  # the last append found no space (logged once per episode)
+        self._group_fsync_pending = False  # a sync from begin_fsync has not reported back yet
+        self._reopen_at = 0.0  # time.monotonic() from which reopen() may try
+        self._reopen_backoff = REOPEN_BACKOFF_S
         self._closed = False
         now = _now_ms() if now_ms is None else now_ms
         os.makedirs(directory, exist_ok=True)
@@ -130,6 +144,8 @@ class PartitionLog:
             if segment.base_offset in unsealed:
                 segment.seal()  # checked and fsynced now: its index spares the next start the CRC scan
         for i in range(len(segments) - 1):
+            if segments[i].damage is not None and segments[i].next_offset < segments[i + 1].base_offset:
+                segments[i].next_offset = segments[i + 1].base_offset  # its damaged part runs to its end
             if segments[i].next_offset != segments[i + 1].base_offset:  # cut short by recovery
                 for later in segments[i + 1:]:
                     log.warning("%s: dropping segment %d, it no longer follows on offset %d",
@@ -162,17 +178,29 @@ class PartitionLog:
                         self.directory, damaged)
             self.producers.clear()
             start = self.log_start_offset
+        # A damaged segment whose sealed index is intact keeps it: the replay cannot re-derive what lies
+        # past the damage.
+        kept = {s.base_offset for s in self._segments
+                if s.damage is not None and s.txn_index.trusted_until >= s.next_offset}
         for segment in self._segments:
-            segment.txn_index.truncate_from(start)
+            if segment.base_offset not in kept:
+                segment.txn_index.truncate_from(start)
         replayed = 0
         for segment, header in self._iter_headers(start):
             marker = self._marker(segment, header) if header.is_control else None
             aborted = self.producers.replay(header, marker, now_ms)
-            if aborted is not None:
+            if aborted is not None and segment.base_offset not in kept:
                 segment.txn_index.append(aborted)
             replayed += 1
+        skipped = [s.base_offset for s in self._segments if s.damage is not None and s.next_offset > start]
+        if skipped:
+            log.error("%s: the replay from offset %d skipped the damaged part of segment(s) %s: producer state "
+                      "(sequences, open transactions) may miss what it held", self.directory, start, skipped)
         for segment in self._segments[:-1]:
-            segment.txn_index.close()  # sealed: fsync what the replay added
+            if segment.damage is None or segment.base_offset in kept:
+                segment.txn_index.seal(segment.next_offset)  # sealed: fsync what the replay added
+            else:
+                segment.txn_index.close()  # re-derived up to the damage only: its seal claims no more
         self._last_abort_marker = max((s.txn_index.last_marker for s in self._segments), default=-1)
         if replayed:
             log.info("%s: replayed %d batches into producer state from offset %d", self.directory, replayed, start)
@@ -288,9 +316,20 @@ class PartitionLog:
             if self.config.flush == "always" and not defer_fsync:
                 self._segments[-1].flush()
                 self._durable_end = next_offset
+        except DiskFullError as exc:
+            # Undone, so the log is as before and stays online: the next append tries again, and succeeds
+            # once space returns. Until then every append answers KAFKA_STORAGE_ERROR at once.
+            if not self._disk_full:
+                log.warning("%s: disk full, appends answer KAFKA_STORAGE_ERROR until space returns: %s",
+                            self.directory, exc)
+                self._disk_full = True
+            raise KafkaStorageError(f"disk full: {exc}") from exc
         except OSError as exc:
             self._take_offline(exc, "write")
             raise KafkaStorageError(f"write failed: {exc}") from exc
+        if self._disk_full:
+            log.info("%s: space is back, appends succeed again", self.directory)
+            self._disk_full = False
         self.producers.commit(prepared)
         return AppendResult(assigned[0][1].base_offset, next_offset - 1)
 
@@ -384,11 +423,13 @@ class PartitionLog:
         if sync is None:  # a roll or an inline flush synced it meanwhile
             self._durable_end = end
             return None
+        self._group_fsync_pending = True
         return end, sync
 
     def fsync_done(self, offset: int) -> None:
         """A sync from ``begin_fsync`` finished: offsets below ``offset`` are durable, so readers see them."""
         self._durable_end = max(self._durable_end, offset)
+        self._group_fsync_pending = False
 
     def flush_due(self, now_ms: int) -> Callable[[], None] | None:
         """An fsync of the segments rolled since the last call and, if the flush interval has elapsed, of
@@ -426,13 +467,60 @@ class PartitionLog:
 
     def flush_failed(self, exc: Exception) -> None:
         """A detached fsync failed: the kernel may have dropped the unsynced pages, so the log goes offline."""
+        self._group_fsync_pending = False
         self._take_offline(exc, "fsync")
 
     def _take_offline(self, exc: Exception, what: str) -> None:
         # Like Kafka taking a log dir offline: refuse further work until reopened (recovery repairs it).
         self._failed = exc
         self._discard_pending_seals()
+        self._reopen_at = time.monotonic() + self._reopen_backoff
         log.error("%s: %s failed, log is offline until reopened: %s", self.directory, what, exc)
+
+    @property
+    def offline(self) -> bool:
+        """Whether a failed write or fsync took the log offline: it answers KAFKA_STORAGE_ERROR until reopened."""
+        return self._failed is not None
+
+    def reopen(self) -> PartitionLog | None:
+        """This offline log opened again as a restart would, for the caller to use from now on (this one is
+        closed); None while its back-off lasts or an fsync started before the failure has not reported back
+        (its producers may yet be acknowledged). A try that fails is logged, and doubles the back-off.
+
+        Under fsync "always" the log is first cut back to its fsynced end: nothing after it was acknowledged,
+        and nothing half-written or unacknowledged may become visible. Recovery then checks the tail, the
+        indexes and the producer state, as at start.
+        """
+        now = time.monotonic()
+        if self._failed is None or now < self._reopen_at or self._group_fsync_pending:
+            return None
+        try:
+            if not self._closed:
+                if self.config.flush == "always":
+                    self._cut_back_to(self._durable_end)
+                self._closed = True
+                self._discard_pending_seals()
+                _close_all(self._segments)  # without an fsync: recovery decides what the files hold
+            reopened = PartitionLog(self.directory, self.config, leader_epoch=self.leader_epoch)
+        except Exception as exc:
+            self._reopen_at = now + self._reopen_backoff
+            log.error("%s: still offline, opening it again failed (next try in %gs): %s",
+                      self.directory, self._reopen_backoff, exc)
+            self._reopen_backoff = min(2 * self._reopen_backoff, REOPEN_BACKOFF_MAX_S)
+            return None
+        self._reopen_at = float("inf")  # replaced: never opened again through this one
+        log.warning("%s: back online after it failed (%s); log end offset %d",
+                    self.directory, self._failed, reopened.log_end_offset)
+        return reopened
+
+    def _cut_back_to(self, offset: int) -> None:
+        """Remove every batch from ``offset`` on (a batch boundary) from the files."""
+        for segment in self._segments:
+            if segment.next_offset > offset:
+                at = 0 if segment.base_offset >= offset else segment.find_position(offset)
+                log.warning("%s: dropping %d unacknowledged bytes from offset %d", segment.path,
+                            segment.size - at, max(offset, segment.base_offset))
+                os.truncate(segment.path, at)  # by path: this descriptor may carry the failed fsync's error
 
     def enforce_retention(self, now_ms: int) -> int:
         """Delete whole old segments beyond retention_ms / retention_bytes; returns how many were deleted."""

@@ -248,10 +248,16 @@ class LogManager:
         return PartitionLog(self._dir(topic, partition), self.config.with_overrides(info.config))
 
     def partition(self, topic: str, partition: int) -> PartitionLog:
-        """The PartitionLog of the partition; raises UnknownTopicOrPartitionError."""
+        """The PartitionLog of the partition; raises UnknownTopicOrPartitionError.
+
+        A log a failed write or fsync took offline is opened again once its back-off has passed (space may
+        be back), and replaces it from then on.
+        """
         partition_log = self._logs.get((topic, partition))
         if partition_log is None:
             raise UnknownTopicOrPartitionError(f"unknown topic-partition {topic}-{partition}")
+        if partition_log.offline and (reopened := partition_log.reopen()) is not None:
+            self._logs[(topic, partition)] = partition_log = reopened
         return partition_log
 
     def partitions(self) -> dict[tuple[str, int], PartitionLog]:

@@ -8,17 +8,27 @@ added once ``index_interval_bytes`` have been appended since the last one. The a
 its index in memory; ``seal()`` writes it when the segment rolls, and recovery rebuilds a missing or
 inconsistent index from the log itself.
 
+Reads CRC-check what they serve, once: a closed segment opened without recovery (its batches were
+checked when written, but a disk can flip a byte since) checks each batch the first time it is read
+and remembers the checked file ranges, so later reads of them cost nothing; the active segment is
+checked on append (and fully on recovery). The first damaged batch found is logged as an ERROR and
+marks the segment damaged from there to its end: reads return the batches before it and raise
+CorruptRecordError (CORRUPT_MESSAGE) for any offset from it on, rather than serve bytes that fail
+their CRC or offsets that do not follow on.
+
 Example::
 
     seg = Segment.create(directory, base_offset=0, index_interval_bytes=4096)
     seg.append(data, headers)                 # headers: [(position in data, BatchHeader)] with offsets assigned
                                               # (written with those offsets and leader epochs; data unchanged)
     seg.read(offset=5, max_bytes=1 << 20)     # whole batches, starting with the one holding offset 5
+    seg.damage                                # None, or where the first damaged batch was found
     seg.close()
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import struct
@@ -26,6 +36,7 @@ import threading
 from array import array
 from bisect import bisect_left, bisect_right
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 from twophase.durable import fsync_dir
 from twophase.wire.errors import CorruptRecordError
@@ -39,6 +50,7 @@ from twophase.wire.records import (
     validate_batch,
 )
 
+from .errors import DiskFullError
 from .txnindex import TransactionIndex, txn_index_path
 
 log = logging.getLogger(__name__)
@@ -53,6 +65,7 @@ _LOOKUP_CHUNK = 64 * 1024
 _RECOVERY_CHUNK = 1024 * 1024
 
 _fdatasync = getattr(os, "fdatasync", os.fsync)
+_INT64_MAX = 2**63 - 1
 # Buffers per os.writev call (1024 on Linux); -1 means no limit, where 1024 is as good as any.
 _IOV_MAX = os.sysconf("SC_IOV_MAX")
 if _IOV_MAX < 1:
@@ -72,6 +85,44 @@ def _stamped_buffers(data: memoryview, headers: Sequence[tuple[int, BatchHeader]
         add(pack(header.base_offset, header.length, header.leader_epoch))
         add(data[pos + head_size : pos + LOG_OVERHEAD + header.length])
     return buffers
+
+
+@dataclass(frozen=True)
+class Damage:
+    """The first damaged batch found in a segment: its file position, its offset and what is wrong."""
+    position: int
+    offset: int
+    reason: str
+
+
+class CheckedRanges:
+    """Disjoint, sorted file ranges [start, end) whose batches passed their CRC check.
+
+    Usage::
+
+        checked = CheckedRanges()
+        checked.add(0, 4096)
+        checked.add(4096, 8192)      # merged: [(0, 8192)]
+        checked.end_of(100)          # 8192: the end of the range holding position 100 (None if unchecked)
+    """
+
+    def __init__(self) -> None:
+        self._starts: list[int] = []
+        self._ends: list[int] = []
+
+    def end_of(self, pos: int) -> int | None:
+        """The end of the checked range holding ``pos``, None if ``pos`` is unchecked."""
+        i = bisect_right(self._starts, pos) - 1
+        return self._ends[i] if i >= 0 and pos < self._ends[i] else None
+
+    def add(self, start: int, end: int) -> None:
+        """Mark [start, end) checked, merging it with the ranges it touches."""
+        lo = bisect_left(self._ends, start)  # the first range ending at or after start
+        hi = bisect_right(self._starts, end)  # past the last range starting at or before end
+        if lo < hi:
+            start, end = min(start, self._starts[lo]), max(end, self._ends[hi - 1])
+        self._starts[lo:hi] = [start]
+        self._ends[lo:hi] = [end]
 
 
 def log_path(directory: str, base_offset: int) -> str:
@@ -108,6 +159,8 @@ class Segment:
         self._sync_lock = threading.Lock()
         self._sync_error: OSError | None = None
         self.txn_index = TransactionIndex(txn_index_path(directory, base_offset), base_offset)
+        self._checked = CheckedRanges()  # file ranges whose batches passed their CRC check
+        self.damage: Damage | None = None  # the first damaged batch a read found
 
     # -- opening ---------------------------------------------------------------------------------
 
@@ -136,10 +189,13 @@ class Segment:
             kept = 0 if recover else seg._load_index()
             seg._rescan(kept, validate=recover)
             if recover:
+                seg._checked.add(0, seg.size)
                 # What a crash left in the page cache unsynced counts as written from now on (a producer's
                 # retry of it is acknowledged as a duplicate), so it is made durable before anyone can ask.
                 seg._sync()
-            seg.txn_index = TransactionIndex.load(directory, base_offset, seg.next_offset)
+            # A damaged segment's end is not known from its log: its sealed index says how far it goes.
+            end = seg.next_offset if seg.damage is None else _INT64_MAX
+            seg.txn_index = TransactionIndex.load(directory, base_offset, end)
         except BaseException:
             seg.close(sync=False)
             raise
@@ -174,7 +230,8 @@ class Segment:
         return len(entries)
 
     def _rescan(self, kept: int, *, validate: bool) -> None:
-        """Walk the log from index entry ``kept - 1`` (or the start), re-deriving state; truncate a bad tail."""
+        """Walk the log from index entry ``kept - 1`` (or the start), re-deriving state; truncate a bad tail
+        (``validate``: the possibly torn active segment), or mark a sealed segment damaged there."""
         if kept:
             # Resume at the last trusted entry; dropping it and forcing the interval re-adds it.
             start = self._positions[kept - 1]
@@ -200,6 +257,12 @@ class Segment:
                 self._track(pos, header)
                 self.size = pos + header.size
         except CorruptRecordError as exc:
+            if not validate:
+                # A sealed segment was fsynced before its index was written: no crash tears it, so this is
+                # damage. Its bytes are kept (they may be repairable) and not served.
+                self._mark_damaged(self.size if exc.position is None else exc.position, self.next_offset, exc.reason)
+                self.size = file_size
+                return
             log.warning(
                 "%s: truncating corrupt or torn tail at offset %d (file position %d): dropping %d bytes: %s",
                 self.path, self.next_offset, self.size, file_size - self.size, exc.reason)
@@ -253,7 +316,8 @@ class Segment:
         epoch of its header in ``headers`` (position in ``data``, header with offsets assigned).
 
         ``data`` is neither copied nor modified: each batch goes out as a new 16-byte head followed by a
-        view of its remaining bytes, in as few os.writev calls as IOV_MAX allows.
+        view of its remaining bytes, in as few os.writev calls as IOV_MAX allows. A failed write is undone
+        (the file is cut back); one for want of space raises DiskFullError.
         """
         start = self.size
         try:
@@ -263,14 +327,18 @@ class Segment:
                 size = sum(map(len, group))
                 written = os.writev(self._fd, group)
                 if written != size:
-                    raise OSError(f"short write to {self.path}: {written} of {size} bytes")
-        except BaseException:
+                    # A regular file takes fewer bytes than given only when the disk (or quota) is full.
+                    raise OSError(errno.ENOSPC, f"short write to {self.path}: {written} of {size} bytes")
+        except BaseException as exc:
             # Leave no partial batch behind: the caller reports the failure and state stays consistent.
             os.ftruncate(self._fd, start)
+            if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise DiskFullError(exc.errno, f"{self.path}: {exc.strerror}") from exc
             raise
         for pos, header in headers:
             self._track(start + pos, header)
         self.size = start + len(data)
+        self._checked.add(start, self.size)  # the caller validated every batch
         self._dirty = True
 
     def _sync(self, fd: int | None = None) -> None:
@@ -309,17 +377,18 @@ class Segment:
     def seal(self) -> None:
         """Make the segment durable before it stops being the active one: fsync the log and both indexes."""
         self.flush()
-        self.txn_index.close()  # fsynced; reopened if the segment is appended to again
+        self.txn_index.seal(self.next_offset)  # fsynced; reopened if the segment is appended to again
         self._write_index(self._index_bytes())
 
     def seal_detached(self) -> DetachedSeal:
-        """Like ``seal()``, but the log's fsync and the index file are left to a call that may run in any thread.
+        """Like ``seal()``, but the fsyncs (log and transaction index) and the index file are left to a call
+        that may run in any thread.
 
-        The index file is written only after that fsync, and an older one is removed now: a segment
+        The index file is written only after those fsyncs, and an older one is removed now: a segment
         without one is CRC-checked on recovery, as the active segment is, so a crash before the call
         ran loses nothing that was synced and keeps no torn batch.
         """
-        self.txn_index.close()
+        self.txn_index.seal(self.next_offset, sync=False)
         stale = index_path(self.directory, self.base_offset)  # from a close() before a restart
         if os.path.exists(stale):
             os.unlink(stale)
@@ -349,7 +418,10 @@ class Segment:
                     os.close(self._fd)
                     self._fd = -1
             finally:
-                self.txn_index.close(sync=sync)
+                if sync and self.damage is None:
+                    self.txn_index.seal(self.next_offset)
+                else:  # a damaged segment's index keeps the seal recovery gave it: it cannot vouch for more
+                    self.txn_index.close(sync=sync)
 
     def delete(self) -> None:
         """Close without syncing and remove the log, offset index and transaction index files."""
@@ -379,23 +451,71 @@ class Segment:
         return list(zip(self._rel_offsets, self._positions, self._ts_before))
 
     def find_position(self, offset: int) -> int | None:
-        """File position of the first batch whose last offset is >= ``offset``, or None."""
+        """File position of the first batch whose last offset is >= ``offset``, or None.
+
+        Raises CorruptRecordError for an offset in the damaged part of the segment (see ``_locate``).
+        """
+        located = self._locate(offset)
+        return None if located is None else located[0]
+
+    def _locate(self, offset: int) -> tuple[int, int] | None:
+        """(file position, base offset) of the first batch whose last offset is >= ``offset``, or None.
+
+        The walk from the nearest index entry checks that each batch's base offset (outside its CRC)
+        follows on from the entry's: one that does not, or a batch whose framing is broken, marks the
+        segment damaged from there.
+        """
         if offset >= self.next_offset:
             return None
+        self._refuse_damaged(offset)
         i = bisect_right(self._rel_offsets, offset - self.base_offset) - 1
-        start = self._positions[i] if i >= 0 else 0
-        for pos, header in self._walk(start, validate=False, chunk=_LOOKUP_CHUNK):
-            if header.last_offset >= offset:
-                return pos
+        pos, expected = 0, self.base_offset
+        if i >= 0:
+            pos, expected = self._positions[i], self.base_offset + self._rel_offsets[i]
+        try:
+            for pos, header in self._walk(pos, validate=False, chunk=_LOOKUP_CHUNK):
+                if header.base_offset != expected:
+                    raise CorruptRecordError(f"batch offset {header.base_offset} does not follow {expected}")
+                if header.last_offset >= offset:
+                    return pos, expected
+                expected = header.last_offset + 1
+        except CorruptRecordError as exc:
+            self._mark_damaged(pos if exc.position is None else exc.position, expected, exc.reason)
+            self._refuse_damaged(offset)
         return None
 
-    def iter_headers(self, from_offset: int) -> Iterator[BatchHeader]:
-        """Headers of the batches from the one holding ``from_offset`` to the end."""
-        pos = self.find_position(from_offset)
-        if pos is None:
+    def _mark_damaged(self, position: int, offset: int, reason: str) -> None:
+        if self.damage is not None and self.damage.position <= position:
             return
-        for _, header in self._walk(pos, validate=False, chunk=_RECOVERY_CHUNK):
-            yield header
+        self.damage = Damage(position, offset, reason)
+        log.error("%s: damaged batch at offset %d (file position %d): %s; it and the rest of the segment are "
+                  "not served", self.path, offset, position, reason)
+
+    def _refuse_damaged(self, offset: int) -> None:
+        if self.damage is not None and offset >= self.damage.offset:
+            raise CorruptRecordError(f"offset {offset} of {self.path} is in its damaged part, from offset "
+                                     f"{self.damage.offset}: {self.damage.reason}")
+
+    def iter_headers(self, from_offset: int) -> Iterator[BatchHeader]:
+        """Headers of the batches from the one holding ``from_offset`` to the end, or to the first damaged one
+        (which marks the segment damaged there, as a read does)."""
+        try:
+            located = self._locate(from_offset)
+        except CorruptRecordError:
+            return  # ``from_offset`` lies in the damaged part
+        if located is None:
+            return
+        pos, expected = located
+        try:
+            for pos, header in self._walk(pos, validate=False, chunk=_RECOVERY_CHUNK):
+                if self.damage is not None and pos >= self.damage.position:
+                    return
+                if header.base_offset != expected:
+                    raise CorruptRecordError(f"batch offset {header.base_offset} does not follow {expected}")
+                yield header
+                expected = header.last_offset + 1
+        except CorruptRecordError as exc:
+            self._mark_damaged(pos if exc.position is None else exc.position, expected, exc.reason)
 
     def read(self, offset: int, max_bytes: int, upper_offset: int | None = None, *, min_one: bool = True) -> bytes:
         """Whole batches from the one holding ``offset``, only those with base offset below ``upper_offset``,
@@ -411,26 +531,66 @@ class Segment:
 
         Batch boundaries come from the sparse index: only the batches within one index interval of
         the cut are walked, so the cost does not grow with the number of (small) batches returned.
+        Batches not read before are CRC-checked; the read stops before a damaged one (not complete),
+        and raises CorruptRecordError if that is the first batch asked for.
         """
-        pos = self.find_position(offset)
-        if pos is None:
+        located = self._locate(offset)
+        if located is None:
             return b"", True, offset
+        pos, base = located
+        data, complete, end_offset = self._read_batches(pos, max_bytes, upper_offset, min_one=min_one)
+        if not data:
+            return data, complete, offset
+        good = self._check(pos, base, data)
+        if good < len(data):
+            self._refuse_damaged(offset)  # the batch asked for is the damaged one
+            return data[:good], False, self.damage.offset
+        if self.damage is not None and end_offset >= self.damage.offset:
+            complete = False  # stopped by the damage, not by the segment's end
+        return data, complete, end_offset
+
+    def _read_batches(self, pos: int, max_bytes: int, upper_offset: int | None, *, min_one: bool
+                      ) -> tuple[bytes, bool, int]:
+        """read_chunk's bytes from the batch at ``pos``, unchecked, up to the damage if any."""
         end, end_offset = self.size, self.next_offset
-        if upper_offset is not None and upper_offset < self.next_offset:
+        if self.damage is not None:
+            end, end_offset = self.damage.position, self.damage.offset
+        if upper_offset is not None and upper_offset < end_offset:
             end, end_offset = self._first_batch_from(upper_offset)
             if end <= pos:
-                return b"", True, offset
+                return b"", True, end_offset
         if end - pos <= max_bytes:
             return os.pread(self._fd, end - pos, pos), True, end_offset
         cut, cut_offset = self._last_boundary_within(pos, pos + max_bytes)
         if cut > pos:
             return os.pread(self._fd, cut - pos, pos), False, cut_offset
         if not min_one:
-            return b"", False, offset
-        # The first batch alone exceeds max_bytes: it is returned whole (KIP-74).
+            return b"", False, end_offset
+        # The first batch alone exceeds max_bytes: it is returned whole (KIP-74). A damaged length is
+        # kept within the file, and the check finds the batch damaged.
         size = LOG_OVERHEAD + _PREFIX.unpack(os.pread(self._fd, LOG_OVERHEAD, pos))[1]
-        data = os.pread(self._fd, size, pos)
+        data = os.pread(self._fd, max(HEADER_SIZE, min(size, self.size - pos)), pos)
         return data, pos + size >= end, _next_offset(data, 0)
+
+    def _check(self, pos: int, base: int, data: bytes) -> int:
+        """How many leading bytes of ``data`` (read at ``pos``, starting with the batch with base offset
+        ``base``) hold intact batches: CRC-checks those not checked before and marks the first damaged one."""
+        at, expected, end = pos, base, pos + len(data)
+        while at < end:
+            checked_end = self._checked.end_of(at)
+            if checked_end is not None and checked_end >= end:
+                break
+            try:
+                header = validate_batch(data, at - pos)
+                if header.base_offset != expected:
+                    raise CorruptRecordError(f"batch offset {header.base_offset} does not follow {expected}")
+            except CorruptRecordError as exc:
+                self._mark_damaged(at, expected, exc.reason)
+                return at - pos
+            self._checked.add(at, at + header.size)
+            expected = header.last_offset + 1
+            at += header.size
+        return len(data)
 
     def _first_batch_from(self, offset: int) -> tuple[int, int]:
         """(file position, base offset) of the first batch whose base offset is >= ``offset`` (< next_offset)."""
@@ -506,7 +666,8 @@ class DetachedSync:
 
 
 class DetachedSeal:
-    """The seal of a rolled segment left to another thread: fsync its log, then write its index file."""
+    """The seal of a rolled segment left to another thread: fsync its log and transaction index, then write
+    its index file."""
 
     def __init__(self, segment: Segment, sync: DetachedSync, index: bytes) -> None:
         self._segment = segment
@@ -515,6 +676,7 @@ class DetachedSeal:
 
     def __call__(self) -> None:
         self._sync()
+        self._segment.txn_index.sync_file()
         self._segment._write_index(self._index)
 
     def discard(self) -> None:

@@ -7,6 +7,14 @@ the marker). A read_committed fetch of [start, end) needs the aborted transactio
 with last >= start and first < end. They are found from the segment holding ``start`` onwards, stopping
 at the first entry whose LSO is >= end: every later transaction began at or after that LSO.
 
+Unlike Kafka's, the file ends with a 34-byte seal record: version -1, the entry count, the offset below
+which the index holds every aborted transaction of the segment (the segment's end once it is sealed,
+the last marker's offset + 1 while it is active), the CRC-32C of the entries, and 0. Each append writes
+its entry and a new seal in one write, so every file this code leaves behind is sealed. An empty, cut,
+flipped or unsealed file (one from before seals) does not match its seal: ``load`` reports it as
+trusting nothing, and the partition log rebuilds it by replaying the log. Without the seal an empty
+file would pass for "no aborted transactions here", and read_committed readers would see aborted data.
+
 Entries are appended when a marker is written and fsynced when the segment is sealed or closed; the
 partition log re-derives entries after its newest producer snapshot by replaying the log, so a torn or
 missing tail is repaired on open (``load`` reports how far the file can be trusted).
@@ -17,7 +25,7 @@ Example::
     index.append(AbortedTxn(producer_id=7, first_offset=3, last_offset=42, last_stable_offset=43))
     found: list[tuple[int, int]] = []
     complete = index.collect(start=0, end=50, out=found)   # found == [(7, 3)]
-    index.flush(); index.close()
+    index.seal(end_offset=120)                             # fsynced and released
 """
 
 from __future__ import annotations
@@ -29,12 +37,15 @@ from array import array
 from bisect import bisect_left
 from dataclasses import dataclass
 
+import crc32c
+
 from twophase.durable import atomic_write, unlink_quietly
 
 log = logging.getLogger(__name__)
 
 ENTRY = struct.Struct(">hqqqq")
 VERSION = 0
+SEAL_VERSION = -1  # the last record: (SEAL_VERSION, entry count, complete-below offset, CRC-32C of the entries, 0)
 SUFFIX = ".txnindex"
 
 _fdatasync = getattr(os, "fdatasync", os.fsync)
@@ -55,36 +66,37 @@ class AbortedTxn:
 
 
 class TransactionIndex:
-    """Aborted transactions of one segment, held in memory and mirrored in its file."""
+    """Aborted transactions of one segment, held in memory and mirrored in its sealed file."""
 
     def __init__(self, path: str, base_offset: int) -> None:
         self.path = path
         self.base_offset = base_offset
-        self.trusted_until = base_offset  # entries for markers below this offset are known complete
+        self.trusted_until = base_offset  # every aborted transaction with its marker below this is here
         self._producer_ids = array("q")
         self._first = array("q")
         self._last = array("q")
         self._lso = array("q")
+        self._crc = 0  # CRC-32C of the entries' bytes, for the seal
         self._fd = -1
         self._dirty = False
-        self._file_matches = False  # whether the file holds exactly the entries in memory
+        self._file_matches = False  # whether the file holds exactly the entries in memory and their seal
 
     @classmethod
     def create(cls, directory: str, base_offset: int) -> TransactionIndex:
-        """A new, empty index file for a new segment (the caller fsyncs the directory)."""
+        """A new index file for a new segment, holding only its seal (the caller fsyncs the directory)."""
         index = cls(txn_index_path(directory, base_offset), base_offset)
-        with open(index.path, "wb"):
-            pass
+        with open(index.path, "wb") as f:
+            f.write(index._seal_record())
         index._file_matches = True
         return index
 
     @classmethod
     def load(cls, directory: str, base_offset: int, next_offset: int) -> TransactionIndex:
-        """Read the index of the segment holding offsets [base_offset, next_offset).
+        """Read the index of the segment holding offsets [base_offset, next_offset), checked against its seal.
 
-        ``trusted_until`` tells how far the result is complete: ``next_offset`` for an intact file or one
-        with entries beyond the log end (dropped), the offset after the last whole entry for a torn tail
-        (dropped), ``base_offset`` for a missing or inconsistent file (no entries kept). The caller
+        ``trusted_until`` tells how far the result is complete: the seal's offset for an intact file,
+        ``next_offset`` for one with entries beyond the log end (dropped), ``base_offset`` (no entries
+        kept) for a missing file or one that does not match its seal or its segment. The caller
         re-derives entries from there.
         """
         index = cls(txn_index_path(directory, base_offset), base_offset)
@@ -95,28 +107,39 @@ class TransactionIndex:
             if next_offset > base_offset:
                 log.warning("%s: missing, will be rebuilt from the log", index.path)
             return index
-        whole = len(raw) - len(raw) % ENTRY.size
-        prev_last = base_offset - 1
-        for version, pid, first, last, lso in ENTRY.iter_unpack(raw[:whole]):
-            if last >= next_offset and last > prev_last:
-                # Written in marker order, so everything before is complete: the log lost its tail.
-                log.warning("%s: dropping entries beyond the log end %d", index.path, next_offset)
-                index.trusted_until = next_offset
-                return index
-            if version != VERSION or last <= prev_last or first > last or pid < 0:
-                log.warning("%s: inconsistent entry for marker offset %d, will be rebuilt from the log",
-                            index.path, last)
-                index._clear()
-                return index
-            index._add(AbortedTxn(pid, first, last, lso))
-            prev_last = last
-        if whole < len(raw):
-            log.warning("%s: dropping a torn tail of %d bytes", index.path, len(raw) - whole)
-            index.trusted_until = prev_last + 1 if len(index) else base_offset
-        else:
-            index.trusted_until = next_offset
-            index._file_matches = True
+        problem = index._read(raw, next_offset)
+        if problem is not None:
+            log.warning("%s: %s; will be rebuilt from the log", index.path, problem)
+            index._clear()
+            index.trusted_until = base_offset
         return index
+
+    def _read(self, raw: bytes, next_offset: int) -> str | None:
+        """Load ``raw`` into this index; returns what is wrong with it, None if it can be used."""
+        if not raw or len(raw) % ENTRY.size:
+            return f"{len(raw)} bytes, not whole entries and a seal (cut or emptied)"
+        version, count, sealed_until, crc, _ = ENTRY.unpack_from(raw, len(raw) - ENTRY.size)
+        entries = raw[: -ENTRY.size]
+        if version != SEAL_VERSION:
+            return "no seal record (damaged, or written before indexes were sealed)"
+        if count != len(entries) // ENTRY.size or crc != crc32c.crc32c(entries):
+            return f"does not match its seal ({count} entries, CRC {crc:#010x})"
+        prev_last = self.base_offset - 1
+        for version, pid, first, last, lso in ENTRY.iter_unpack(entries):
+            if version != VERSION or last <= prev_last or first > last or pid < 0 or last >= sealed_until:
+                return f"inconsistent entry for marker offset {last}"
+            if last >= next_offset:
+                # Written in marker order, so everything before is complete: the log lost its tail.
+                log.warning("%s: dropping entries beyond the log end %d", self.path, next_offset)
+                self.trusted_until = next_offset
+                self._crc = crc32c.crc32c(entries[: len(self) * ENTRY.size])
+                return None
+            self._add(AbortedTxn(pid, first, last, lso))
+            prev_last = last
+        self.trusted_until = min(sealed_until, next_offset)
+        self._crc = crc
+        self._file_matches = sealed_until <= next_offset
+        return None
 
     # -- queries -----------------------------------------------------------------------------------
 
@@ -151,13 +174,32 @@ class TransactionIndex:
         """Record an aborted transaction whose marker follows every entry already here."""
         if len(self) and txn.last_offset <= self._last[-1]:
             raise ValueError(f"marker offset {txn.last_offset} does not follow {self._last[-1]}")
-        if self._fd < 0:
-            self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        data = ENTRY.pack(VERSION, txn.producer_id, txn.first_offset, txn.last_offset, txn.last_stable_offset)
-        if os.write(self._fd, data) != len(data):
-            raise OSError(f"short write to {self.path}")
-        self._dirty = True
+        entry = ENTRY.pack(VERSION, txn.producer_id, txn.first_offset, txn.last_offset, txn.last_stable_offset)
+        crc = crc32c.crc32c(entry, self._crc)
+        # The entry and the seal that covers it in one write: a killed process leaves the old or the new file.
+        data = entry + ENTRY.pack(SEAL_VERSION, len(self) + 1, txn.last_offset + 1, crc, 0)
+        self._write(data)
         self._add(txn)
+        self._crc = crc
+        self.trusted_until = txn.last_offset + 1
+
+    def seal(self, end_offset: int, *, sync: bool = True) -> None:
+        """The segment ends at ``end_offset`` (it is sealed or closed): say so in the seal, fsync (with
+        ``sync``; else see ``sync_file``) and release the file."""
+        try:
+            if self.trusted_until != end_offset or not self._file_matches:
+                self.trusted_until = end_offset
+                self._write(self._seal_record())
+        finally:
+            self.close(sync=sync)
+
+    def sync_file(self) -> None:
+        """fdatasync the file through a descriptor of its own (after ``seal(sync=False)``; any thread)."""
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            _fdatasync(fd)
+        finally:
+            os.close(fd)
 
     def truncate_from(self, offset: int) -> None:
         """Drop entries whose marker is at or after ``offset``; rewrites the file (atomically) if it differs."""
@@ -167,10 +209,13 @@ class TransactionIndex:
         kept = self.entries()[:keep]
         self.close()
         self._clear()
-        atomic_write(self.path, b"".join(
-            ENTRY.pack(VERSION, t.producer_id, t.first_offset, t.last_offset, t.last_stable_offset) for t in kept))
         for txn in kept:
             self._add(txn)
+        self.trusted_until = max(self.base_offset, min(self.trusted_until, offset))
+        entries = b"".join(
+            ENTRY.pack(VERSION, t.producer_id, t.first_offset, t.last_offset, t.last_stable_offset) for t in kept)
+        self._crc = crc32c.crc32c(entries)
+        atomic_write(self.path, entries + self._seal_record())
         self._file_matches = True
 
     def flush(self) -> None:
@@ -194,6 +239,20 @@ class TransactionIndex:
         self.close(sync=False)  # going away
         unlink_quietly(self.path)
 
+    def _seal_record(self) -> bytes:
+        return ENTRY.pack(SEAL_VERSION, len(self), self.trusted_until, self._crc, 0)
+
+    def _write(self, data: bytes) -> None:
+        """Write ``data`` over the seal (at the end of the entries): the file then ends with ``data``."""
+        if self._fd < 0:
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o644)
+        at = len(self) * ENTRY.size
+        if os.pwrite(self._fd, data, at) != len(data):
+            raise OSError(f"short write to {self.path}")
+        os.ftruncate(self._fd, at + len(data))  # nothing of a longer file may follow the seal
+        self._dirty = True
+        self._file_matches = True
+
     def _add(self, txn: AbortedTxn) -> None:
         self._producer_ids.append(txn.producer_id)
         self._first.append(txn.first_offset)
@@ -203,3 +262,4 @@ class TransactionIndex:
     def _clear(self) -> None:
         for column in (self._producer_ids, self._first, self._last, self._lso):
             del column[:]
+        self._crc = 0

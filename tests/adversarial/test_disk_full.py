@@ -1,0 +1,147 @@
+"""A full disk: the broker's data directory on a small tmpfs that a filler file fills up, or an fsync that
+fails for want of space.
+
+Produce answers KAFKA_STORAGE_ERROR at once (per partition) while there is no space, leaves nothing
+half-written behind, and works again once space is back, without a restart; a consumer then reads
+every acknowledged record once and nothing that was refused.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import subprocess
+from collections.abc import Iterator
+
+import pytest
+from confluent_kafka import Producer as ConfluentProducer
+
+from tests.broker.batches import batch
+from tests.broker.conftest import WireClient, only_partition, produce_request
+from tests.waiting import wait_for, wait_until
+from twophase.broker.storage import segment as segment_module
+from twophase.client import Admin, Consumer
+
+KAFKA_STORAGE_ERROR = 56
+VALUE_BYTES = 16 * 1024  # more than a page: a write cannot fit in what the last page of a file has left
+END = b"end"
+
+
+@pytest.fixture
+def small_disk(tmp_path) -> Iterator[str]:
+    """A 4 MiB tmpfs mounted for the test (skipped where mounting is not permitted)."""
+    mountpoint = tmp_path / "disk"
+    mountpoint.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mountpoint)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    try:
+        yield str(mountpoint)
+    finally:
+        subprocess.run(["umount", "-l", str(mountpoint)], check=True)
+
+
+def fill(directory: str) -> str:
+    """Write a filler file until the disk is full; returns its path."""
+    path = os.path.join(directory, "filler")
+    with open(path, "wb", buffering=0) as f:
+        with pytest.raises(OSError) as full:
+            while True:
+                f.write(b"\0" * 4096)
+    assert full.value.errno == errno.ENOSPC
+    return path
+
+
+def test_disk_full_answers_storage_error_at_once_and_recovers_when_space_returns(
+        small_disk, broker_factory, topic, caplog):
+    caplog.set_level(logging.INFO, logger="twophase.broker")
+    broker = broker_factory(data_dir=os.path.join(small_disk, "data"))
+    with Admin(broker.bootstrap) as admin:
+        admin.create_topics({topic: 1})
+    acked: list[bytes] = []
+    failed: list[str] = []
+
+    def delivered(err, msg) -> None:
+        if err is None:
+            acked.append(msg.value())
+        else:
+            failed.append(str(err))
+
+    producer = ConfluentProducer({"bootstrap.servers": broker.bootstrap, "enable.idempotence": True,
+                                  "linger.ms": 0, "message.timeout.ms": 120_000})
+    producer.produce(topic, b"before".ljust(VALUE_BYTES, b"."), partition=0, on_delivery=delivered)
+    assert producer.flush(30) == 0 and len(acked) == 1  # the producer id is taken before the disk fills
+
+    filler = fill(small_disk)
+    refused = batch([b"refused".ljust(VALUE_BYTES, b".")])
+    with WireClient(broker.port) as wire:
+        answer = only_partition(wire.request(produce_request(topic, refused)))
+        assert answer.error_code == KAFKA_STORAGE_ERROR  # at once, for this partition
+        # The librdkafka producer is refused too, and retries.
+        for i in range(5):
+            producer.produce(topic, b"during-%d" % i + b".".rjust(VALUE_BYTES, b"."), partition=0,
+                             on_delivery=delivered)
+        producer.poll(0)
+        wait_until(lambda: sum("refused" in r.getMessage() for r in caplog.records) >= 2,
+                   what="the producer's batch refused too")
+        assert len(acked) == 1 and not failed
+
+        os.unlink(filler)  # space returns: no restart
+        assert producer.flush(60) == 0
+        assert not failed and len(acked) == 6
+        answer = only_partition(wire.request(produce_request(topic, batch([END]))))
+        assert answer.error_code == 0
+    assert "space is back" in caplog.text
+
+    assert read_to_end(broker.bootstrap, topic) == acked  # each acknowledged record once, in order; no refused one
+
+
+def read_to_end(bootstrap: str, topic: str) -> list[bytes]:
+    """The values of partition 0 before END, with twophase.client."""
+    with Consumer(bootstrap) as consumer:
+        consumer.assign([(topic, 0)])
+        values: list[bytes] = []
+
+        def saw_end() -> bool:
+            for m in consumer.poll(timeout_s=0.5):
+                if m.value == END:
+                    return True
+                values.append(m.value)
+            return False
+
+        wait_for(saw_end, what="END")
+    return values
+
+
+def test_a_partition_offline_after_a_failed_fsync_comes_back_without_a_restart(
+        broker_factory, topic, monkeypatch, caplog):
+    """A failed fsync (ENOSPC, as thin-provisioned or network storage reports a full disk) takes the partition
+    offline: produce answers KAFKA_STORAGE_ERROR at once. Once fsyncs succeed again a later produce brings it
+    back, cut back to what was acknowledged: the batch whose fsync failed is nowhere."""
+    caplog.set_level(logging.WARNING, logger="twophase.broker.storage")
+    broker = broker_factory()
+    with Admin(broker.bootstrap) as admin:
+        admin.create_topics({topic: 1})
+    real_fdatasync = segment_module._fdatasync
+    disk_full = True
+
+    def fdatasync(fd: int) -> None:
+        if disk_full:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_fdatasync(fd)
+
+    with WireClient(broker.port) as wire:
+        def produce(value: bytes) -> int:
+            return only_partition(wire.request(produce_request(topic, batch([value])))).error_code
+
+        assert produce(b"acked") == 0
+        monkeypatch.setattr(segment_module, "_fdatasync", fdatasync)
+        assert produce(b"written, fsync failed") == KAFKA_STORAGE_ERROR
+        assert produce(b"refused, offline") == KAFKA_STORAGE_ERROR  # at once: nothing is written
+        disk_full = False
+        wait_until(lambda: produce(b"after") == 0, what="the partition back online")  # no restart
+        assert produce(END) == 0
+    assert "back online" in caplog.text and "dropping" in caplog.text
+    assert read_to_end(broker.bootstrap, topic) == [b"acked", b"after"]
