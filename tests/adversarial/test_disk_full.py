@@ -93,6 +93,7 @@ def test_disk_full_answers_storage_error_at_once_and_recovers_when_space_returns
         assert not failed and len(acked) == 6
         answer = only_partition(wire.request(produce_request(topic, batch([END]))))
         assert answer.error_code == 0
+    del producer  # librdkafka's descriptors go with the last reference (it has no close())
     assert "space is back" in caplog.text
 
     assert read_to_end(broker.bootstrap, topic) == acked  # each acknowledged record once, in order; no refused one

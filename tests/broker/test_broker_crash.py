@@ -194,6 +194,8 @@ class NumberedProducer(threading.Thread):
         except BaseException as exc:  # reported by the test
             self.crashed = exc
         finally:
+            # The producer holds callbacks bound to self: drop it, or only a garbage collection frees it.
+            self.producer = None
             with self._cond:
                 self._cond.notify_all()
 
@@ -250,6 +252,7 @@ def test_idempotent_producer_across_broker_sigkill(broker_process):
     topic = f"crash-{uuid.uuid4().hex[:8]}"
     admin = AdminClient({"bootstrap.servers": broker_process.bootstrap})
     admin.create_topics([NewTopic(topic, PARTITIONS, 1)])[topic].result(timeout=30)
+    del admin  # librdkafka's descriptors go with the last reference (it has no close())
 
     producer = NumberedProducer(broker_process.bootstrap, topic)
     producer.start()
