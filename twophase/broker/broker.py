@@ -13,7 +13,7 @@ Inside a running event loop use the async API instead::
     ...
     await broker.stop_async()
 
-What lives in the data directory besides the storage layer's files (``topics.json``, ``.lock``,
+What lives in the data directory besides the storage layer's files (``topics.json``,
 one ``<topic>-<partition>/`` per partition): ``broker.json`` (cluster id, written once),
 ``producer-ids.json`` (the next unreserved producer id) and ``groups/`` (committed offsets,
 one file per group) and ``transactions/`` (the transaction log, twophase.broker.txn). Producer
@@ -38,7 +38,7 @@ from typing import Literal
 from .groups import GroupCoordinator
 from .server import DEFAULT_MAX_REQUEST_BYTES, Dispatcher, KafkaServer
 from .group_commit import GroupCommit
-from .storage import LogConfig, LogManager, TopicInfo, run_flushes
+from .storage import LogConfig, LogManager, MetadataFileError, TopicInfo, run_flushes
 from .txn import TXN_DIR, Failpoint, TransactionCoordinator, TxnSettings
 from twophase.durable import atomic_write
 from twophase.wire.errors import UnknownTopicOrPartitionError
@@ -327,11 +327,20 @@ class Broker:
         log.info("new data directory %s: cluster id %s", self.data_dir, self.cluster_id)
 
     def _load_producer_ids(self) -> None:
+        path = os.path.join(self.data_dir, PRODUCER_IDS_FILE)
         try:
-            with open(os.path.join(self.data_dir, PRODUCER_IDS_FILE)) as f:
-                self._next_producer_id = int(json.load(f)["next_unreserved"])
+            with open(path) as f:
+                raw = json.load(f)
         except FileNotFoundError:
-            self._next_producer_id = 0
+            raw = {"next_unreserved": 0}
+        except (OSError, ValueError) as exc:
+            raise MetadataFileError(f"{path} is unreadable ({exc}): restore it") from exc
+        next_id = raw.get("next_unreserved") if isinstance(raw, dict) else None
+        if isinstance(next_id, bool) or not isinstance(next_id, int) or next_id < 0:
+            # Guessing could hand out an id twice: the operator restores the file or sets it above every id issued.
+            raise MetadataFileError(f"{path} holds no \"next_unreserved\" integer >= 0: restore it, or write "
+                                    '{"version": 1, "next_unreserved": N} with N above every producer id issued')
+        self._next_producer_id = next_id
         self._reserved_producer_ids = self._next_producer_id
 
     def allocate_producer_id(self) -> int:
@@ -362,7 +371,7 @@ class Broker:
     def auto_create_topic(self, name: str) -> TopicInfo:
         """Create ``name`` with the default partition count; raises KafkaError (bad name...)."""
         info = self.logs.create_topic(name, self.config.default_partitions)
-        log.info("auto-created topic %s with %d partitions", name, info.partitions)
+        log.info("auto-created topic %r with %d partitions", name, info.partitions)
         return info
 
     def delete_topic(self, name: str) -> None:

@@ -5,3 +5,10 @@ from __future__ import annotations
 
 class DataDirLockedError(RuntimeError):
     """Another process (or LogManager) already holds the data directory."""
+
+
+class MetadataFileError(ValueError):
+    """A broker state file (``topics.json``, ``producer-ids.json``) is unreadable or not what the broker wrote.
+
+    The message names the file and what is wrong with it; the broker refuses to start rather than guess.
+    """
