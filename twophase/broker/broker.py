@@ -48,6 +48,9 @@ log = logging.getLogger("twophase.broker")
 BROKER_FILE = "broker.json"
 PRODUCER_IDS_FILE = "producer-ids.json"
 PRODUCER_ID_BLOCK = 1000
+# The smallest max_request_bytes allowed: every client's first requests (ApiVersions, Metadata of many
+# topics, FindCoordinator, InitProducerId, JoinGroup) fit well within it; below it no client could talk.
+MIN_MAX_REQUEST_BYTES = 64 * 1024
 GROUPS_DIR = "groups"  # committed offsets (twophase.broker.groups.offsets)
 
 
@@ -80,6 +83,11 @@ class BrokerConfig:
     def __post_init__(self) -> None:
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
             raise ValueError(f"port must be between 0 and 65535, not {self.port!r}")
+        if not isinstance(self.host, str) or not self.host.strip():  # "" would bind every interface unsaid
+            raise ValueError(f"host must name an address (0.0.0.0 for every interface), not {self.host!r}")
+        if self.max_request_bytes < MIN_MAX_REQUEST_BYTES:
+            raise ValueError(f"max_request_bytes must be at least {MIN_MAX_REQUEST_BYTES} (64 KiB) for clients "
+                             f"to talk, not {self.max_request_bytes!r}")
         if not 1 <= self.default_partitions <= self.max_partitions_per_topic:
             raise ValueError("default_partitions must be between 1 and max_partitions_per_topic")
         if self.fsync != "always" and (isinstance(self.fsync, bool) or not isinstance(self.fsync, int)
