@@ -96,7 +96,7 @@ def epoch_numbers(client: KazooClient, path: str) -> list[int]:
     """The children of an ``epochs`` znode as epoch numbers, ascending; RecordError on a name that is not one."""
     names = children(client, path)
     if bad := [n for n in names if not n.isdigit()]:
-        raise RecordError(f"znode {path}: child {bad[0]!r} is not an epoch number")
+        raise RecordError(f"znode {path}/{bad[0]}: its name is not an epoch number")
     return sorted(int(n) for n in names)
 
 
