@@ -10,6 +10,7 @@ import uuid
 import pytest
 
 from twophase.broker.storage import DataDirLockedError, LogConfig, LogManager, TopicInfo, run_flushes
+from twophase.broker.storage.manager import DELETING_MARKER
 from twophase.wire.errors import (
     InvalidConfigError,
     InvalidPartitionsError,
@@ -127,18 +128,36 @@ def test_directories_topics_json_does_not_name_are_recovered_not_removed(data_di
     manager.partition("t", 1).append(batch([b"old"]), 0)
     manager.create_topic("empty", 1)
     manager.close()
-    # topics.json lost its entries (a delete interrupted after the metadata update looks the same).
+    # topics.json lost its entries (a crash in a delete after the metadata update looks the same).
     with open(os.path.join(data_dir, "topics.json"), "w") as f:
         json.dump({"version": 1, "topics": {}}, f)
     reopened = LogManager(data_dir)
-    assert {name: info.partitions for name, info in reopened.topics().items()} == {"t": 2, "empty": 1}
+    assert {name: info.partitions for name, info in reopened.topics().items()} == {"t": 2}
     assert reopened.topics()["t"].config == {}  # the overrides were in the lost entry
     assert reopened.partition("t", 1).high_watermark == 1
     assert "'t' (2 partitions)" in caplog.text and "recovered" in caplog.text
     with pytest.raises(TopicAlreadyExistsError):
         reopened.create_topic("t", 1)
+    reopened.create_topic("empty", 3)  # held no records: nothing to recover, its leftovers are replaced
     reopened.close()
     assert set(LogManager(data_dir).topics()) == {"t", "empty"}  # written back to topics.json
+
+
+def test_a_delete_cut_short_by_a_crash_is_finished_at_start(data_dir, caplog):
+    manager = LogManager(data_dir)
+    manager.create_topic("t", 2)
+    for p in range(2):
+        manager.partition("t", p).append(batch([b"old"]), 0)
+    manager.close()
+    # The crash came after topics.json dropped the topic and the first partition was marked.
+    with open(os.path.join(data_dir, "topics.json"), "w") as f:
+        json.dump({"version": 1, "topics": {}}, f)
+    open(os.path.join(data_dir, "t-0", DELETING_MARKER), "w").close()
+    reopened = LogManager(data_dir)
+    assert reopened.topics() == {} and not {"t-0", "t-1"} & set(os.listdir(data_dir))
+    assert "finishing the delete of topic 't' a crash cut short" in caplog.text
+    reopened.create_topic("t", 1)
+    assert reopened.partition("t", 0).high_watermark == 0
 
 
 def test_empty_leftovers_are_replaced_records_never(data_dir):

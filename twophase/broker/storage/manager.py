@@ -2,10 +2,12 @@
 
 ``topics.json`` (topic id, partition count and config overrides per topic) is the source of truth and is
 replaced atomically; it is validated on load (a damaged one stops the start with a message naming it).
-Partition directories it does not name (``topics.json`` lost, or a crash during a create or a delete)
-are recovered at start as topics with default configs, with a WARNING naming them; the manager never
-removes a directory holding records that no topic of its own owns. An flock on the data directory
-itself (not on a file in it, which an operator could delete) keeps a second broker off it.
+Partition directories holding records that it does not name (``topics.json`` lost) are recovered at
+start as topics with default configs, with a WARNING naming them; the manager never removes a
+directory holding records unless it marked it itself (``.deleting``, written by a delete before the
+files go, so a delete cut by a crash is finished at the next start, not half undone). An flock on
+the data directory itself (not on a file in it, which an operator could delete) keeps a second broker
+off it.
 
 Example::
 
@@ -51,6 +53,7 @@ from .log import PartitionLog
 log = logging.getLogger(__name__)
 
 METADATA_FILE = "topics.json"
+DELETING_MARKER = ".deleting"  # in a partition directory: its topic was deleted, its files are the broker's to remove
 MAX_TOPIC_NAME = 249
 _LEGAL_TOPIC = re.compile(r"[a-zA-Z0-9._-]+")
 
@@ -98,6 +101,18 @@ def _holds_records(directory: str) -> bool:
     return any(entry.name.endswith(".log") and entry.stat().st_size > 0 for entry in os.scandir(directory))
 
 
+def _being_deleted(directory: str) -> bool:
+    return os.path.exists(os.path.join(directory, DELETING_MARKER))
+
+
+def _mark_for_deletion(directory: str) -> None:
+    try:
+        os.close(os.open(os.path.join(directory, DELETING_MARKER), os.O_WRONLY | os.O_CREAT, 0o644))
+    except FileNotFoundError:
+        return  # no directory: nothing to delete
+    fsync_dir(directory)
+
+
 def _lock_directory(data_dir: str) -> int:
     """An exclusive flock on ``data_dir`` itself, held by the returned descriptor.
 
@@ -143,6 +158,7 @@ class LogManager:
         self._logs: dict[tuple[str, int], PartitionLog] = {}
         try:
             self._topics: dict[str, TopicInfo] = self._load_metadata() or {}
+            self._finish_deletes()
             self._recover_unlisted_topics()
             self._warn_orphans()
             for name, info in self._topics.items():
@@ -195,19 +211,43 @@ class LogManager:
                 out.append((entry, *parts))
         return out
 
+    def _unlisted_dirs(self) -> list[tuple[str, str, int]]:
+        """Partition directories that are not a partition of a topic in ``topics.json``."""
+        return [(entry, topic, p) for entry, topic, p in self._partition_dirs()
+                if topic not in self._topics or p >= self._topics[topic].partitions]
+
+    def _finish_deletes(self) -> None:
+        """Remove what a delete cut short by a crash left: every unlisted directory of a topic with a marked one.
+
+        Topic-wide, as the crash may have come before every partition was marked.
+        """
+        unlisted = self._unlisted_dirs()
+        deleted = {topic for entry, topic, _ in unlisted if _being_deleted(os.path.join(self.data_dir, entry))}
+        for entry, topic, _ in unlisted:
+            if topic in deleted:
+                log.warning("%s: finishing the delete of topic %r a crash cut short: removing %s", self.data_dir,
+                            topic, entry)
+                shutil.rmtree(os.path.join(self.data_dir, entry))
+
     def _recover_unlisted_topics(self) -> None:
-        """Adopt partition directories of topics ``topics.json`` does not name, rather than lose them later.
+        """Adopt partition directories holding records of topics ``topics.json`` does not name.
 
         Partitions 0..n-1 found make a topic of n partitions with default configs and a new topic id
-        (what ``topics.json`` held of it is gone); a name CreateTopics would refuse, or a topic without
-        partition 0, stays an orphan directory (``_warn_orphans``).
+        (what ``topics.json`` held of it is gone). A topic none of whose directories holds records has
+        nothing to lose and is not recovered; a name CreateTopics would refuse, or a topic without
+        partition 0, stays an orphan directory (``_warn_orphans``); creating it over records is refused.
         """
         found: dict[str, set[int]] = {}
-        for _, topic, p in self._partition_dirs():
+        with_records: set[str] = set()
+        for entry, topic, p in self._unlisted_dirs():
             if topic not in self._topics:
                 found.setdefault(topic, set()).add(p)
+                if _holds_records(os.path.join(self.data_dir, entry)):
+                    with_records.add(topic)
         recovered = []
         for topic, numbers in sorted(found.items()):
+            if topic not in with_records:
+                continue
             count = next(p for p in range(len(numbers) + 1) if p not in numbers)
             try:
                 self._check_name_and_partitions(topic, count)
@@ -248,7 +288,8 @@ class LogManager:
         """
         self._check_name_and_partitions(name, partitions)
         for entry, topic, _ in self._partition_dirs():
-            if topic == name and _holds_records(os.path.join(self.data_dir, entry)):
+            directory = os.path.join(self.data_dir, entry)
+            if topic == name and _holds_records(directory) and not _being_deleted(directory):
                 raise TopicAlreadyExistsError(
                     f"directory {entry!r} holds records of a topic {name!r} this broker does not know; it is "
                     "never overwritten: move it away to create the topic, or restart the broker to recover it")
@@ -275,7 +316,7 @@ class LogManager:
         info = TopicInfo(_new_topic_id(), partitions, self.check_new_topic(name, partitions, config))
         opened: list[PartitionLog] = []
         try:
-            # Empty leftovers (check_new_topic refused any holding records) must not resurface as its data.
+            # Empty or marked leftovers (check_new_topic refused any others) must not resurface as its data.
             for entry, topic, _ in self._partition_dirs():
                 if topic == name:
                     shutil.rmtree(os.path.join(self.data_dir, entry))
@@ -314,6 +355,10 @@ class LogManager:
         remaining = {k: v for k, v in self._topics.items() if k != name}
         self._save_metadata(remaining)
         self._topics = remaining
+        # Marked (after topics.json no longer names them, before any file goes): a crash from here on is
+        # finished at the next start instead of bringing part of the topic back.
+        for p in range(info.partitions):
+            _mark_for_deletion(self._dir(name, p))
         for p in range(info.partitions):
             partition_log = self._logs.pop((name, p), None)
             if partition_log is not None:
