@@ -439,7 +439,7 @@ class AppCoordinator:
             try:
                 previous = read_object(self.client, path, {"count": 0})
                 previous["count"] = int(previous.get("count", 0))
-            except (RecordError, TypeError, ValueError) as e:  # overwritten below: losing the count must not stop phase two
+            except (RecordError, TypeError, ValueError) as e:  # rewritten below: must not stop phase two
                 log.warning("app %s: failure record %s unreadable (%s); its try count restarts", self.app, path, e)
                 previous = {"count": 0}
             failure = {"operation": operation.value, "error": repr(error), "count": previous["count"] + tries,

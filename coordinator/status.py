@@ -117,7 +117,8 @@ def read_status(client: KazooClient, paths: AppPaths, signer: Signer) -> AppStat
     except NoNodeError:
         owner = None
     queries = tuple(_query_status(client, paths.query(qid), signer) for qid in children(client, paths.queries))
-    return AppStatus(paths.app, paths.root, config.get("coordinator"), owner, queries, _sink_error(client, paths, signer))
+    return AppStatus(paths.app, paths.root, config.get("coordinator"), owner, queries,
+                     _sink_error(client, paths, signer))
 
 
 def _sink_error(client: KazooClient, paths: AppPaths, signer: Signer) -> str | None:

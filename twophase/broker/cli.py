@@ -56,7 +56,8 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--host", type=non_empty("an address (0.0.0.0 for every interface)"),
                    default="127.0.0.1", help="address to listen on, 0.0.0.0 for all (default %(default)s)")
     p.add_argument("--port", type=_int_from(0, 65535), default=9092, help="port to listen on, 0 for any (default %(default)s)")
-    p.add_argument("--advertised-host", type=non_empty("a host name"), help="host name given to clients in Metadata (default: --host)")
+    p.add_argument("--advertised-host", type=non_empty("a host name"),
+                   help="host name given to clients in Metadata (default: --host)")
     p.add_argument("--default-partitions", type=_positive, default=1,
                    help="partitions of auto-created topics and of CreateTopics with -1 (default %(default)s)")
     p.add_argument("--no-auto-create-topics", dest="auto_create_topics", action="store_false",
