@@ -157,7 +157,7 @@ class LogManager:
         self._lock_fd = _lock_directory(data_dir)
         self._logs: dict[tuple[str, int], PartitionLog] = {}
         try:
-            self._topics: dict[str, TopicInfo] = self._load_metadata() or {}
+            self._topics: dict[str, TopicInfo] = self._load_metadata()
             self._finish_deletes()
             self._recover_unlisted_topics()
             self._warn_orphans()
@@ -173,14 +173,14 @@ class LogManager:
     def _metadata_path(self) -> str:
         return os.path.join(self.data_dir, METADATA_FILE)
 
-    def _load_metadata(self) -> dict[str, TopicInfo] | None:
-        """The topics ``topics.json`` names; None without the file; MetadataFileError if it is damaged."""
+    def _load_metadata(self) -> dict[str, TopicInfo]:
+        """The topics ``topics.json`` names (none without the file); MetadataFileError if it is damaged."""
         path = self._metadata_path()
         try:
             with open(path, "rb") as f:
                 raw = json.load(f)
         except FileNotFoundError:
-            return None
+            return {}
         except (OSError, ValueError) as exc:
             raise MetadataFileError(
                 f"{path} is unreadable ({exc}); restore it, or move it away: the broker then recovers the "
@@ -342,7 +342,7 @@ class LogManager:
         for p in range(partitions):
             shutil.rmtree(self._dir(name, p), ignore_errors=True)
         try:
-            if name in (self._load_metadata() or {}):  # the failure came after topics.json was replaced
+            if name in self._load_metadata():  # the failure came after topics.json was replaced (its dir fsync)
                 self._save_metadata(self._topics)
         except OSError as exc:
             log.warning("%s: restoring %s after a failed create: %s", self.data_dir, METADATA_FILE, exc)
