@@ -41,8 +41,9 @@ from coordinator.precommits import Attempt, PrecommitRegistry
 from coordinator.report import (AbortReason, AttemptAborted, AttemptCleanedUp, EpochBlocked, EpochCommitted,
                                 EpochSkipped, Operation, OperationFailed, PassReport, Record, SkipReason)
 from coordinator.state import EPOCH_TRANSITIONS, EpochRecord, EpochState
-from coordinator.zk import children, dump, read_json
+from coordinator.zk import RecordError, children, dump, epoch_numbers, read_epoch, read_object
 from twophase.checkpoint import completed_epochs
+from twophase.cli_args import check_positive_seconds
 from twophase.signing import Signer
 from twophase.sink import AbortFailed, CommitFailed, TwoPhaseCommitSink
 
@@ -62,6 +63,16 @@ class CommitPolicy:
     retain_epochs: int = 10       # committed epoch records kept for `twophase status`
     poll_interval: float = 2.0
     max_commit_threads: int = 16  # upper bound on the sink's own commit_concurrency
+
+    def __post_init__(self) -> None:
+        for name in ("attempts", "max_commit_threads"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, not {value!r}")
+        if isinstance(self.retain_epochs, bool) or not isinstance(self.retain_epochs, int) or self.retain_epochs < 0:
+            raise ValueError(f"retain_epochs must be an integer >= 0, not {self.retain_epochs!r}")
+        check_positive_seconds(self.poll_interval, "poll_interval")  # 0 or NaN: a loop that spins
+        check_positive_seconds(self.max_backoff, "max_backoff")
 
 
 @dataclass(frozen=True)
@@ -115,7 +126,7 @@ def publish_app(client: KazooClient, paths: AppPaths, signer: Signer, sink: TwoP
     """Store the app's coordinator mode and its sink, signed, where any coordinator can load it."""
     client.retry(client.ensure_path, paths.sink)
     client.retry(client.set, paths.base, dump({"coordinator": mode}))
-    client.retry(client.set, paths.sink, signer.dumps(sink))
+    client.retry(client.set, paths.sink, signer.dumps(sink, paths.sink))
 
 
 class AppCoordinator:
@@ -152,7 +163,12 @@ class AppCoordinator:
         self._failure_lock = threading.Lock()  # concurrent failures of one epoch update its record in turn
 
     def acquire(self) -> None:
-        """Take ownership of the app's phase two, fencing any previous owner."""
+        """Take ownership of the app's phase two, fencing any previous owner.
+
+        The stored sink is verified first (SignatureError, nothing changed): an app whose sink no
+        owner could load must not lose its current owner to one.
+        """
+        self.verify_sink()
         token = self.fence.acquire(self.owner)
         log.info("app %s: %s owns phase two (fence token %d)", self.app, self.owner, token)
 
@@ -197,10 +213,10 @@ class AppCoordinator:
 
     def _reconcile_query(self, qp: QueryPaths, this_pass: _Pass) -> None:
         options = this_pass.options
-        epochs = sorted(int(n) for n in children(self.client, qp.epochs))
+        epochs = epoch_numbers(self.client, qp.epochs)
         if not epochs:
             return
-        watermark = read_json(self.client, qp.watermark, {"epoch": -1})["epoch"]
+        watermark = read_epoch(self.client, qp.watermark)
         registry = PrecommitRegistry(self.client, qp, self.signer)
         if not options.dry_run:
             self._retry_cleanups(qp, registry, this_pass)
@@ -208,8 +224,8 @@ class AppCoordinator:
         pending = [n for n in epochs if n > watermark]
         if not pending:
             return
-        barrier = read_json(self.client, qp.barrier, {"epoch": -1})["epoch"]
-        checkpoint = options.checkpoint or read_json(self.client, qp.base, {}).get("checkpoint")
+        barrier = read_epoch(self.client, qp.barrier)
+        checkpoint = options.checkpoint or read_object(self.client, qp.base, {}).get("checkpoint")
         in_checkpoint = self._checkpoint_epochs(checkpoint)
         for epoch in pending:
             work = self._load(qp, registry, epoch)
@@ -238,7 +254,8 @@ class AppCoordinator:
             raw, stat = self.client.retry(self.client.get, qp.epoch(epoch))
         except NoNodeError:
             return None
-        return EpochWork(qp, epoch, EpochRecord.decode(raw), stat.version, tuple(registry.load(epoch)), registry)
+        record = EpochRecord.decode(raw, qp.epoch(epoch))
+        return EpochWork(qp, epoch, record, stat.version, tuple(registry.load(epoch)), registry)
 
     def _checkpoint_epochs(self, checkpoint: str | None) -> set[int]:
         if not checkpoint:
@@ -419,7 +436,12 @@ class AppCoordinator:
         permanent = isinstance(error, PERMANENT)
         path = f"{work.paths.failures(work.epoch)}/{attempt}"
         with self._failure_lock:
-            previous = read_json(self.client, path, {"count": 0})
+            try:
+                previous = read_object(self.client, path, {"count": 0})
+                previous["count"] = int(previous.get("count", 0))
+            except (RecordError, TypeError, ValueError) as e:  # rewritten below: must not stop phase two
+                log.warning("app %s: failure record %s unreadable (%s); its try count restarts", self.app, path, e)
+                previous = {"count": 0}
             failure = {"operation": operation.value, "error": repr(error), "count": previous["count"] + tries,
                        "at": time.time(), "permanent": permanent}
             log.error("app %s epoch %d: %s of %s failed %d times (%d in all): %r; epoch stays uncommitted",
@@ -427,7 +449,7 @@ class AppCoordinator:
             txn = self.fence.transaction()
             if permanent:
                 raw, stat = self.client.retry(self.client.get, work.paths.epoch(work.epoch))
-                current = EpochRecord.decode(raw)
+                current = EpochRecord.decode(raw, work.paths.epoch(work.epoch))
                 # Not from COMMITTED (a late attempt's abort, in GC) nor twice.
                 if EPOCH_TRANSITIONS.allows(current.state, EpochState.FAILED):
                     failed = current.transition(EpochState.FAILED, error=f"{attempt}: {error}")
@@ -468,12 +490,23 @@ class AppCoordinator:
 
     # -- the sink ---------------------------------------------------------
 
+    def verify_sink(self) -> None:
+        """Check the stored sink's signature without unpickling it; SignatureError if it does not verify.
+
+        A sink not published yet passes: there is nothing to load, and :meth:`sink` reports it when needed.
+        """
+        try:
+            raw, _ = self.client.retry(self.client.get, self.paths.sink)
+        except NoNodeError:
+            return
+        self.signer.verify(raw, self.paths.sink, what=f"sink of app {self.app!r}")
+
     def sink(self) -> TwoPhaseCommitSink:
         """The app's sink as its driver stored it, reloaded when a new driver stores a new one."""
         if not self._sink_checked:
             raw, stat = self.client.retry(self.client.get, self.paths.sink)
             if stat.mzxid != self._sink_version:
-                self._sink = self.signer.loads(raw, what=f"sink of app {self.app}")
+                self._sink = self.signer.loads(raw, self.paths.sink, what=f"sink of app {self.app!r}")
                 self._sink_version = stat.mzxid
             self._sink_checked = True
         return self._sink

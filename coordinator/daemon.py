@@ -23,7 +23,8 @@ from kazoo.client import KazooState
 from coordinator.app import AppCoordinator, CommitPolicy
 from coordinator.fence import Fenced
 from coordinator.layout import AppPaths, app_names, election_path
-from coordinator.zk import children, connect, read_json
+from coordinator.zk import RecordError, children, connect, read_object
+from twophase.cli_args import check_positive_seconds
 from twophase.signing import Signer
 
 log = logging.getLogger("twophase.daemon")
@@ -44,7 +45,7 @@ class CoordinatorDaemon:
     def __init__(self, hosts: str, root: str, signer: Signer, policy: CommitPolicy | None = None,
                  identifier: str | None = None, session_timeout: float = 10.0) -> None:
         self.hosts = hosts
-        self.session_timeout = session_timeout
+        self.session_timeout = check_positive_seconds(session_timeout, "session_timeout")
         self.root = root
         self.signer = signer
         self.policy = policy or CommitPolicy()
@@ -114,5 +115,13 @@ class CoordinatorDaemon:
             log.info("daemon %s: no longer leading", self.identifier)
 
     def _daemon_apps(self, client) -> list[str]:
-        return [n for n in children(client, app_names(self.root))
-                if read_json(client, AppPaths(self.root, n).base, {}).get("coordinator") == "daemon"]
+        names = []
+        for name in children(client, app_names(self.root)):
+            try:
+                mode = read_object(client, AppPaths(self.root, name).base, {}).get("coordinator")
+            except RecordError as e:  # one damaged app must not stop the others
+                log.error("daemon %s: app %r skipped: %s", self.identifier, name, e)
+                continue
+            if mode == "daemon":
+                names.append(name)
+        return names

@@ -92,7 +92,7 @@ class PrecommitRegistry:
             raw, _ = self._client.retry(self._client.get, self._paths.halted(run_id))
         except NoNodeError:
             return None
-        return raw.decode() or "no reason recorded"
+        return raw.decode(errors="replace") or "no reason recorded"
 
     def latest_run(self, attempts: Sequence[Attempt]) -> str | None:
         """The most recently started run among those with attempts.
@@ -148,7 +148,7 @@ class PrecommitRegistry:
         name = ctx.name
         attempt_path = f"{self._paths.attempts(ctx.epoch)}/{name}"
         txn = self._client.transaction()
-        txn.create(attempt_path, self._signer.dumps({"handle": handle, "won": True}))
+        txn.create(attempt_path, self._signer.dumps({"handle": handle, "won": True}, attempt_path))
         txn.create(f"{self._paths.winners(ctx.epoch)}/{winner_name(ctx)}", name.encode())
         errors = [r for r in txn.commit() if isinstance(r, Exception) and not isinstance(r, RolledBackError)]
         if not errors:
@@ -163,7 +163,7 @@ class PrecommitRegistry:
         if winner is None:
             raise RuntimeError(f"registering {name} failed unexpectedly: {errors!r}")
         try:
-            self._client.create(attempt_path, self._signer.dumps({"handle": handle, "won": False}))
+            self._client.create(attempt_path, self._signer.dumps({"handle": handle, "won": False}, attempt_path))
         except NodeExistsError:
             pass
         return False
@@ -187,7 +187,7 @@ class PrecommitRegistry:
                 raw, stat = result.get()
             except NoNodeError:
                 continue  # deleted meanwhile: already handled
-            record = self._signer.loads(raw, what=f"pre-commit {base}/{name}")
+            record = self._signer.loads(raw, f"{base}/{name}", what=f"pre-commit {name}")
             ctx = self._context(name)
             attempts.append(Attempt(name, ctx.run_id, ctx.partition, ctx.attempt, record["won"],
                                     record["handle"], stat.ctime / 1000.0, stat.czxid))

@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field, replace
 from enum import Enum
 from typing import Any
 
+from coordinator.zk import RecordError
 from twophase.states import Transitions
 
 
@@ -65,15 +66,29 @@ class EpochRecord:
         return json.dumps(data).encode()
 
     @classmethod
-    def decode(cls, raw: bytes) -> EpochRecord:
-        """The record stored in a znode; an empty znode (just created by a writer) is OPEN."""
+    def decode(cls, raw: bytes, path: str = "epoch record") -> EpochRecord:
+        """The record stored in the znode ``path``; an empty znode (just created by a writer) is OPEN.
+
+        RecordError, naming ``path`` and what is wrong, if it holds anything :meth:`encode` does not write.
+        """
         if not raw:
             return cls(updated=0.0)
-        data = json.loads(raw)
-        return cls(
-            state=EpochState(data["state"]),
-            run=data.get("run"),
-            winners=tuple(data.get("winners", ())),
-            updated=data.get("updated", 0.0),
-            error=data.get("error"),
-        )
+        try:
+            data = json.loads(raw)
+            if not isinstance(data, dict):
+                raise ValueError(f"expected a JSON object, found {raw[:80]!r}")
+            states = [s.value for s in EpochState]
+            if data.get("state") not in states:
+                raise ValueError(f"state {data.get('state')!r} is not one of {', '.join(states)}")
+            winners = data.get("winners", [])
+            if not isinstance(winners, list) or not all(isinstance(w, str) for w in winners):
+                raise ValueError(f"winners {winners!r:.80} is not a list of attempt names")
+            for key in ("run", "error"):
+                if not isinstance(data.get(key), (str, type(None))):
+                    raise ValueError(f"{key} {data[key]!r:.80} is not a string")
+            updated = data.get("updated", 0.0)
+            if isinstance(updated, bool) or not isinstance(updated, (int, float)):
+                raise ValueError(f"updated {updated!r:.80} is not a timestamp")
+        except ValueError as e:  # not JSON too
+            raise RecordError(f"znode {path}: not an epoch record: {e}") from None
+        return cls(EpochState(data["state"]), data.get("run"), tuple(winners), updated, data.get("error"))

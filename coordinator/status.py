@@ -9,6 +9,10 @@ Usage::
     for query in status.queries:
         print(query.query_id, query.watermark, [e.state for e in query.epochs])
     status.failed_epochs          # [(query id, epoch), ...] of FAILED epochs
+    status.sink_error             # why the stored sink does not verify, or None
+
+A znode holding data twophase did not write raises RecordError (naming it); nothing is unpickled
+that does not verify.
 """
 
 from __future__ import annotations
@@ -21,8 +25,8 @@ from kazoo.exceptions import NoNodeError
 from coordinator.layout import AppPaths, QueryPaths
 from coordinator.precommits import PrecommitRegistry
 from coordinator.state import EpochRecord, EpochState
-from coordinator.zk import children, read_json
-from twophase.signing import Signer
+from coordinator.zk import RecordError, children, epoch_numbers, read_epoch, read_object
+from twophase.signing import SignatureError, Signer
 
 
 @dataclass(frozen=True)
@@ -96,6 +100,7 @@ class AppStatus:
     coordinator: str | None        # "embedded" or "daemon"
     owner: str | None              # who holds the fence
     queries: tuple[QueryStatus, ...]
+    sink_error: str | None = None  # the stored sink's signature does not verify: why (no coordinator loads it)
 
     @property
     def failed_epochs(self) -> list[tuple[str, int]]:
@@ -104,27 +109,40 @@ class AppStatus:
 
 
 def read_status(client: KazooClient, paths: AppPaths, signer: Signer) -> AppStatus:
-    """The state of an existing app. SignatureError if a stored handle was tampered with."""
-    config = read_json(client, paths.base)
+    """The state of an existing app. SignatureError if a stored handle does not verify, RecordError if a
+    znode holds data twophase did not write; a sink that does not verify is reported in ``sink_error``."""
+    config = read_object(client, paths.base, {})
     try:
-        owner = client.retry(client.get, paths.fence)[0].decode() or None
+        owner = client.retry(client.get, paths.fence)[0].decode(errors="replace") or None
     except NoNodeError:
         owner = None
     queries = tuple(_query_status(client, paths.query(qid), signer) for qid in children(client, paths.queries))
-    return AppStatus(paths.app, paths.root, (config or {}).get("coordinator"), owner, queries)
+    return AppStatus(paths.app, paths.root, config.get("coordinator"), owner, queries,
+                     _sink_error(client, paths, signer))
+
+
+def _sink_error(client: KazooClient, paths: AppPaths, signer: Signer) -> str | None:
+    try:
+        raw, _ = client.retry(client.get, paths.sink)
+    except NoNodeError:
+        return None  # not published yet
+    try:
+        signer.verify(raw, paths.sink, what=f"sink of app {paths.app!r}")  # unpickles nothing
+    except SignatureError as e:
+        return str(e)
+    return None
 
 
 def _query_status(client: KazooClient, qp: QueryPaths, signer: Signer) -> QueryStatus:
-    watermark = read_json(client, qp.watermark, {"epoch": -1})["epoch"]
+    watermark = read_epoch(client, qp.watermark)
     registry = PrecommitRegistry(client, qp, signer)
     runs = tuple(RunStatus(run, client.retry(client.exists, f"{qp.run(run)}/alive") is not None,
-                           read_json(client, qp.run(run), {}).get("started"), registry.halted(run))
+                           _started(client, qp.run(run)), registry.halted(run))
                  for run in children(client, qp.runs))
     epochs = []
-    for name in children(client, qp.epochs):
-        epoch = int(name)
+    for epoch in epoch_numbers(client, qp.epochs):
         try:
-            record = EpochRecord.decode(client.retry(client.get, qp.epoch(epoch))[0])
+            record = EpochRecord.decode(client.retry(client.get, qp.epoch(epoch))[0], qp.epoch(epoch))
         except NoNodeError:
             continue  # collected meanwhile
         in_doubt = record.state is not EpochState.OPEN
@@ -133,12 +151,23 @@ def _query_status(client: KazooClient, qp: QueryPaths, signer: Signer) -> QueryS
         failures = tuple(_failure(client, qp, epoch, attempt) for attempt in children(client, qp.failures(epoch)))
         epochs.append(EpochStatus(epoch, record.state, record.run, record.winners, record.error, record.updated,
                                   epoch <= watermark, attempts, failures))
-    return QueryStatus(qp.query_id, read_json(client, qp.base, {}).get("checkpoint"), watermark,
-                       read_json(client, qp.barrier, {"epoch": -1})["epoch"], runs, tuple(epochs))
+    return QueryStatus(qp.query_id, read_object(client, qp.base, {}).get("checkpoint"), watermark,
+                       read_epoch(client, qp.barrier), runs, tuple(epochs))
+
+
+def _started(client: KazooClient, path: str) -> float | None:
+    started = read_object(client, path, {}).get("started")
+    if started is not None and (isinstance(started, bool) or not isinstance(started, (int, float))):
+        raise RecordError(f"znode {path}: \"started\" {started!r:.40} is not a timestamp")
+    return started
 
 
 def _failure(client: KazooClient, qp: QueryPaths, epoch: int, attempt: str) -> FailureStatus:
-    data = read_json(client, f"{qp.failures(epoch)}/{attempt}", {})
-    return FailureStatus(attempt, data.get("operation"), data.get("error"), data.get("count", 0), data.get("at"),
+    path = f"{qp.failures(epoch)}/{attempt}"
+    data = read_object(client, path, {})
+    count = data.get("count", 0)
+    if isinstance(count, bool) or not isinstance(count, int):
+        raise RecordError(f"znode {path}: \"count\" {count!r:.40} is not an integer")
+    return FailureStatus(attempt, data.get("operation"), data.get("error"), count, data.get("at"),
                          data.get("permanent", False))
 

@@ -3,7 +3,10 @@
 Usage::
 
     client = connect("127.0.0.1:2181")
-    data = read_json(client, "/twophase/apps/orders", default={})
+    data = read_object(client, "/twophase/apps/orders", default={})
+    watermark = read_epoch(client, "/twophase/apps/orders/queries/q1/watermark")   # -1 if none yet
+
+Readers raise :class:`RecordError`, naming the znode and what is wrong, on data twophase did not write.
 """
 
 from __future__ import annotations
@@ -46,18 +49,55 @@ def shared_client(hosts: str) -> KazooClient:
         return client
 
 
+class RecordError(ValueError):
+    """A znode holds data twophase did not write (hand-edited, damaged, another program's).
+
+    The message names the znode and what is wrong; the CLI prints it and exits 2.
+    """
+
+
 def dump(obj: Any) -> bytes:
     """JSON for a znode, keys sorted so that equal data is equal bytes."""
     return json.dumps(obj, sort_keys=True).encode()
 
 
 def read_json(client: KazooClient, path: str, default: Any = None) -> Any:
-    """The JSON stored at ``path``; ``default`` if the znode is missing or empty."""
+    """The JSON stored at ``path``; ``default`` if the znode is missing or empty; RecordError if not JSON."""
     try:
         raw, _ = client.retry(client.get, path)
     except NoNodeError:
         return default
-    return json.loads(raw) if raw else default
+    try:
+        return json.loads(raw) if raw else default
+    except ValueError as e:
+        raise RecordError(f"znode {path}: not JSON ({e})") from None
+
+
+def read_object(client: KazooClient, path: str, default: Any = None) -> Any:
+    """The JSON object stored at ``path`` (``default`` if missing or empty); RecordError if it is no object."""
+    data = read_json(client, path)
+    if data is None:
+        return default
+    if not isinstance(data, dict):
+        raise RecordError(f"znode {path}: expected a JSON object, found {json.dumps(data)[:80]}")
+    return data
+
+
+def read_epoch(client: KazooClient, path: str) -> int:
+    """The ``"epoch"`` of a ``{"epoch": N, ...}`` znode (a watermark, a barrier); -1 if missing or empty."""
+    data = read_object(client, path, {"epoch": -1})
+    epoch = data.get("epoch")
+    if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < -1:
+        raise RecordError(f"znode {path}: \"epoch\" must be an integer >= -1, found {json.dumps(data)[:80]}")
+    return epoch
+
+
+def epoch_numbers(client: KazooClient, path: str) -> list[int]:
+    """The children of an ``epochs`` znode as epoch numbers, ascending; RecordError on a name that is not one."""
+    names = children(client, path)
+    if bad := [n for n in names if not n.isdigit()]:
+        raise RecordError(f"znode {path}/{bad[0]}: its name is not an epoch number")
+    return sorted(int(n) for n in names)
 
 
 def children(client: KazooClient, path: str) -> list[str]:

@@ -7,14 +7,18 @@
     twophase txns --bootstrap-server HOST:PORT list|describe|abort
 
 Exit codes of status and recover: 0 fine; 1 an epoch is FAILED or blocked, or (recover) a sink
-call failed; 2 the command could not run (no such app, bad checkpoint, bad signature,
-ZooKeeper unreachable, another coordinator took over).
+call failed; 2 the command could not run or found the app's records unusable (a bad option, no such
+app, bad checkpoint, a sink or pre-commit whose signature does not verify, a znode holding data
+twophase did not write, ZooKeeper unreachable, another coordinator took over). ``recover`` reads
+and verifies everything it will act on before it takes ownership of the app: on exit 2 for
+those reasons it has changed nothing.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -35,8 +39,9 @@ from coordinator.layout import DEFAULT_ROOT, AppPaths
 from coordinator.report import (AbortReason, AttemptAborted, AttemptCleanedUp, EpochBlocked, EpochCommitted,
                                 EpochSkipped, Operation, OperationFailed, Record, SkipReason, as_json)
 from coordinator.status import AppStatus, read_status
-from coordinator.zk import children, connect
+from coordinator.zk import RecordError, children, connect
 from twophase.broker.cli import add_broker_parser
+from twophase.cli_args import app_name, positive_int, positive_seconds
 from twophase.client.cli import add_txns_parser
 from twophase.signing import SignatureError, Signer, load_secret
 
@@ -79,12 +84,17 @@ def cmd_status(args: argparse.Namespace, client: KazooClient, signer: Signer) ->
         _print_json(as_json(status))
     else:
         print_status(status)
+    if status.sink_error:
+        print(f"twophase status: sink signature invalid: {status.sink_error}", file=sys.stderr)
+        return 2
     return 1 if status.failed_epochs else 0
 
 
 def print_status(status: AppStatus) -> None:
     """Word an app's state for people: runs, unsettled epochs with their attempts and failures."""
     print(f"app {status.app}  coordinator: {status.coordinator or '?'}  owner: {status.owner or '-'}")
+    if status.sink_error:
+        print(f"  SINK SIGNATURE INVALID: {status.sink_error}")
     for query in status.queries:
         print(f"  query {query.query_id}\n    checkpoint: {query.checkpoint or 'unknown'}")
         print(f"    committed watermark: {query.watermark}   spark barrier: {query.barrier}")
@@ -164,7 +174,11 @@ def cmd_recover(args: argparse.Namespace, client: KazooClient, signer: Signer) -
                           retry_failed=args.retry_failed, checkpoint=args.checkpoint)
     app = AppCoordinator(client, args.root, args.app, signer, f"recover {socket.gethostname()}:{os.getpid()}",
                          CommitPolicy(attempts=args.attempts))
+    # Everything the pass will act on is read and verified before ownership changes hands: a sink or
+    # record that does not verify (SignatureError, RecordError: exit 2) leaves the app's owner in place.
+    app.verify_sink()
     if not args.dry_run:
+        app.reconcile(dataclasses.replace(options, dry_run=True))
         app.acquire()
     report = app.reconcile(options)
     if args.json:
@@ -186,13 +200,6 @@ def cmd_coordinator(args: argparse.Namespace, client: KazooClient, signer: Signe
     return 0
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The ``twophase`` argument parser, every subcommand included."""
     parser = argparse.ArgumentParser(prog="twophase", description="Exactly-once 2PC sinks for Spark: operations.")
@@ -205,7 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--secret-file", help="file holding the HMAC secret (default: $TWOPHASE_SECRET, "
                                              "$TWOPHASE_SECRET_FILE or ~/.config/twophase/secret)")
         if app:
-            p.add_argument("--app", required=True, help="the app name given to TwoPhaseSink")
+            p.add_argument("--app", type=app_name, required=True, help="the app name given to TwoPhaseSink")
 
     p = sub.add_parser("status", help="show runs, epochs, pending and in-doubt transactions, the watermark")
     common(p)
@@ -218,15 +225,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="print what would be done, change nothing")
     p.add_argument("--retry-failed", action="store_true", help="retry epochs marked FAILED")
     p.add_argument("--force", action="store_true", help="run even though a query run looks alive")
-    p.add_argument("--attempts", type=_positive_int, default=3,
+    p.add_argument("--attempts", type=positive_int, default=3,
                    help="tries per commit or abort (default %(default)s)")
     p.add_argument("--json", action="store_true", help="print what was done as JSON")
     p.set_defaults(func=cmd_recover)
 
     p = sub.add_parser("coordinator", help="run an HA coordinator daemon (leader election among daemons)")
     common(p, app=False)
-    p.add_argument("--poll-interval", type=float, default=2.0, help="seconds between checkpoint scans")
-    p.add_argument("--session-timeout", type=float, default=10.0,
+    p.add_argument("--poll-interval", type=positive_seconds, default=2.0,
+                   help="seconds between checkpoint scans (default %(default)s)")
+    p.add_argument("--session-timeout", type=positive_seconds, default=10.0,
                    help="ZooKeeper session timeout: how fast a standby takes over a dead leader")
     p.set_defaults(func=cmd_coordinator)
 
@@ -256,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return args.func(args, client, signer)
-    except (CliError, SignatureError, Fenced, KazooException) as e:
+    except (CliError, SignatureError, RecordError, Fenced, KazooException) as e:
         print(f"twophase {args.command}: {e}", file=sys.stderr)
         return 2
     finally:

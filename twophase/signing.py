@@ -2,13 +2,17 @@
 
 Unpickling is code execution for whoever can write the bytes, so every pickled
 payload the coordinator stores (handles, the sink itself) carries an HMAC of a
-shared secret and is refused when it does not verify.
+shared secret and is refused when it does not verify. The HMAC covers the znode
+path the payload is stored at (which names the root and the app) as well as the
+payload: a validly signed blob copied to another node (another app's sink into
+this app's) does not verify there.
 
 Usage::
 
     signer = Signer(load_secret())
-    blob = signer.dumps({"file": "/out/part-1"})
-    assert signer.loads(blob) == {"file": "/out/part-1"}
+    blob = signer.dumps({"file": "/out/part-1"}, "/twophase/apps/orders/sink")
+    assert signer.loads(blob, "/twophase/apps/orders/sink") == {"file": "/out/part-1"}
+    signer.verify(blob, "/twophase/apps/orders/sink")   # checks it, unpickles nothing
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ from typing import Any
 
 import cloudpickle
 
-_MAGIC = b"TP1"
+_MAGIC = b"TP2"      # HMAC over (path, payload)
+_OLD_MAGIC = b"TP1"  # earlier versions: an HMAC of the payload alone, valid at any path; refused
 _DIGEST = hashlib.sha256
 _DIGEST_SIZE = _DIGEST().digest_size
 DEFAULT_SECRET_FILE = Path("~/.config/twophase/secret")
@@ -63,27 +68,44 @@ class Signer:
     def __init__(self, secret: bytes) -> None:
         self._secret = secret
 
-    def _tag(self, payload: bytes) -> bytes:
-        return hmac.new(self._secret, payload, _DIGEST).digest()
+    def _tag(self, path: str, payload: bytes) -> bytes:
+        mac = hmac.new(self._secret, _MAGIC, _DIGEST)
+        encoded = path.encode()
+        mac.update(len(encoded).to_bytes(4, "big") + encoded)  # length-prefixed: path and payload cannot trade bytes
+        mac.update(payload)
+        return mac.digest()
 
-    def dumps(self, obj: Any) -> bytes:
-        """``obj`` cloudpickled, with the magic prefix and an HMAC-SHA256 tag in front."""
+    def dumps(self, obj: Any, path: str) -> bytes:
+        """``obj`` cloudpickled, with the magic prefix and an HMAC-SHA256 tag over ``path`` and it in front.
+
+        ``path`` is the znode the blob is written to; it verifies there only.
+        """
         payload = cloudpickle.dumps(obj)
-        return _MAGIC + self._tag(payload) + payload
+        return _MAGIC + self._tag(path, payload) + payload
 
-    def loads(self, blob: bytes, what: str = "payload") -> Any:
-        """The object dumps() signed; SignatureError if ``blob`` is not signed or its tag is wrong.
+    def verify(self, blob: bytes, path: str, what: str = "payload") -> bytes:
+        """The pickled payload of a blob dumps() signed for ``path``; SignatureError if it is not one.
 
-        The tag is checked before anything is unpickled; ``what`` names the blob in
+        Unpickles nothing, so a reader can check a blob it will not load; ``what`` names the blob in
         the error message.
         """
         head = len(_MAGIC) + _DIGEST_SIZE
-        if len(blob) < head or not blob.startswith(_MAGIC):
-            raise SignatureError(f"{what} is not a signed twophase payload")
-        tag, payload = blob[len(_MAGIC):head], blob[head:]
-        if not hmac.compare_digest(tag, self._tag(payload)):
+        if blob.startswith(_OLD_MAGIC):
             raise SignatureError(
-                f"{what} has a bad signature: it was tampered with, or written with a "
-                "different secret (check TWOPHASE_SECRET on the driver, daemons and CLI)"
+                f"{what} ({path}) is signed in an older format that does not bind it to its znode: "
+                "re-publish it with this version (restart the app's driver); pre-commits of that format "
+                "must be settled with the twophase version that wrote them")
+        if len(blob) < head or not blob.startswith(_MAGIC):
+            raise SignatureError(f"{what} ({path}) is not a signed twophase payload")
+        tag, payload = blob[len(_MAGIC):head], blob[head:]
+        if not hmac.compare_digest(tag, self._tag(path, payload)):
+            raise SignatureError(
+                f"{what} ({path}) has a bad signature: it was tampered with, copied from another znode "
+                "(another app's), or written with a different secret (check TWOPHASE_SECRET on the "
+                "driver, daemons and CLI)"
             )
-        return cloudpickle.loads(payload)
+        return payload
+
+    def loads(self, blob: bytes, path: str, what: str = "payload") -> Any:
+        """The object dumps() signed for ``path``; SignatureError (nothing unpickled) if it does not verify."""
+        return cloudpickle.loads(self.verify(blob, path, what))

@@ -78,11 +78,11 @@ def test_connection_dropped_mid_request(broker):
 
 
 def test_request_size_limit_is_configurable(broker_factory, topic):
-    b = broker_factory(max_request_bytes=2000)
+    b = broker_factory(max_request_bytes=64 * 1024)  # the smallest allowed
     client = WireClient(b.port)
     small = client.request(produce_request(topic, batch([b"x" * 100])))
     assert small.responses[0].partition_responses[0].error_code == ErrorCode.none
-    client.send(produce_request(topic, batch([b"x" * 3000])))
+    client.send(produce_request(topic, batch([b"x" * 70_000])))
     assert client.is_closed()
     client.close()
     assert_still_serving(b.port)

@@ -10,6 +10,7 @@ import uuid
 import pytest
 
 from twophase.broker.storage import DataDirLockedError, LogConfig, LogManager, TopicInfo, run_flushes
+from twophase.broker.storage.manager import DELETING_MARKER
 from twophase.wire.errors import (
     InvalidConfigError,
     InvalidPartitionsError,
@@ -31,7 +32,7 @@ def test_create_append_reopen(data_dir):
     info = manager.create_topic("orders", 3, config={"retention.ms": "3600000", "segment_bytes": 4096})
     assert isinstance(info.topic_id, uuid.UUID) and info.partitions == 3
     manager.partition("orders", 2).append(batch([b"hello"]), 0)
-    assert sorted(os.listdir(data_dir)) == [".lock", "orders-0", "orders-1", "orders-2", "topics.json"]
+    assert sorted(os.listdir(data_dir)) == ["orders-0", "orders-1", "orders-2", "topics.json"]
     manager.close()
 
     reopened = LogManager(data_dir)
@@ -121,18 +122,64 @@ def test_delete_topic_and_recreate(data_dir):
     assert set(LogManager(data_dir).topics()) == {"t"}
 
 
-def test_stale_directories_do_not_resurface(data_dir):
+def test_directories_topics_json_does_not_name_are_recovered_not_removed(data_dir, caplog):
     manager = LogManager(data_dir)
-    manager.create_topic("t", 1)
-    manager.partition("t", 0).append(batch([b"old"]), 0)
+    manager.create_topic("t", 2, {"retention.ms": "1000"})
+    manager.partition("t", 1).append(batch([b"old"]), 0)
+    manager.create_topic("empty", 1)
     manager.close()
-    # A delete interrupted after the metadata update but before the directories went away.
+    # topics.json lost its entries (a crash in a delete after the metadata update looks the same).
     with open(os.path.join(data_dir, "topics.json"), "w") as f:
         json.dump({"version": 1, "topics": {}}, f)
     reopened = LogManager(data_dir)
-    assert os.path.isdir(os.path.join(data_dir, "t-0"))  # left for a human, with a warning
+    assert {name: info.partitions for name, info in reopened.topics().items()} == {"t": 2}
+    assert reopened.topics()["t"].config == {}  # the overrides were in the lost entry
+    assert reopened.partition("t", 1).high_watermark == 1
+    assert "'t' (2 partitions)" in caplog.text and "recovered" in caplog.text
+    with pytest.raises(TopicAlreadyExistsError):
+        reopened.create_topic("t", 1)
+    reopened.create_topic("empty", 3)  # held no records: nothing to recover, its leftovers are replaced
+    reopened.close()
+    assert set(LogManager(data_dir).topics()) == {"t", "empty"}  # written back to topics.json
+
+
+def test_a_delete_cut_short_by_a_crash_is_finished_at_start(data_dir, caplog):
+    manager = LogManager(data_dir)
+    manager.create_topic("t", 2)
+    for p in range(2):
+        manager.partition("t", p).append(batch([b"old"]), 0)
+    manager.close()
+    # The crash came after topics.json dropped the topic and the first partition was marked.
+    with open(os.path.join(data_dir, "topics.json"), "w") as f:
+        json.dump({"version": 1, "topics": {}}, f)
+    open(os.path.join(data_dir, "t-0", DELETING_MARKER), "w").close()
+    reopened = LogManager(data_dir)
+    assert reopened.topics() == {} and not {"t-0", "t-1"} & set(os.listdir(data_dir))
+    assert "finishing the delete of topic 't' a crash cut short" in caplog.text
     reopened.create_topic("t", 1)
     assert reopened.partition("t", 0).high_watermark == 0
+
+
+def test_empty_leftovers_are_replaced_records_never(data_dir):
+    manager = LogManager(data_dir)
+    manager.create_topic("t", 1)
+    manager.close()
+    os.makedirs(os.path.join(data_dir, "t-3"))  # a create interrupted before topics.json named it: empty
+    open(os.path.join(data_dir, "t-3", "00000000000000000000.log"), "wb").close()
+    reopened = LogManager(data_dir)
+    reopened.delete_topic("t")
+    reopened.create_topic("t", 4)  # t-3 held no records: replaced
+    reopened.partition("t", 3).append(batch([b"kept"]), 0)
+    reopened.close()
+    with open(os.path.join(data_dir, "topics.json"), "w") as f:
+        json.dump({"version": 1, "topics": {}}, f)
+    os.rename(os.path.join(data_dir, "t-0"), os.path.join(data_dir, "moved"))  # t cannot be recovered now
+    again = LogManager(data_dir)
+    assert "t" not in again.topics()
+    with pytest.raises(TopicAlreadyExistsError, match="t-3"):
+        again.create_topic("t", 1)
+    assert again.check_new_topic("u", 1) == {}
+    assert os.path.getsize(os.path.join(data_dir, "t-3", "00000000000000000000.log")) > 0
 
 
 def test_data_dir_lock(data_dir):

@@ -13,7 +13,7 @@ Inside a running event loop use the async API instead::
     ...
     await broker.stop_async()
 
-What lives in the data directory besides the storage layer's files (``topics.json``, ``.lock``,
+What lives in the data directory besides the storage layer's files (``topics.json``,
 one ``<topic>-<partition>/`` per partition): ``broker.json`` (cluster id, written once),
 ``producer-ids.json`` (the next unreserved producer id) and ``groups/`` (committed offsets,
 one file per group) and ``transactions/`` (the transaction log, twophase.broker.txn). Producer
@@ -38,7 +38,7 @@ from typing import Literal
 from .groups import GroupCoordinator
 from .server import DEFAULT_MAX_REQUEST_BYTES, Dispatcher, KafkaServer
 from .group_commit import GroupCommit
-from .storage import LogConfig, LogManager, TopicInfo, run_flushes
+from .storage import LogConfig, LogManager, MetadataFileError, TopicInfo, run_flushes
 from .txn import TXN_DIR, Failpoint, TransactionCoordinator, TxnSettings, open_transactions
 from twophase.durable import atomic_write
 from twophase.wire.errors import UnknownTopicOrPartitionError
@@ -48,6 +48,9 @@ log = logging.getLogger("twophase.broker")
 BROKER_FILE = "broker.json"
 PRODUCER_IDS_FILE = "producer-ids.json"
 PRODUCER_ID_BLOCK = 1000
+# The smallest max_request_bytes allowed: every client's first requests (ApiVersions, Metadata of many
+# topics, FindCoordinator, InitProducerId, JoinGroup) fit well within it; below it no client could talk.
+MIN_MAX_REQUEST_BYTES = 64 * 1024
 GROUPS_DIR = "groups"  # committed offsets (twophase.broker.groups.offsets)
 
 
@@ -80,6 +83,11 @@ class BrokerConfig:
     def __post_init__(self) -> None:
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
             raise ValueError(f"port must be between 0 and 65535, not {self.port!r}")
+        if not isinstance(self.host, str) or not self.host.strip():  # "" would bind every interface unsaid
+            raise ValueError(f"host must name an address (0.0.0.0 for every interface), not {self.host!r}")
+        if self.max_request_bytes < MIN_MAX_REQUEST_BYTES:
+            raise ValueError(f"max_request_bytes must be at least {MIN_MAX_REQUEST_BYTES} (64 KiB) for clients "
+                             f"to talk, not {self.max_request_bytes!r}")
         if not 1 <= self.default_partitions <= self.max_partitions_per_topic:
             raise ValueError("default_partitions must be between 1 and max_partitions_per_topic")
         if self.fsync != "always" and (isinstance(self.fsync, bool) or not isinstance(self.fsync, int)
@@ -331,11 +339,20 @@ class Broker:
         log.info("new data directory %s: cluster id %s", self.data_dir, self.cluster_id)
 
     def _load_producer_ids(self) -> None:
+        path = os.path.join(self.data_dir, PRODUCER_IDS_FILE)
         try:
-            with open(os.path.join(self.data_dir, PRODUCER_IDS_FILE)) as f:
-                self._next_producer_id = int(json.load(f)["next_unreserved"])
+            with open(path) as f:
+                raw = json.load(f)
         except FileNotFoundError:
-            self._next_producer_id = 0
+            raw = {"next_unreserved": 0}
+        except (OSError, ValueError) as exc:
+            raise MetadataFileError(f"{path} is unreadable ({exc}): restore it") from exc
+        next_id = raw.get("next_unreserved") if isinstance(raw, dict) else None
+        if isinstance(next_id, bool) or not isinstance(next_id, int) or next_id < 0:
+            # Guessing could hand out an id twice: the operator restores the file or sets it above every id issued.
+            raise MetadataFileError(f"{path} holds no \"next_unreserved\" integer >= 0: restore it, or write "
+                                    '{"version": 1, "next_unreserved": N} with N above every producer id issued')
+        self._next_producer_id = next_id
         self._reserved_producer_ids = self._next_producer_id
 
     def allocate_producer_id(self) -> int:
@@ -370,7 +387,7 @@ class Broker:
     def auto_create_topic(self, name: str) -> TopicInfo:
         """Create ``name`` with the default partition count; raises KafkaError (bad name...)."""
         info = self.logs.create_topic(name, self.config.default_partitions)
-        log.info("auto-created topic %s with %d partitions", name, info.partitions)
+        log.info("auto-created topic %r with %d partitions", name, info.partitions)
         return info
 
     def delete_topic(self, name: str) -> None:

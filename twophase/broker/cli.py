@@ -22,9 +22,11 @@ import logging
 import signal
 import sys
 
+from twophase.cli_args import int_from as _int_from
+from twophase.cli_args import non_empty
 from twophase.wire.errors import KafkaError
 
-from .broker import Broker, BrokerConfig
+from .broker import MIN_MAX_REQUEST_BYTES, Broker, BrokerConfig
 from .server import DEFAULT_MAX_REQUEST_BYTES
 from .storage import DataDirLockedError
 from .txn.log import TransactionLogCorrupt
@@ -44,33 +46,18 @@ def _fsync(value: str) -> str | int:
     return ms
 
 
-def _int_from(lowest: int, highest: int | None = None):
-    """An argparse type: an integer in [lowest, highest]."""
-    def parse(value: str) -> int:
-        n = int(value)
-        if n < lowest or (highest is not None and n > highest):
-            bounds = f"at least {lowest}" if highest is None else f"between {lowest} and {highest}"
-            raise argparse.ArgumentTypeError(f"must be {bounds}, not {n}")
-        return n
-    parse.__name__ = "integer"  # argparse names the type in "invalid integer value" errors
-    return parse
-
-
 _positive = _int_from(1)
-
-
-def _directory(value: str) -> str:
-    if not value.strip():
-        raise argparse.ArgumentTypeError("must name a directory")
-    return value
+_directory = non_empty("a directory")
 
 
 def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the broker's options to ``p``; its ``func`` default runs the broker."""
     p.add_argument("--data-dir", type=_directory, required=True, help="directory of the logs and broker state")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
+    p.add_argument("--host", type=non_empty("an address (0.0.0.0 for every interface)"),
+                   default="127.0.0.1", help="address to listen on, 0.0.0.0 for all (default %(default)s)")
     p.add_argument("--port", type=_int_from(0, 65535), default=9092, help="port to listen on, 0 for any (default %(default)s)")
-    p.add_argument("--advertised-host", help="host name given to clients in Metadata (default: --host)")
+    p.add_argument("--advertised-host", type=non_empty("a host name"),
+                   help="host name given to clients in Metadata (default: --host)")
     p.add_argument("--default-partitions", type=_positive, default=1,
                    help="partitions of auto-created topics and of CreateTopics with -1 (default %(default)s)")
     p.add_argument("--no-auto-create-topics", dest="auto_create_topics", action="store_false",
@@ -78,8 +65,9 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--fsync", type=_fsync, default="always",
                    help="'always' (fsync every append) or the maximum milliseconds between fsyncs "
                         "(default %(default)s)")
-    p.add_argument("--max-request-bytes", type=_positive, default=DEFAULT_MAX_REQUEST_BYTES,
-                   help="largest request accepted; larger ones close the connection (default %(default)s)")
+    p.add_argument("--max-request-bytes", type=_int_from(MIN_MAX_REQUEST_BYTES), default=DEFAULT_MAX_REQUEST_BYTES,
+                   help="largest request accepted, at least %d (64 KiB); larger ones close the connection "
+                        "(default %%(default)s)" % MIN_MAX_REQUEST_BYTES)
     p.add_argument("--no-two-phase-commit", dest="two_phase_commit", action="store_false",
                    help="refuse KIP-939 prepared transactions (InitProducerId with enable2Pc): like Kafka's "
                         "transaction.two.phase.commit.enable=false")

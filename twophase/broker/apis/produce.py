@@ -91,7 +91,7 @@ async def handle(broker, request):
                 result = plog.append(part.records, now_ms, defer_fsync=acks != 0)
             except KafkaError as exc:
                 if exc.code not in (3, 45, 47):  # routine for clients; the rest is worth a look
-                    log.info("produce to %s-%d from %s refused: %s", topic.name, part.index, request.peer, exc)
+                    log.info("produce to %r partition %d from %s refused: %s", topic.name, part.index, request.peer, exc)
                 partitions.append(partition_response(part.index, error(exc.code), message=str(exc)[:200]))
                 continue
             partitions.append(appended(topic.name, part.index, plog, result))

@@ -15,7 +15,7 @@ Example::
 """
 
 from .config import LogConfig
-from .errors import DataDirLockedError
+from .errors import DataDirLockedError, MetadataFileError
 from .log import PartitionLog
 from .manager import LogManager, TopicInfo, run_flushes, validate_topic_name
 from .producers import ProducerStateManager
@@ -28,6 +28,7 @@ __all__ = [
     "DataDirLockedError",
     "LogConfig",
     "LogManager",
+    "MetadataFileError",
     "PartitionLog",
     "ProducerStateManager",
     "TimestampOffset",

@@ -10,3 +10,10 @@ class DataDirLockedError(RuntimeError):
 class DiskFullError(OSError):
     """An append found no space (ENOSPC, EDQUOT, or a short write) and was undone: the segment holds exactly
     what it held before, so the log stays usable and the next append tries again."""
+
+
+class MetadataFileError(ValueError):
+    """A broker state file (``topics.json``, ``producer-ids.json``) is unreadable or not what the broker wrote.
+
+    The message names the file and what is wrong with it; the broker refuses to start rather than guess.
+    """

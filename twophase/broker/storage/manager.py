@@ -1,7 +1,13 @@
 """The broker's topics: one PartitionLog per ``<data_dir>/<topic>-<partition>/`` plus ``topics.json``.
 
 ``topics.json`` (topic id, partition count and config overrides per topic) is the source of truth and is
-replaced atomically. A lock file keeps a second broker off the same data directory.
+replaced atomically; it is validated on load (a damaged one stops the start with a message naming it).
+Partition directories holding records that it does not name (``topics.json`` lost) are recovered at
+start as topics with default configs, with a WARNING naming them; the manager never removes a
+directory holding records unless it marked it itself (``.deleting``, written by a delete before the
+files go, so a delete cut by a crash is finished at the next start, not half undone). An flock on
+the data directory itself (not on a file in it, which an operator could delete) keeps a second broker
+off it.
 
 Example::
 
@@ -36,17 +42,18 @@ from twophase.durable import atomic_write, fsync_dir
 from twophase.wire.errors import (
     InvalidPartitionsError,
     InvalidTopicError,
+    KafkaError,
     KafkaStorageError,
     TopicAlreadyExistsError,
     UnknownTopicOrPartitionError,
 )
-from .errors import DataDirLockedError
+from .errors import DataDirLockedError, MetadataFileError
 from .log import PartitionLog
 
 log = logging.getLogger(__name__)
 
 METADATA_FILE = "topics.json"
-LOCK_FILE = ".lock"
+DELETING_MARKER = ".deleting"  # in a partition directory: its topic was deleted, its files are the broker's to remove
 MAX_TOPIC_NAME = 249
 _LEGAL_TOPIC = re.compile(r"[a-zA-Z0-9._-]+")
 
@@ -89,6 +96,57 @@ def _partition_dir_parts(name: str) -> tuple[str, int] | None:
     return (topic, int(partition)) if sep and topic and partition.isdigit() else None
 
 
+def _holds_records(directory: str) -> bool:
+    """Whether a partition directory has a non-empty segment (records nobody may silently remove)."""
+    return any(entry.name.endswith(".log") and entry.stat().st_size > 0 for entry in os.scandir(directory))
+
+
+def _being_deleted(directory: str) -> bool:
+    return os.path.exists(os.path.join(directory, DELETING_MARKER))
+
+
+def _mark_for_deletion(directory: str) -> None:
+    try:
+        os.close(os.open(os.path.join(directory, DELETING_MARKER), os.O_WRONLY | os.O_CREAT, 0o644))
+    except FileNotFoundError:
+        return  # no directory: nothing to delete
+    fsync_dir(directory)
+
+
+def _lock_directory(data_dir: str) -> int:
+    """An exclusive flock on ``data_dir`` itself, held by the returned descriptor.
+
+    A lock on a file inside it would be lifted by deleting that file: a second broker would lock a new one.
+    """
+    fd = os.open(data_dir, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise DataDirLockedError(f"{data_dir} is in use by another broker (it holds the directory's lock); "
+                                 "stop that broker first") from None
+    return fd
+
+
+def _topic_info(path: str, name: Any, entry: Any) -> TopicInfo:
+    """One topic of ``topics.json``, checked as strictly as CreateTopics checks a new one."""
+    try:
+        if not isinstance(name, str):
+            raise InvalidTopicError(f"topic name {name!r} is not a string")
+        validate_topic_name(name)
+        if not isinstance(entry, dict):
+            raise ValueError(f"expected an object, found {type(entry).__name__}")
+        partitions = entry.get("partitions")
+        if isinstance(partitions, bool) or not isinstance(partitions, int) or partitions < 1:
+            raise ValueError(f"partition count {partitions!r} is not an integer >= 1")
+        config = entry.get("config", {})
+        if not isinstance(config, dict):
+            raise ValueError(f"config {config!r} is not an object")
+        return TopicInfo(uuid.UUID(str(entry.get("topic_id"))), partitions, normalize_overrides(config))
+    except (KafkaError, ValueError) as exc:
+        raise MetadataFileError(f"{path}: topic {name!r}: {exc}; repair the entry or restore the file") from None
+
+
 class LogManager:
     """All topic-partition logs under one data directory."""
 
@@ -96,15 +154,12 @@ class LogManager:
         self.data_dir = data_dir
         self.config = config or LogConfig()
         os.makedirs(data_dir, exist_ok=True)
-        self._lock_fd = os.open(os.path.join(data_dir, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(self._lock_fd)
-            raise DataDirLockedError(f"{data_dir} is in use by another broker") from None
+        self._lock_fd = _lock_directory(data_dir)
         self._logs: dict[tuple[str, int], PartitionLog] = {}
         try:
             self._topics: dict[str, TopicInfo] = self._load_metadata()
+            self._finish_deletes()
+            self._recover_unlisted_topics()
             self._warn_orphans()
             for name, info in self._topics.items():
                 for p in range(info.partitions):
@@ -119,15 +174,24 @@ class LogManager:
         return os.path.join(self.data_dir, METADATA_FILE)
 
     def _load_metadata(self) -> dict[str, TopicInfo]:
+        """The topics ``topics.json`` names (none without the file); MetadataFileError if it is damaged."""
+        path = self._metadata_path()
         try:
-            with open(self._metadata_path(), "rb") as f:
+            with open(path, "rb") as f:
                 raw = json.load(f)
         except FileNotFoundError:
             return {}
-        return {
-            name: TopicInfo(uuid.UUID(t["topic_id"]), int(t["partitions"]), dict(t.get("config", {})))
-            for name, t in raw["topics"].items()
-        }
+        except (OSError, ValueError) as exc:
+            raise MetadataFileError(
+                f"{path} is unreadable ({exc}); restore it, or move it away: the broker then recovers the "
+                "topics from their directories with default configs") from exc
+        topics = raw.get("topics") if isinstance(raw, dict) else None
+        if not isinstance(topics, dict):
+            found = "an object without one" if isinstance(raw, dict) else f"a JSON {type(raw).__name__}"
+            raise MetadataFileError(
+                f"{path} holds {found} where a \"topics\" object belongs; restore it, or move it away: the "
+                "broker then recovers the topics from their directories with default configs")
+        return {name: _topic_info(path, name, entry) for name, entry in topics.items()}
 
     def _save_metadata(self, topics: dict[str, TopicInfo]) -> None:
         body = {
@@ -147,11 +211,62 @@ class LogManager:
                 out.append((entry, *parts))
         return out
 
+    def _unlisted_dirs(self) -> list[tuple[str, str, int]]:
+        """Partition directories that are not a partition of a topic in ``topics.json``."""
+        return [(entry, topic, p) for entry, topic, p in self._partition_dirs()
+                if topic not in self._topics or p >= self._topics[topic].partitions]
+
+    def _finish_deletes(self) -> None:
+        """Remove what a delete cut short by a crash left: every unlisted directory of a topic with a marked one.
+
+        Topic-wide, as the crash may have come before every partition was marked.
+        """
+        unlisted = self._unlisted_dirs()
+        deleted = {topic for entry, topic, _ in unlisted if _being_deleted(os.path.join(self.data_dir, entry))}
+        for entry, topic, _ in unlisted:
+            if topic in deleted:
+                log.warning("%s: finishing the delete of topic %r a crash cut short: removing %s", self.data_dir,
+                            topic, entry)
+                shutil.rmtree(os.path.join(self.data_dir, entry))
+
+    def _recover_unlisted_topics(self) -> None:
+        """Adopt partition directories holding records of topics ``topics.json`` does not name.
+
+        Partitions 0..n-1 found make a topic of n partitions with default configs and a new topic id
+        (what ``topics.json`` held of it is gone). A topic none of whose directories holds records has
+        nothing to lose and is not recovered; a name CreateTopics would refuse, or a topic without
+        partition 0, stays an orphan directory (``_warn_orphans``); creating it over records is refused.
+        """
+        found: dict[str, set[int]] = {}
+        with_records: set[str] = set()
+        for entry, topic, p in self._unlisted_dirs():
+            if topic not in self._topics:
+                found.setdefault(topic, set()).add(p)
+                if _holds_records(os.path.join(self.data_dir, entry)):
+                    with_records.add(topic)
+        recovered = []
+        for topic, numbers in sorted(found.items()):
+            if topic not in with_records:
+                continue
+            count = next(p for p in range(len(numbers) + 1) if p not in numbers)
+            try:
+                self._check_name_and_partitions(topic, count)
+            except KafkaError as exc:
+                log.warning("%s: cannot recover topic %r from its directories: %s", self.data_dir, topic, exc)
+                continue
+            self._topics[topic] = TopicInfo(_new_topic_id(), count, {})
+            recovered.append(f"{topic!r} ({count} partitions)")
+        if recovered:
+            log.warning("%s: %s does not name the topics of directories found here (lost, or a crash during a "
+                        "create or delete); recovered %s with default configs and new topic ids: reapply any "
+                        "config overrides", self.data_dir, METADATA_FILE, ", ".join(recovered))
+            self._save_metadata(self._topics)
+
     def _warn_orphans(self) -> None:
         for entry, topic, p in self._partition_dirs():
             info = self._topics.get(topic)
             if info is None or p >= info.partitions:
-                log.warning("%s: directory %s belongs to no known topic; left untouched", self.data_dir, entry)
+                log.warning("%s: directory %r belongs to no known topic; left untouched", self.data_dir, entry)
 
     # -- topics ------------------------------------------------------------------------------------
 
@@ -171,6 +286,16 @@ class LogManager:
 
         CreateTopics with validate_only answers with this, so it agrees with a real create.
         """
+        self._check_name_and_partitions(name, partitions)
+        for entry, topic, _ in self._partition_dirs():
+            directory = os.path.join(self.data_dir, entry)
+            if topic == name and _holds_records(directory) and not _being_deleted(directory):
+                raise TopicAlreadyExistsError(
+                    f"directory {entry!r} holds records of a topic {name!r} this broker does not know; it is "
+                    "never overwritten: move it away to create the topic, or restart the broker to recover it")
+        return normalize_overrides(config or {})
+
+    def _check_name_and_partitions(self, name: str, partitions: int) -> None:
         validate_topic_name(name)
         if name in self._topics:
             raise TopicAlreadyExistsError(f"topic {name!r} already exists")
@@ -181,7 +306,6 @@ class LogManager:
                 raise InvalidTopicError(f"topic {name!r} collides with existing topic {existing!r}")
         if isinstance(partitions, bool) or not isinstance(partitions, int) or partitions < 1:
             raise InvalidPartitionsError(f"partition count must be >= 1, got {partitions!r}")
-        return normalize_overrides(config or {})
 
     def create_topic(self, name: str, partitions: int, config: Mapping[str, Any] | None = None) -> TopicInfo:
         """Create a topic; ``config`` overrides use Kafka names (``retention.ms``) or LogConfig field names.
@@ -192,7 +316,7 @@ class LogManager:
         info = TopicInfo(_new_topic_id(), partitions, self.check_new_topic(name, partitions, config))
         opened: list[PartitionLog] = []
         try:
-            # Leftovers of an interrupted delete or create of a same-named topic must not resurface as its data.
+            # Empty or marked leftovers (check_new_topic refused any others) must not resurface as its data.
             for entry, topic, _ in self._partition_dirs():
                 if topic == name:
                     shutil.rmtree(os.path.join(self.data_dir, entry))
@@ -205,7 +329,7 @@ class LogManager:
             raise KafkaStorageError(f"creating topic {name!r} failed: {exc}") from exc
         self._topics[name] = info
         self._logs.update(((name, p), plog) for p, plog in enumerate(opened))
-        log.info("created topic %s (%d partitions, id %s)", name, partitions, info.topic_id)
+        log.info("created topic %r (%d partitions, id %s)", name, partitions, info.topic_id)
         return info
 
     def _discard_new_topic(self, name: str, partitions: int, opened: list[PartitionLog]) -> None:
@@ -231,13 +355,17 @@ class LogManager:
         remaining = {k: v for k, v in self._topics.items() if k != name}
         self._save_metadata(remaining)
         self._topics = remaining
+        # Marked (after topics.json no longer names them, before any file goes): a crash from here on is
+        # finished at the next start instead of bringing part of the topic back.
+        for p in range(info.partitions):
+            _mark_for_deletion(self._dir(name, p))
         for p in range(info.partitions):
             partition_log = self._logs.pop((name, p), None)
             if partition_log is not None:
                 partition_log.delete_files()
             shutil.rmtree(self._dir(name, p), ignore_errors=True)
         fsync_dir(self.data_dir)
-        log.info("deleted topic %s", name)
+        log.info("deleted topic %r", name)
 
     # -- partitions --------------------------------------------------------------------------------
 
