@@ -25,6 +25,7 @@ ZK = ["--zk", "127.0.0.1:1"]  # never reached: the refusal comes first
     *[([cmd, *ZK, "--app", v], "--app") for cmd in ("status", "recover") for v in ("", " ", "a/b", "..", "a\nb")],
     (["broker", "--data-dir", "unused", "--max-request-bytes", "10"], "--max-request-bytes"),
     (["broker", "--data-dir", "unused", "--host", ""], "--host"),
+    *[(["txns", "--bootstrap-server", "127.0.0.1:1", "--timeout", v, "list"], "--timeout") for v in ("0", "-1", "nan")],
     (["broker", "--data-dir", "unused", "--advertised-host", ""], "--advertised-host"),
 ])
 def test_a_bad_option_exits_2_naming_it(tmp_path, monkeypatch, capsys, argv, option):

@@ -25,6 +25,7 @@ import argparse
 import sys
 import time
 
+from twophase.cli_args import positive_seconds
 from twophase.wire.errors import KafkaError
 
 from .admin import (
@@ -130,7 +131,7 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the ``txns`` options and its list/describe/abort subcommands to ``p``."""
     p.add_argument("--bootstrap-server", required=True, metavar="HOST:PORT",
                    help="a broker to start from (Kafka or the built-in one)")
-    p.add_argument("--timeout", type=float, default=30.0, help="seconds to retry each request (default %(default)s)")
+    p.add_argument("--timeout", type=positive_seconds, default=30.0, help="seconds to retry each request (default %(default)s)")
     sub = p.add_subparsers(dest="txns_command", required=True)
     q = sub.add_parser("list", help="transactions the brokers know, with state, age and partitions")
     q.add_argument("--state", action="append", metavar="STATE",
