@@ -36,7 +36,7 @@ from collections.abc import Iterable
 from typing import Literal
 
 from .groups import GroupCoordinator
-from .server import DEFAULT_MAX_REQUEST_BYTES, Dispatcher, KafkaServer
+from .server import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_RECEIVE_TIMEOUT_MS, Dispatcher, KafkaServer
 from .group_commit import GroupCommit
 from .storage import LogConfig, LogManager, TopicInfo, run_flushes
 from .txn import TXN_DIR, Failpoint, TransactionCoordinator, TxnSettings
@@ -75,6 +75,9 @@ class BrokerConfig:
     transaction_two_phase_commit: bool = True
     connections_max_idle_ms: int = 600_000  # a connection without requests for this long is closed
     queued_max_request_bytes: int = 200 * 1024 * 1024  # request bytes buffered across all connections
+    # A request's bytes must all arrive within this once its size is read (else the connection is
+    # closed); also the longest a client may leave a response to it unread.
+    request_receive_timeout_ms: int = DEFAULT_RECEIVE_TIMEOUT_MS
     group_initial_rebalance_delay_ms: int = 3_000  # a new group waits this long for more members
 
     def __post_init__(self) -> None:
@@ -158,7 +161,8 @@ class Broker:
         """
         server = KafkaServer(Dispatcher(self), self.config.host, self.config.port, self.config.max_request_bytes,
                              idle_timeout_ms=self.config.connections_max_idle_ms,
-                             max_queued_request_bytes=self.config.queued_max_request_bytes)
+                             max_queued_request_bytes=self.config.queued_max_request_bytes,
+                             receive_timeout_ms=self.config.request_receive_timeout_ms)
         await server.start()
         self._server = server
         try:

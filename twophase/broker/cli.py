@@ -5,6 +5,7 @@
                     [--no-two-phase-commit] [--transaction-max-timeout-ms MS]
                     [--transactional-id-expiration-ms MS] [--connections-max-idle-ms MS]
                     [--queued-max-request-bytes N] [--group-initial-rebalance-delay-ms MS]
+                    [--request-receive-timeout-ms MS]
 
 Wiring (twophase/cli.py)::
 
@@ -25,7 +26,7 @@ import sys
 from twophase.wire.errors import KafkaError
 
 from .broker import Broker, BrokerConfig
-from .server import DEFAULT_MAX_REQUEST_BYTES
+from .server import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_RECEIVE_TIMEOUT_MS
 from .storage import DataDirLockedError
 from .txn.log import TransactionLogCorrupt
 
@@ -92,6 +93,9 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--queued-max-request-bytes", type=_positive, default=200 * 1024 * 1024,
                    help="request bytes buffered across all connections before reading pauses "
                         "(default %(default)s)")
+    p.add_argument("--request-receive-timeout-ms", type=_positive, default=DEFAULT_RECEIVE_TIMEOUT_MS,
+                   help="close a connection whose request has not fully arrived this long after its size, "
+                        "or that leaves a response unread this long (default %(default)s)")
     p.add_argument("--group-initial-rebalance-delay-ms", type=_int_from(0), default=3_000,
                    help="how long a new consumer group waits for more members before its first "
                         "rebalance (default %(default)s)")
@@ -116,6 +120,7 @@ def _config(args) -> BrokerConfig:
                         transactional_id_expiration_ms=args.transactional_id_expiration_ms,
                         connections_max_idle_ms=args.connections_max_idle_ms,
                         queued_max_request_bytes=args.queued_max_request_bytes,
+                        request_receive_timeout_ms=args.request_receive_timeout_ms,
                         group_initial_rebalance_delay_ms=args.group_initial_rebalance_delay_ms)
 
 
