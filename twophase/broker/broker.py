@@ -36,7 +36,7 @@ from collections.abc import Iterable
 from typing import Literal
 
 from .groups import GroupCoordinator
-from .server import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_RECEIVE_TIMEOUT_MS, Dispatcher, KafkaServer
+from .server import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_RECEIVE_TIMEOUT_MS, ByteBudget, Dispatcher, KafkaServer
 from .group_commit import GroupCommit
 from .storage import LogConfig, LogManager, TopicInfo, run_flushes
 from .txn import TXN_DIR, Failpoint, TransactionCoordinator, TxnSettings
@@ -49,6 +49,7 @@ BROKER_FILE = "broker.json"
 PRODUCER_IDS_FILE = "producer-ids.json"
 PRODUCER_ID_BLOCK = 1000
 GROUPS_DIR = "groups"  # committed offsets (twophase.broker.groups.offsets)
+DEFAULT_FETCH_MAX_BYTES = 57_671_680  # Kafka's fetch.max.bytes: 55 MiB
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +79,9 @@ class BrokerConfig:
     # A request's bytes must all arrive within this once its size is read (else the connection is
     # closed); also the longest a client may leave a response to it unread.
     request_receive_timeout_ms: int = DEFAULT_RECEIVE_TIMEOUT_MS
+    fetch_max_bytes: int = DEFAULT_FETCH_MAX_BYTES  # Kafka's fetch.max.bytes: the most one Fetch response holds
+    # Record bytes of Fetch responses being read or sent at once, across all connections.
+    fetch_bytes_in_flight: int = 4 * DEFAULT_FETCH_MAX_BYTES
     group_initial_rebalance_delay_ms: int = 3_000  # a new group waits this long for more members
 
     def __post_init__(self) -> None:
@@ -85,6 +89,9 @@ class BrokerConfig:
             raise ValueError(f"port must be between 0 and 65535, not {self.port!r}")
         if not 1 <= self.default_partitions <= self.max_partitions_per_topic:
             raise ValueError("default_partitions must be between 1 and max_partitions_per_topic")
+        for name in ("fetch_max_bytes", "fetch_bytes_in_flight"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, not {getattr(self, name)!r}")
         if self.fsync != "always" and (isinstance(self.fsync, bool) or not isinstance(self.fsync, int)
                                        or self.fsync < 0):
             raise ValueError(f"fsync must be 'always' or an interval in ms, not {self.fsync!r}")
@@ -118,6 +125,7 @@ class Broker:
         self.groups: GroupCoordinator | None = None
         self.transactions: TransactionCoordinator | None = None
         self.group_commit = GroupCommit()
+        self.fetch_budget = ByteBudget(self.config.fetch_bytes_in_flight)  # see apis/fetch.py
         self._server: KafkaServer | None = None
         self._waiters: dict[tuple[str, int], set[asyncio.Future]] = {}
         self._tasks: list[asyncio.Task] = []

@@ -375,6 +375,11 @@ class ByteBudget:
             raise
         return size
 
+    def take(self, size: int) -> None:
+        """Take ``size`` bytes at once, even beyond what is available (what was read already, say a
+        Fetch response's first batch, which goes out whole); give them back with release()."""
+        self.available -= size
+
     def release(self, size: int) -> None:
         """Give back ``size`` bytes (what acquire() returned) and wake the waiters that now fit."""
         self.available += size
@@ -524,7 +529,8 @@ class KafkaServer:
         handled alone, as Kafka does.
         """
         clock = asyncio.get_running_loop().time
-        pipeline: collections.deque[tuple[asyncio.Task, int]] = collections.deque()  # handling, in order
+        # Handling, in order: the task, its request bytes, what to call once it is answered.
+        pipeline: collections.deque[tuple[asyncio.Task, int, list]] = collections.deque()
         next_request: asyncio.Future = asyncio.ensure_future(self._read_request(conn))
 
         def start(request: Request | memoryview) -> Awaitable[memoryview | None]:
@@ -533,18 +539,22 @@ class KafkaServer:
             conn.answered.clear()
             return self.dispatch.handle(request)
 
-        async def answer(handling: Awaitable[memoryview | None], held: int) -> None:
+        async def answer(handling: Awaitable[memoryview | None], held: int, after: list[Callable[[], None]]) -> None:
             try:
-                response = await handling
+                try:
+                    response = await handling
+                finally:
+                    conn.busy -= 1
+                    conn.handling -= 1
+                    if not conn.handling:
+                        conn.answered.set()
+                    self.budget.release(held)
+                conn.last_active = clock()
+                if response is not None and not conn.transport.is_closing():  # nobody to answer once it is gone
+                    await conn.write(response)
             finally:
-                conn.busy -= 1
-                conn.handling -= 1
-                if not conn.handling:
-                    conn.answered.set()
-                self.budget.release(held)
-            conn.last_active = clock()
-            if response is not None and not conn.transport.is_closing():  # nobody to answer once it is gone
-                await conn.write(response)
+                for done in after:
+                    done()
 
         async def answer_head() -> None:
             await answer(*pipeline.popleft())
@@ -573,21 +583,24 @@ class KafkaServer:
                     raise
                 del frame  # only its handling holds the request, and only while it is handled
                 pipelined = isinstance(request, Request) and request.api.key in _PIPELINED_APIS
+                after = request.after_answer if isinstance(request, Request) else []
                 while pipeline and not pipelined:  # answer what came before, in order
                     await answer_head()
                 next_request = asyncio.ensure_future(self._read_request(conn))
                 if pipelined:
-                    pipeline.append((asyncio.ensure_future(start(request)), held))
+                    pipeline.append((asyncio.ensure_future(start(request)), held, after))
                 else:
-                    await answer(start(request), held)
+                    await answer(start(request), held, after)
                 del request
         except CloseConnection as exc:
             log.info("closing connection from %s: %s", conn.peer, exc)
             return str(exc)
         finally:
-            for task, held in pipeline:
+            for task, held, after in pipeline:
                 task.cancel()
                 self.budget.release(held)
+                for done in after:
+                    done()
             if not next_request.done():
                 next_request.cancel()
             elif not next_request.cancelled() and isinstance(next_request.result(), tuple):
