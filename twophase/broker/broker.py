@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import dataclasses
 import json
 import logging
@@ -62,6 +63,7 @@ class BrokerConfig:
     node_id: int = 0
     default_partitions: int = 1
     max_partitions_per_topic: int = 1000  # CreateTopics asking for more gets INVALID_PARTITIONS
+    max_partitions: int = 10_000  # all topics together; a create beyond it gets POLICY_VIOLATION
     auto_create_topics: bool = True
     fsync: Literal["always"] | int = "always"
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
@@ -89,6 +91,9 @@ class BrokerConfig:
             raise ValueError(f"port must be between 0 and 65535, not {self.port!r}")
         if not 1 <= self.default_partitions <= self.max_partitions_per_topic:
             raise ValueError("default_partitions must be between 1 and max_partitions_per_topic")
+        if self.max_partitions < self.default_partitions:
+            raise ValueError(f"max_partitions ({self.max_partitions}) must be at least default_partitions "
+                             f"({self.default_partitions})")
         for name in ("fetch_max_bytes", "fetch_bytes_in_flight"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, not {getattr(self, name)!r}")
@@ -175,7 +180,7 @@ class Broker:
         self._server = server
         try:
             os.makedirs(self.data_dir, exist_ok=True)
-            self.logs = LogManager(self.data_dir, self.config.topic_defaults())
+            self.logs = LogManager(self.data_dir, self.config.topic_defaults(), max_partitions=self.config.max_partitions)
             self._load_broker_file()
             self._load_producer_ids()
             self.groups = GroupCoordinator(os.path.join(self.data_dir, GROUPS_DIR))
@@ -370,6 +375,34 @@ class Broker:
             self.logs.check_new_topic(name, partitions, configs)
             return None
         return self.logs.create_topic(name, partitions, configs or None)
+
+    async def create_topic_async(self, name: str, partitions: int, configs: dict | None = None, *,
+                                 validate_only: bool = False) -> TopicInfo | None:
+        """Like create_topic, but the topic's directories and files are made in a worker thread, so the
+        event loop serves other requests meanwhile (a topic of many partitions takes seconds)."""
+        if validate_only:
+            return self.create_topic(name, partitions, configs, validate_only=True)
+        logs = self.logs
+        info = logs.begin_topic(name, partitions, configs or None)
+        work = asyncio.ensure_future(asyncio.to_thread(logs.create_topic_files, name, info))
+        try:
+            opened = await asyncio.shield(work)
+        except asyncio.CancelledError:  # the broker is stopping: the thread cannot be, so undo once it ends
+            opened = []
+            with contextlib.suppress(Exception):
+                opened = await work
+            logs.abandon_topic(name, opened)
+            raise
+        except BaseException:
+            logs.abandon_topic(name, [])
+            raise
+        return logs.finish_topic(name, info, opened)
+
+    async def auto_create_topic_async(self, name: str) -> TopicInfo:
+        """Create ``name`` with the default partition count, off the event loop; raises KafkaError (bad name...)."""
+        info = await self.create_topic_async(name, self.config.default_partitions)
+        log.info("auto-created topic %s with %d partitions", name, info.partitions)
+        return info
 
     def auto_create_topic(self, name: str) -> TopicInfo:
         """Create ``name`` with the default partition count; raises KafkaError (bad name...)."""

@@ -6,6 +6,7 @@
                     [--transactional-id-expiration-ms MS] [--connections-max-idle-ms MS]
                     [--queued-max-request-bytes N] [--group-initial-rebalance-delay-ms MS]
                     [--request-receive-timeout-ms MS] [--fetch-max-bytes N] [--fetch-bytes-in-flight N]
+                    [--max-partitions N]
 
 Wiring (twophase/cli.py)::
 
@@ -93,6 +94,8 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--queued-max-request-bytes", type=_positive, default=200 * 1024 * 1024,
                    help="request bytes buffered across all connections before reading pauses "
                         "(default %(default)s)")
+    p.add_argument("--max-partitions", type=_positive, default=10_000,
+                   help="most partitions of all topics together; creating more is refused (default %(default)s)")
     p.add_argument("--fetch-max-bytes", type=_positive, default=DEFAULT_FETCH_MAX_BYTES,
                    help="most record bytes one Fetch response holds, beyond its first batch (default %(default)s)")
     p.add_argument("--fetch-bytes-in-flight", type=_positive, default=4 * DEFAULT_FETCH_MAX_BYTES,
@@ -127,6 +130,7 @@ def _config(args) -> BrokerConfig:
                         queued_max_request_bytes=args.queued_max_request_bytes,
                         request_receive_timeout_ms=args.request_receive_timeout_ms,
                         fetch_max_bytes=args.fetch_max_bytes, fetch_bytes_in_flight=args.fetch_bytes_in_flight,
+                        max_partitions=args.max_partitions,
                         group_initial_rebalance_delay_ms=args.group_initial_rebalance_delay_ms)
 
 
