@@ -42,14 +42,15 @@ from .config import LogConfig, normalize_overrides
 from twophase.durable import atomic_write, fsync_dir
 from twophase.wire.errors import (
     InvalidPartitionsError,
-    KafkaError,
     InvalidTopicError,
+    KafkaError,
     KafkaStorageError,
     TopicAlreadyExistsError,
     UnknownTopicOrPartitionError,
 )
 from .errors import DataDirLockedError
 from .log import PartitionLog
+from .open_files import OpenFiles
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +108,7 @@ class LogManager:
         self.config = config or LogConfig()
         self.max_partitions = max_partitions
         self._creating: dict[str, TopicInfo] = {}  # topics between begin_topic and finish/abandon_topic
+        self._open_files = OpenFiles(OpenFiles.default_capacity())  # segment files: not one per partition
         os.makedirs(data_dir, exist_ok=True)
         self._lock_fd = os.open(os.path.join(data_dir, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -240,6 +242,7 @@ class LogManager:
                     shutil.rmtree(os.path.join(self.data_dir, entry))
             for p in range(info.partitions):
                 opened.append(self._open(name, p, info))
+                opened[-1].release_files()  # opened in this thread: the event loop's OpenFiles does not count them
             fsync_dir(self.data_dir)
         except OSError as exc:
             self._discard_new_topic(name, info.partitions, opened)
@@ -302,7 +305,8 @@ class LogManager:
         return os.path.join(self.data_dir, f"{topic}-{partition}")
 
     def _open(self, topic: str, partition: int, info: TopicInfo) -> PartitionLog:
-        return PartitionLog(self._dir(topic, partition), self.config.with_overrides(info.config))
+        return PartitionLog(self._dir(topic, partition), self.config.with_overrides(info.config),
+                            open_files=self._open_files)
 
     def partition(self, topic: str, partition: int) -> PartitionLog:
         """The PartitionLog of the partition; raises UnknownTopicOrPartitionError."""
