@@ -47,6 +47,14 @@ class _Held:
     def __init__(self, budget) -> None:
         self.budget = budget
         self.bytes = 0
+        self._unyielded = 0  # bytes read since the event loop last ran something else
+
+    async def pace(self, read: int) -> None:
+        """After ``read`` more bytes: let other connections' requests run once a step's worth was read."""
+        self._unyielded += read
+        if self._unyielded >= READ_STEP_BYTES:
+            self._unyielded = 0
+            await asyncio.sleep(0)
 
     def settle(self, taken: int, keep: int) -> None:
         """A read for which ``taken`` bytes were reserved returned ``keep`` bytes to keep: give back the
@@ -133,11 +141,11 @@ async def _read_partition(plog, offset: int, limit: int, upper: int, held: _Held
                 return b"".join(pieces), end, True
         try:
             data, after = plog.read_range(end, want, upper)
-        except KafkaError:
+        except BaseException as exc:
             held.budget.release(taken)
-            if not got:
-                raise
-            break  # say retention removed what follows meanwhile: answer with what was read
+            if got and isinstance(exc, KafkaError):
+                break  # say retention removed what follows meanwhile: answer with what was read
+            raise
         keep = len(data) if data and (must or got + len(data) <= limit) else 0
         held.settle(taken, keep)
         if not keep:
@@ -145,7 +153,7 @@ async def _read_partition(plog, offset: int, limit: int, upper: int, held: _Held
         pieces.append(data)
         got += keep
         end = after
-        await asyncio.sleep(0)  # other connections' requests go on between steps
+        await held.pace(keep)
     return b"".join(pieces), end, False
 
 
