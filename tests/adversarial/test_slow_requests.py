@@ -18,7 +18,13 @@ from confluent_kafka import Producer as ConfluentProducer
 from kio.schema.errors import ErrorCode
 
 from tests.broker.batches import batch
-from tests.broker.conftest import WireClient, only_partition, produce_request, req
+from tests.broker.conftest import (
+    WireClient,
+    metadata_request,
+    only_partition,
+    produce_request,
+    req,
+)
 from tests.waiting import wait_for, wait_until
 from twophase.broker.server import MIB, ByteBudget
 from twophase.client import Consumer, Producer
@@ -44,7 +50,12 @@ def test_two_stalled_100_mib_requests_lock_out_no_client(broker_factory, topic):
     # A receive timeout as long as the idle timeout: the clients below are served because nothing
     # is reserved up front, not because the stalled connections were closed.
     broker = broker_factory(request_receive_timeout_ms=600_000)
-    attackers = [stall(broker), stall(broker)]
+    with stall(broker), stall(broker):
+        clients_are_served(broker, topic)
+
+
+def clients_are_served(broker, topic: str) -> None:
+    """While two connections stall: raw, twophase.client and confluent_kafka clients produce and consume."""
     wait_until(lambda: receiving(broker) == 2, what="both announced requests being received")
     budget = broker._server.budget
     assert broker.call(lambda: budget.capacity - budget.available) <= 2 * MIB  # a step each at most
@@ -92,8 +103,6 @@ def test_two_stalled_100_mib_requests_lock_out_no_client(broker_factory, topic):
 
     # The attackers are still connected, still holding no more than a step each.
     assert receiving(broker) == 2
-    for attacker in attackers:
-        attacker.close()
 
 
 def test_stalled_and_trickling_requests_are_closed_after_the_receive_timeout(broker_factory):
@@ -120,12 +129,12 @@ def test_stalled_and_trickling_requests_are_closed_after_the_receive_timeout(bro
     finally:
         stop.set()
         thread.join()
+        for attacker in [*stalled, trickler]:
+            attacker.close()
     wait_until(lambda: broker.call(lambda: budget.available) == budget.capacity,
                what="the stalled requests' bytes returned to the budget")
     with WireClient(broker.port) as client:
         assert client.request(API_VERSIONS).error_code == ErrorCode.none
-    for attacker in [*stalled, trickler]:
-        attacker.close()
 
 
 def test_large_requests_that_together_exceed_the_budget_all_complete(broker_factory, topic):
@@ -166,3 +175,18 @@ def test_byte_budget_lets_the_oldest_of_stuck_step_takers_go_on():
         assert await b_more == 30 and budget.available == 10
 
     asyncio.run(scenario())
+
+
+def test_a_new_client_is_started_even_when_stalled_requests_hold_the_whole_budget(broker_factory, topic):
+    # Two stalled connections hold a step each, which is all of a 2 MiB budget.
+    broker = broker_factory(queued_max_request_bytes=2 * MIB, request_receive_timeout_ms=600_000)
+    with stall(broker) as first, stall(broker) as second:
+        for attacker in (first, second):
+            attacker.send_raw(b"\x00" * (MIB + 1000))  # into its second step, then nothing more
+        budget = broker._server.budget
+        wait_until(lambda: broker.call(lambda: budget.available) <= 0,
+                   what="the stalled requests holding the budget")
+        with WireClient(broker.port, timeout=60) as client:
+            assert client.request(API_VERSIONS).error_code == ErrorCode.none
+            [described] = client.request(metadata_request(12, [topic])).topics
+            assert described.error_code == ErrorCode.none

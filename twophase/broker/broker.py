@@ -94,7 +94,7 @@ class BrokerConfig:
         if self.max_partitions < self.default_partitions:
             raise ValueError(f"max_partitions ({self.max_partitions}) must be at least default_partitions "
                              f"({self.default_partitions})")
-        for name in ("fetch_max_bytes", "fetch_bytes_in_flight"):
+        for name in ("fetch_max_bytes", "fetch_bytes_in_flight", "request_receive_timeout_ms"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, not {getattr(self, name)!r}")
         if self.fsync != "always" and (isinstance(self.fsync, bool) or not isinstance(self.fsync, int)

@@ -15,7 +15,8 @@ bytes are read only as far as a byte budget shared by all connections
 (``queued.max.request.bytes``) lets them: a large request reserves its bytes step by step as
 they arrive, not up front, so a client that announces a large request and sends nothing holds
 at most one step, and a burst of large requests slows clients down through TCP flow control
-instead of growing the broker's memory without bound. A request whose bytes have not all
+instead of growing the broker's memory without bound. ApiVersions and Metadata requests that
+fit in the read-ahead are never queued for the budget, so a new client always gets started. A request whose bytes have not all
 arrived within ``request_receive_timeout_ms`` (time spent waiting for the budget not counted),
 or a response the client does not read for that long, closes the connection.
 
@@ -70,7 +71,10 @@ MIN_REQUEST_BYTES = 10  # api key, version, correlation id, client id length
 # Produce requests a connection handles at once: a client's in-flight batches share an fsync.
 PIPELINED_PRODUCE = 5
 _PIPELINED_APIS = frozenset({ApiKey.PRODUCE})
+# Small requests of these APIs never wait for the request byte budget: every client starts with them.
+_NEVER_QUEUED = frozenset({ApiKey.API_VERSIONS, ApiKey.METADATA})
 _SIZE = struct.Struct(">i")
+_API_KEY = struct.Struct(">h")
 
 
 class CloseConnection(Exception):
@@ -621,8 +625,14 @@ class KafkaServer:
         held = 0
         try:
             if size <= READ_AHEAD_BYTES:
-                held = await self._reserve(conn, size)
-                return await self._receive(conn, conn.read(size)), held
+                # Read first: its bytes fit in the read-ahead, whose memory the connection holds anyway.
+                frame = await self._receive(conn, conn.read(size))
+                if _API_KEY.unpack_from(frame)[0] in _NEVER_QUEUED:
+                    held = size  # a new client must always get started, however full the budget
+                    self.budget.take(size)
+                else:
+                    held = await self._reserve(conn, size)
+                return frame, held
             # Reserved step by step as the bytes arrive: announcing a large request holds no more than a step.
             self._requests_started += 1
             order = self._requests_started
