@@ -147,6 +147,8 @@ class Segment:
         they are opened again when next used. A failed fsync leaves them open (and is raised by the
         next flush, so the log that owns them goes offline)."""
         if sync:
+            if self._sync_error is not None:
+                return  # its log is going offline for that error: nothing to close it for
             try:
                 self.flush()
                 self.txn_index.flush()
