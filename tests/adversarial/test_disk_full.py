@@ -145,4 +145,6 @@ def test_a_partition_offline_after_a_failed_fsync_comes_back_without_a_restart(
         wait_until(lambda: produce(b"after") == 0, what="the partition back online")  # no restart
         assert produce(END) == 0
     assert "back online" in caplog.text and "dropping" in caplog.text
+    reopened = broker.logs.partition(topic, 0)
+    assert reopened._open_files is broker.logs._open_files  # its segment files count against the broker's cap
     assert read_to_end(broker.bootstrap, topic) == [b"acked", b"after"]

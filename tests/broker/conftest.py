@@ -42,14 +42,15 @@ def crash(storage: PartitionLog | LogManager) -> None:
             os.close(storage._lock_fd)
             storage._lock_fd = -1
         return
-    if storage._closed and all(s._fd < 0 for s in storage.segments):
+    if storage._closed and all(s._file_fd < 0 for s in storage.segments):
         return
     storage._closed = True
     storage._discard_pending_seals()  # their duplicate descriptors
     for segment in storage.segments:
-        if segment._fd >= 0:
-            os.close(segment._fd)
-            segment._fd = -1
+        segment._file_closed = True  # not opened again (segments open their file when used)
+        if segment._file_fd >= 0:
+            os.close(segment._file_fd)
+            segment._file_fd = -1
         index = segment.txn_index
         if index._fd >= 0:
             os.close(index._fd)

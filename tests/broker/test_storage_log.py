@@ -669,8 +669,8 @@ def test_a_segment_recovery_had_to_check_gets_its_index_so_the_next_start_trusts
     checked = []
     real_open = Segment.open.__func__
     monkeypatch.setattr(Segment, "open", classmethod(
-        lambda cls, directory, base, interval, *, recover: checked.append((base, recover))
-        or real_open(cls, directory, base, interval, recover=recover)))
+        lambda cls, directory, base, interval, *, recover, **more: checked.append((base, recover))
+        or real_open(cls, directory, base, interval, recover=recover, **more)))
     PartitionLog(log.directory, config)
     assert [recover for _, recover in checked] == [False] * (len(checked) - 1) + [True]
 

@@ -1,8 +1,9 @@
 """Topic creation and broker start when something fails part-way: nothing half-made is left behind.
 
-- A create the descriptor limit refuses half-way (CreateTopics, or auto-create by Metadata and
-  Produce) is answered KAFKA_STORAGE_ERROR and undone: no topic in Metadata or ``topics.json``, no
-  partition directory, no descriptor held.
+- A create the disk or the descriptor limit refuses half-way (CreateTopics, or auto-create by
+  Metadata and Produce) is answered KAFKA_STORAGE_ERROR and undone: no topic in Metadata or
+  ``topics.json``, no partition directory, no descriptor held.
+- Creating a topic does not take a descriptor per partition: segment files are opened when used.
 - CreateTopics with validate_only meets the same checks as a real create.
 - A start that fails (busy port, bad port, unknown host, damaged ``topics.json``) leaves a fresh
   data directory uncreated and an existing one untouched, and releases its lock and its port.
@@ -11,11 +12,14 @@ Example::
 
     with fd_headroom(40):                      # RLIMIT_NOFILE = descriptors open now + 40
         wire.request(create_topics_request(("many", 100, 1, None)))
+    with refused_after(50, monkeypatch):       # the 51st partition log of a create: EMFILE
+        ...
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -25,6 +29,7 @@ import socket
 import pytest
 
 from twophase.broker import Broker
+from twophase.broker.storage import LogManager
 from twophase.wire.errors import KafkaStorageError
 from twophase.zkserver import free_port
 
@@ -47,6 +52,23 @@ def fd_headroom(extra: int):
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
+@contextlib.contextmanager
+def refused_after(opened: int, monkeypatch):
+    """Partition logs of a create past the first ``opened`` fail to open, as when out of descriptors."""
+    real_open = LogManager._open
+    count = [0]
+
+    def open_or_refuse(self, topic, partition, info):
+        count[0] += 1
+        if count[0] > opened:
+            raise OSError(errno.EMFILE, "Too many open files")
+        return real_open(self, topic, partition, info)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(LogManager, "_open", open_or_refuse)
+        yield
+
+
 def listed_topics(broker: Broker) -> dict:
     with open(os.path.join(broker.data_dir, "topics.json")) as f:
         return json.load(f)["topics"]
@@ -61,26 +83,28 @@ def assert_not_created(broker: Broker, wire: WireClient, name: str) -> None:
     assert not [key for key in broker.call(broker.logs.partitions) if key[0] == name]
 
 
-def test_create_topics_out_of_descriptors_is_answered_and_undone(broker, topic):
+def test_create_topics_out_of_descriptors_is_answered_and_undone(broker, topic, monkeypatch):
     with WireClient(broker.port) as wire:
         wire.request(create_topics_request(("other", 1, 1, None)))  # topics.json exists beforehand
+        with refused_after(PARTITIONS // 2, monkeypatch):
+            [r] = wire.request(create_topics_request((topic, PARTITIONS, 1, None))).topics
+        assert r.error_code == STORAGE_ERROR and "Too many open files" in r.error_message
+        assert_not_created(broker, wire, topic)
+        # The undo closed what it opened, and a topic needs no descriptor per partition: one with
+        # more partitions than descriptors to spare is created.
         with fd_headroom(HEADROOM):
             [r] = wire.request(create_topics_request((topic, PARTITIONS, 1, None))).topics
-            assert r.error_code == STORAGE_ERROR and "Too many open files" in r.error_message
-            assert_not_created(broker, wire, topic)
-            # The undo closed what it opened: a smaller topic fits in the same limit.
-            [r] = wire.request(create_topics_request((topic, 5, 1, None))).topics
-        assert r.error_code == 0 and r.num_partitions == 5
-        assert listed_topics(broker)[topic]["partitions"] == 5
+        assert r.error_code == 0 and r.num_partitions == PARTITIONS
+        assert listed_topics(broker)[topic]["partitions"] == PARTITIONS
         [t] = wire.request(metadata_request(12, [topic], allow_auto=False)).topics
-        assert len(t.partitions) == 5
+        assert len(t.partitions) == PARTITIONS
         assert only_partition(wire.request(produce_request(topic, batch([b"v"]), partition=4))).error_code == 0
 
 
-def test_auto_create_out_of_descriptors_is_answered_and_undone(broker_factory, topic):
+def test_auto_create_out_of_descriptors_is_answered_and_undone(broker_factory, topic, monkeypatch):
     broker = broker_factory(default_partitions=PARTITIONS)
     with WireClient(broker.port) as wire:
-        with fd_headroom(HEADROOM):
+        with refused_after(PARTITIONS // 2, monkeypatch):
             [t] = wire.request(metadata_request(12, [topic], allow_auto=True)).topics
             assert t.error_code == STORAGE_ERROR and not t.partitions
             assert_not_created(broker, wire, topic)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import dataclasses
 import json
 import logging
@@ -36,7 +37,7 @@ from collections.abc import Iterable
 from typing import Literal
 
 from .groups import GroupCoordinator
-from .server import DEFAULT_MAX_REQUEST_BYTES, Dispatcher, KafkaServer
+from .server import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_RECEIVE_TIMEOUT_MS, ByteBudget, Dispatcher, KafkaServer
 from .group_commit import GroupCommit
 from .storage import LogConfig, LogManager, MetadataFileError, TopicInfo, run_flushes
 from .txn import TXN_DIR, Failpoint, TransactionCoordinator, TxnSettings, open_transactions
@@ -52,6 +53,7 @@ PRODUCER_ID_BLOCK = 1000
 # topics, FindCoordinator, InitProducerId, JoinGroup) fit well within it; below it no client could talk.
 MIN_MAX_REQUEST_BYTES = 64 * 1024
 GROUPS_DIR = "groups"  # committed offsets (twophase.broker.groups.offsets)
+DEFAULT_FETCH_MAX_BYTES = 57_671_680  # Kafka's fetch.max.bytes: 55 MiB
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +66,7 @@ class BrokerConfig:
     node_id: int = 0
     default_partitions: int = 1
     max_partitions_per_topic: int = 1000  # CreateTopics asking for more gets INVALID_PARTITIONS
+    max_partitions: int = 10_000  # all topics together; a create beyond it gets POLICY_VIOLATION
     auto_create_topics: bool = True
     fsync: Literal["always"] | int = "always"
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
@@ -78,6 +81,12 @@ class BrokerConfig:
     transaction_two_phase_commit: bool = True
     connections_max_idle_ms: int = 600_000  # a connection without requests for this long is closed
     queued_max_request_bytes: int = 200 * 1024 * 1024  # request bytes buffered across all connections
+    # A request's bytes must all arrive within this once its size is read (else the connection is
+    # closed); also the longest a client may leave a response to it unread.
+    request_receive_timeout_ms: int = DEFAULT_RECEIVE_TIMEOUT_MS
+    fetch_max_bytes: int = DEFAULT_FETCH_MAX_BYTES  # Kafka's fetch.max.bytes: the most one Fetch response holds
+    # Record bytes of Fetch responses being read or sent at once, across all connections.
+    fetch_bytes_in_flight: int = 4 * DEFAULT_FETCH_MAX_BYTES
     group_initial_rebalance_delay_ms: int = 3_000  # a new group waits this long for more members
 
     def __post_init__(self) -> None:
@@ -90,6 +99,12 @@ class BrokerConfig:
                              f"to talk, not {self.max_request_bytes!r}")
         if not 1 <= self.default_partitions <= self.max_partitions_per_topic:
             raise ValueError("default_partitions must be between 1 and max_partitions_per_topic")
+        if self.max_partitions < self.default_partitions:
+            raise ValueError(f"max_partitions ({self.max_partitions}) must be at least default_partitions "
+                             f"({self.default_partitions})")
+        for name in ("fetch_max_bytes", "fetch_bytes_in_flight", "request_receive_timeout_ms"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, not {getattr(self, name)!r}")
         if self.fsync != "always" and (isinstance(self.fsync, bool) or not isinstance(self.fsync, int)
                                        or self.fsync < 0):
             raise ValueError(f"fsync must be 'always' or an interval in ms, not {self.fsync!r}")
@@ -123,6 +138,7 @@ class Broker:
         self.groups: GroupCoordinator | None = None
         self.transactions: TransactionCoordinator | None = None
         self.group_commit = GroupCommit()
+        self.fetch_budget = ByteBudget(self.config.fetch_bytes_in_flight)  # see apis/fetch.py
         self._server: KafkaServer | None = None
         self._waiters: dict[tuple[str, int], set[asyncio.Future]] = {}
         self._tasks: list[asyncio.Task] = []
@@ -166,12 +182,13 @@ class Broker:
         """
         server = KafkaServer(Dispatcher(self), self.config.host, self.config.port, self.config.max_request_bytes,
                              idle_timeout_ms=self.config.connections_max_idle_ms,
-                             max_queued_request_bytes=self.config.queued_max_request_bytes)
+                             max_queued_request_bytes=self.config.queued_max_request_bytes,
+                             receive_timeout_ms=self.config.request_receive_timeout_ms)
         await server.start()
         self._server = server
         try:
             os.makedirs(self.data_dir, exist_ok=True)
-            self.logs = LogManager(self.data_dir, self.config.topic_defaults())
+            self.logs = LogManager(self.data_dir, self.config.topic_defaults(), max_partitions=self.config.max_partitions)
             self._load_broker_file()
             self._load_producer_ids()
             self.groups = GroupCoordinator(os.path.join(self.data_dir, GROUPS_DIR))
@@ -383,6 +400,34 @@ class Broker:
             self.logs.check_new_topic(name, partitions, configs)
             return None
         return self.logs.create_topic(name, partitions, configs or None)
+
+    async def create_topic_async(self, name: str, partitions: int, configs: dict | None = None, *,
+                                 validate_only: bool = False) -> TopicInfo | None:
+        """Like create_topic, but the topic's directories and files are made in a worker thread, so the
+        event loop serves other requests meanwhile (a topic of many partitions takes seconds)."""
+        if validate_only:
+            return self.create_topic(name, partitions, configs, validate_only=True)
+        logs = self.logs
+        info = logs.begin_topic(name, partitions, configs or None)
+        work = asyncio.ensure_future(asyncio.to_thread(logs.create_topic_files, name, info))
+        try:
+            opened = await asyncio.shield(work)
+        except asyncio.CancelledError:  # the broker is stopping: the thread cannot be, so undo once it ends
+            opened = []
+            with contextlib.suppress(Exception):
+                opened = await work
+            logs.abandon_topic(name, opened)
+            raise
+        except BaseException:
+            logs.abandon_topic(name, [])
+            raise
+        return logs.finish_topic(name, info, opened)
+
+    async def auto_create_topic_async(self, name: str) -> TopicInfo:
+        """Create ``name`` with the default partition count, off the event loop; raises KafkaError (bad name...)."""
+        info = await self.create_topic_async(name, self.config.default_partitions)
+        log.info("auto-created topic %s with %d partitions", name, info.partitions)
+        return info
 
     def auto_create_topic(self, name: str) -> TopicInfo:
         """Create ``name`` with the default partition count; raises KafkaError (bad name...)."""

@@ -5,6 +5,8 @@
                     [--no-two-phase-commit] [--transaction-max-timeout-ms MS]
                     [--transactional-id-expiration-ms MS] [--connections-max-idle-ms MS]
                     [--queued-max-request-bytes N] [--group-initial-rebalance-delay-ms MS]
+                    [--request-receive-timeout-ms MS] [--fetch-max-bytes N] [--fetch-bytes-in-flight N]
+                    [--max-partitions N]
 
 Wiring (twophase/cli.py)::
 
@@ -26,8 +28,8 @@ from twophase.cli_args import int_from as _int_from
 from twophase.cli_args import non_empty
 from twophase.wire.errors import KafkaError
 
-from .broker import MIN_MAX_REQUEST_BYTES, Broker, BrokerConfig
-from .server import DEFAULT_MAX_REQUEST_BYTES
+from .broker import DEFAULT_FETCH_MAX_BYTES, MIN_MAX_REQUEST_BYTES, Broker, BrokerConfig
+from .server import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_RECEIVE_TIMEOUT_MS
 from .storage import DataDirLockedError
 from .txn.log import TransactionLogCorrupt
 
@@ -80,6 +82,16 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--queued-max-request-bytes", type=_positive, default=200 * 1024 * 1024,
                    help="request bytes buffered across all connections before reading pauses "
                         "(default %(default)s)")
+    p.add_argument("--max-partitions", type=_positive, default=10_000,
+                   help="most partitions of all topics together; creating more is refused (default %(default)s)")
+    p.add_argument("--fetch-max-bytes", type=_positive, default=DEFAULT_FETCH_MAX_BYTES,
+                   help="most record bytes one Fetch response holds, beyond its first batch (default %(default)s)")
+    p.add_argument("--fetch-bytes-in-flight", type=_positive, default=4 * DEFAULT_FETCH_MAX_BYTES,
+                   help="record bytes of Fetch responses read or sent at once across all connections "
+                        "(default %(default)s)")
+    p.add_argument("--request-receive-timeout-ms", type=_positive, default=DEFAULT_RECEIVE_TIMEOUT_MS,
+                   help="close a connection whose request has not fully arrived this long after its size, "
+                        "or that leaves a response unread this long (default %(default)s)")
     p.add_argument("--group-initial-rebalance-delay-ms", type=_int_from(0), default=3_000,
                    help="how long a new consumer group waits for more members before its first "
                         "rebalance (default %(default)s)")
@@ -104,6 +116,9 @@ def _config(args) -> BrokerConfig:
                         transactional_id_expiration_ms=args.transactional_id_expiration_ms,
                         connections_max_idle_ms=args.connections_max_idle_ms,
                         queued_max_request_bytes=args.queued_max_request_bytes,
+                        request_receive_timeout_ms=args.request_receive_timeout_ms,
+                        fetch_max_bytes=args.fetch_max_bytes, fetch_bytes_in_flight=args.fetch_bytes_in_flight,
+                        max_partitions=args.max_partitions,
                         group_initial_rebalance_delay_ms=args.group_initial_rebalance_delay_ms)
 
 

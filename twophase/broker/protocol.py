@@ -108,6 +108,9 @@ class Request:
     body: Any
     peer: str = ""
     gone: Any = None  # asyncio.Future done once the client has gone away (None outside the server)
+    # Called once the response has been written (or the connection closed): say, to give back the
+    # fetch budget a response's records hold.
+    after_answer: list[Callable[[], None]] = dataclasses.field(default_factory=list)
 
     def response_type(self) -> type:
         """The kio response class for this request's API and version."""

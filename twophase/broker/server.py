@@ -9,11 +9,16 @@ in-flight batches share an fsync; they are appended in arrival order. A parked F
 later requests of its own connection only. A request that closes the connection is decoded
 before it is handled, so nothing after it is handled at all.
 
-Resource limits (Kafka's names): a connection with no request for ``connections.max.idle.ms``
-is closed (a request still being handled keeps it open); request bodies are read only once
-their size fits in a byte budget shared by all connections (``queued.max.request.bytes``),
-so a burst of large requests slows clients down through TCP flow control instead of
-growing the broker's memory without bound.
+Resource limits (Kafka's names where Kafka has one): a connection with no request for
+``connections.max.idle.ms`` is closed (a request still being handled keeps it open); request
+bytes are read only as far as a byte budget shared by all connections
+(``queued.max.request.bytes``) lets them: a large request reserves its bytes step by step as
+they arrive, not up front, so a client that announces a large request and sends nothing holds
+at most one step, and a burst of large requests slows clients down through TCP flow control
+instead of growing the broker's memory without bound. ApiVersions and Metadata requests that
+fit in the read-ahead are never queued for the budget, so a new client always gets started. A request whose bytes have not all
+arrived within ``request_receive_timeout_ms`` (time spent waiting for the budget not counted),
+or a response the client does not read for that long, closes the connection.
 
 What happens to bad input:
 
@@ -37,6 +42,7 @@ import asyncio
 import collections
 import contextlib
 import logging
+import mmap
 import struct
 from collections.abc import Awaitable, Callable
 
@@ -52,15 +58,23 @@ MIB = 1024 * 1024
 DEFAULT_MAX_REQUEST_BYTES = 100 * MIB  # Kafka's socket.request.max.bytes
 DEFAULT_MAX_QUEUED_REQUEST_BYTES = 2 * DEFAULT_MAX_REQUEST_BYTES
 DEFAULT_IDLE_TIMEOUT_MS = 600_000  # Kafka's connections.max.idle.ms
+DEFAULT_RECEIVE_TIMEOUT_MS = 30_000  # a request's bytes must all arrive within this
 # Bytes a connection reads ahead of the request it is on; larger requests are received into a
 # buffer of their own (counted in the request byte budget). Memory stays near the budget plus
 # this per connection.
 READ_AHEAD_BYTES = 64 * 1024
+# A large request reserves budget for this many more bytes at a time, as they arrive.
+RECEIVE_STEP_BYTES = 1024 * 1024
+# A response is handed to the transport this many bytes at a time (its buffer holds no more).
+WRITE_STEP_BYTES = 1024 * 1024
 MIN_REQUEST_BYTES = 10  # api key, version, correlation id, client id length
 # Produce requests a connection handles at once: a client's in-flight batches share an fsync.
 PIPELINED_PRODUCE = 5
 _PIPELINED_APIS = frozenset({ApiKey.PRODUCE})
+# Small requests of these APIs never wait for the request byte budget: every client starts with them.
+_NEVER_QUEUED = frozenset({ApiKey.API_VERSIONS, ApiKey.METADATA})
 _SIZE = struct.Struct(">i")
+_API_KEY = struct.Struct(">h")
 
 
 class CloseConnection(Exception):
@@ -71,9 +85,11 @@ class _Connection(asyncio.BufferedProtocol):
     """One client connection. Bytes are received straight into their final buffer: a request
     larger than the read-ahead buffer gets a buffer of its own size that the socket fills
     directly (one copy, instead of the four a StreamReader makes: receive, buffer, slice,
-    bytes). The read-ahead buffer holds at most ``READ_AHEAD_BYTES``; when it is full, reading
-    pauses until the request loop consumes it, so a connection waiting for request bytes
-    buffers no more than that.
+    bytes), but only as far as the request loop allows (``fill``): the part of the request it
+    reserved budget for. That buffer is an anonymous mapping, so the pages of bytes that have
+    not arrived cost no memory. The read-ahead buffer holds at most ``READ_AHEAD_BYTES``; when
+    it is full, reading pauses until the request loop consumes it, so a connection waiting for
+    request bytes buffers no more than that.
 
     ``gone`` is done once the client closed or reset the connection, so a parked Fetch of a
     client that went away ends at once instead of at max_wait.
@@ -96,8 +112,13 @@ class _Connection(asyncio.BufferedProtocol):
         self._ahead = bytearray(READ_AHEAD_BYTES)
         self._view = memoryview(self._ahead)
         self._start = self._end = 0  # unread bytes: _ahead[_start:_end]
-        self._frame: bytearray | None = None  # a large request being received in place
+        self._frame: mmap.mmap | None = None  # a large request being received in place
         self._filled = 0
+        self._limit = 0  # bytes of the frame the socket may fill so far
+        # The receive timeout of the request being read: its deadline while the client is the one
+        # awaited (None otherwise), and the time it has left.
+        self.receive_deadline: float | None = None
+        self.receive_left = 0.0
         self._wanted = 0  # unread bytes the request loop waits for (read-ahead mode)
         self._waiter: asyncio.Future | None = None
         self._eof = False
@@ -115,7 +136,7 @@ class _Connection(asyncio.BufferedProtocol):
 
     def get_buffer(self, sizehint: int) -> memoryview:
         if self._frame is not None:
-            return memoryview(self._frame)[self._filled:]
+            return memoryview(self._frame)[self._filled:self._limit]
         return self._view[self._end:]
 
     def buffer_updated(self, nbytes: int) -> None:
@@ -123,6 +144,9 @@ class _Connection(asyncio.BufferedProtocol):
             self._filled += nbytes
             if self._filled == len(self._frame):
                 self._frame = None  # complete: whatever follows goes to the read-ahead
+                self._wake()
+            elif self._filled == self._limit:
+                self._pause_reading()  # until the request loop reserved budget for more
                 self._wake()
             return
         self._end += nbytes
@@ -156,25 +180,36 @@ class _Connection(asyncio.BufferedProtocol):
 
     # -- used by the request loop --
 
-    async def read(self, n: int) -> bytes | memoryview:
-        """Exactly ``n`` bytes (a read-only memoryview for requests larger than the read-ahead).
+    def start_frame(self, n: int) -> mmap.mmap:
+        """Begin receiving a request of ``n`` bytes, more than the read-ahead holds, in place: the
+        bytes read ahead move into its buffer; ``fill`` lets the socket add more."""
+        available = self._end - self._start
+        frame = self._frame = mmap.mmap(-1, n)
+        frame[:available] = self._view[self._start:self._end]
+        self._filled = self._limit = available
+        self._start = self._end = 0
+        self._pause_reading()  # the socket may fill nothing of it before ``fill`` says how much
+        return frame
+
+    async def fill(self, frame: mmap.mmap, limit: int) -> int:
+        """Let the socket fill ``frame`` (from ``start_frame``) up to byte ``limit``; wait until it
+        has, and return how many bytes it holds. Raises ``asyncio.IncompleteReadError`` if the client
+        goes away first."""
+        self._limit = limit
+        if self._frame is frame and self._filled < limit:
+            self._resume_reading()
+            await self._wait(lambda: self._frame is not frame or self._filled >= limit)
+        if self._filled < limit:
+            self._frame = None
+            raise asyncio.IncompleteReadError(b"", len(frame))  # the partial bytes are of no use
+        return self._filled
+
+    async def read(self, n: int) -> bytes:
+        """Exactly ``n`` bytes, at most the read-ahead's size (larger requests: ``start_frame``).
         Raises ``asyncio.IncompleteReadError`` if the client goes away first."""
         available = self._end - self._start
         if available >= n:
             return self._take(n)
-        if n > len(self._ahead):
-            frame = self._frame = bytearray(n)
-            frame[:available] = self._view[self._start:self._end]
-            self._filled = available
-            self._start = self._end = 0
-            self._resume_reading()
-            try:
-                await self._wait(lambda: self._frame is None)
-            finally:
-                filled, self._frame = self._filled, None
-            if filled < n:
-                raise asyncio.IncompleteReadError(bytes(frame[:filled]), n)
-            return memoryview(frame).toreadonly()
         if self._start + n > len(self._ahead):  # make room at the end of the read-ahead
             self._ahead[:available] = bytes(self._view[self._start:self._end])  # overlapping: copy first
             self._start, self._end = 0, available
@@ -189,12 +224,21 @@ class _Connection(asyncio.BufferedProtocol):
         return self._take(n)
 
     async def write(self, data: bytes | memoryview) -> None:
-        """Send ``data``; waits while the client is not reading fast enough."""
-        self.transport.write(data)
-        if self._drained is not None:
-            await self._drained
-            if self.transport.is_closing():
-                raise ConnectionResetError("connection lost while writing")
+        """Send ``data``; waits while the client is not reading fast enough. Handed to the transport
+        a step at a time, so a large response is not copied whole into its buffer. Raises
+        TimeoutError if the client reads nothing for the receive timeout."""
+        view = memoryview(data)
+        for start in range(0, len(view), WRITE_STEP_BYTES):
+            self.transport.write(view[start:start + WRITE_STEP_BYTES])
+            if self._drained is not None:
+                try:
+                    await asyncio.wait_for(asyncio.shield(self._drained), self._server.receive_timeout)
+                except TimeoutError:
+                    reason = f"client read nothing of its response for {self._server.receive_timeout * 1000:.0f} ms"
+                    log.warning("closing connection from %s: %s", self.peer, reason)
+                    raise TimeoutError(reason) from None
+                if self.transport.is_closing():
+                    raise ConnectionResetError("connection lost while writing")
 
     def _take(self, n: int) -> bytes:
         data = bytes(self._view[self._start:self._start + n])
@@ -267,14 +311,30 @@ class Dispatcher:
         return None if response is None else encode_response(decoded.correlation_id, response)
 
 
-class ByteBudget:
-    """A pool of request bytes shared by every connection (Kafka's queued.max.request.bytes).
+class _Waiter(collections.namedtuple("_Waiter", "size fut holding order")):
+    """A wait for ``size`` bytes by a taker that holds ``holding`` bytes already (its ``order``:
+    lower is older)."""
 
-    A connection takes a request's size from the pool before it reads the request body and
-    gives it back once the request has been handled. While the pool is short, waiting
-    connections read nothing more, so their clients are held back by TCP flow control; requests
-    are granted in arrival order and none is dropped. A request larger than the whole pool
-    waits until the pool is full and then takes all of it.
+
+class ByteBudget:
+    """A pool of bytes shared by every connection (for requests, Kafka's queued.max.request.bytes).
+
+    A connection takes a request's bytes from the pool before it reads them (a large request a
+    step at a time, as they arrive) and gives them back once the request has been handled. While
+    the pool is short, waiting connections read nothing more, so their clients are held back by
+    TCP flow control; requests are granted in arrival order and none is dropped. A single take
+    larger than the whole pool waits until the pool is full and then takes all of it.
+
+    Takers that receive in steps could each hold part of the pool and all wait for more, with
+    nobody left to give any back. When every byte held is held by a waiting taker, the oldest of
+    them (lowest ``order``) gets its step anyway: the pool goes over by at most one request.
+
+    Usage::
+
+        budget = ByteBudget(200 << 20)
+        held = await budget.acquire(size)         # or budget.try_acquire(size): None if short
+        held += await budget.acquire(step, holding=held, order=started)
+        budget.release(held)
     """
 
     def __init__(self, capacity: int) -> None:
@@ -282,12 +342,12 @@ class ByteBudget:
             raise ValueError("the request byte budget must be at least 1 byte")
         self.capacity = capacity
         self.available = capacity
-        self._waiters: collections.deque[tuple[int, asyncio.Future]] = collections.deque()
+        self._waiters: collections.deque[_Waiter] = collections.deque()
 
     @property
     def waiting(self) -> int:
         """Requests waiting for bytes."""
-        return sum(1 for _, fut in self._waiters if not fut.done())
+        return sum(1 for w in self._waiters if not w.fut.done())
 
     def try_acquire(self, size: int) -> int | None:
         """Take ``size`` bytes (at most the capacity) if they are free and nobody waits; else None."""
@@ -297,14 +357,18 @@ class ByteBudget:
         self.available -= size
         return size
 
-    async def acquire(self, size: int) -> int:
-        """Take ``size`` bytes (at most the capacity), waiting while they are not there; the amount taken."""
+    async def acquire(self, size: int, *, holding: int = 0, order: int = 0) -> int:
+        """Take ``size`` bytes (at most the capacity), waiting while they are not there; the amount taken.
+
+        ``holding``: what the caller holds already for the same request (taken in earlier steps);
+        ``order``: when that request started (lower is older). See the class docstring."""
         taken = self.try_acquire(size)
         if taken is not None:
             return taken
         size = min(size, self.capacity)
         fut = asyncio.get_running_loop().create_future()
-        self._waiters.append((size, fut))
+        self._waiters.append(_Waiter(size, fut, holding, order))
+        self._grant()  # this wait may be the one that leaves every holder waiting
         try:
             await fut
         except asyncio.CancelledError:
@@ -315,6 +379,11 @@ class ByteBudget:
             raise
         return size
 
+    def take(self, size: int) -> None:
+        """Take ``size`` bytes at once, even beyond what is available (what was read already, say a
+        Fetch response's first batch, which goes out whole); give them back with release()."""
+        self.available -= size
+
     def release(self, size: int) -> None:
         """Give back ``size`` bytes (what acquire() returned) and wake the waiters that now fit."""
         self.available += size
@@ -322,7 +391,7 @@ class ByteBudget:
 
     def _grant(self) -> None:
         while self._waiters:
-            size, fut = self._waiters[0]
+            size, fut, _, _ = self._waiters[0]
             if fut.done():  # its connection was closed while waiting
                 self._waiters.popleft()
             elif size <= self.available:
@@ -330,7 +399,15 @@ class ByteBudget:
                 self.available -= size
                 fut.set_result(None)
             else:
-                return
+                break
+        live = [w for w in self._waiters if not w.fut.done()]
+        held_by_waiters = sum(w.holding for w in live)
+        if held_by_waiters and held_by_waiters >= self.capacity - self.available:
+            # Nobody but the waiters holds anything, so nobody would give back: the oldest goes on.
+            oldest = min((w for w in live if w.holding), key=lambda w: w.order)
+            self._waiters.remove(oldest)
+            self.available -= oldest.size
+            oldest.fut.set_result(None)
 
 
 class KafkaServer:
@@ -342,23 +419,31 @@ class KafkaServer:
     - ``idle_timeout_ms`` (connections.max.idle.ms, 10 min): a connection with no request for
       that long is closed; a request being handled (a parked Fetch, a JoinGroup waiting for the
       other members) keeps it busy, not idle;
-    - ``max_queued_request_bytes`` (queued.max.request.bytes): see :class:`ByteBudget`.
+    - ``max_queued_request_bytes`` (queued.max.request.bytes): see :class:`ByteBudget`;
+    - ``receive_timeout_ms`` (30 s): the time a request's bytes have to arrive once its size is
+      read (waits for the byte budget not counted), and the longest a client may read nothing of
+      a response it is sent; past it the connection is closed.
     """
 
     def __init__(self, dispatch: Dispatcher, host: str = "127.0.0.1",
                  port: int = 0, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, *,
                  idle_timeout_ms: int = DEFAULT_IDLE_TIMEOUT_MS,
-                 max_queued_request_bytes: int = DEFAULT_MAX_QUEUED_REQUEST_BYTES) -> None:
+                 max_queued_request_bytes: int = DEFAULT_MAX_QUEUED_REQUEST_BYTES,
+                 receive_timeout_ms: int = DEFAULT_RECEIVE_TIMEOUT_MS) -> None:
         if max_request_bytes < MIN_REQUEST_BYTES:
             raise ValueError(f"max_request_bytes must be at least {MIN_REQUEST_BYTES}")
         if idle_timeout_ms <= 0:
             raise ValueError(f"idle_timeout_ms must be positive, not {idle_timeout_ms}")
+        if receive_timeout_ms <= 0:
+            raise ValueError(f"receive_timeout_ms must be positive, not {receive_timeout_ms}")
         self.dispatch = dispatch
         self.host = host
         self.port = port
         self.max_request_bytes = max_request_bytes
         self.idle_timeout = idle_timeout_ms / 1000
+        self.receive_timeout = receive_timeout_ms / 1000
         self.budget = ByteBudget(max_queued_request_bytes)
+        self._requests_started = 0  # orders the requests received in steps (ByteBudget)
         self._server: asyncio.base_events.Server | None = None
         self._connections: set[_Connection] = set()
         self._idle_sweeper: asyncio.Task | None = None
@@ -398,15 +483,23 @@ class KafkaServer:
             self._server = None
 
     async def _close_idle_connections(self) -> None:
-        # Checking every quarter of the timeout (at most every 5 s) closes an idle connection
-        # within 1.25 x the timeout and costs the request path nothing but a clock read.
-        interval = min(self.idle_timeout / 4, 5.0)
+        # Checking every quarter of a timeout (at most every 5 s) closes a connection within 1.25 x
+        # the timeout and costs the request path nothing but a clock read.
+        interval = min(self.idle_timeout / 4, self.receive_timeout / 4, 5.0)
         loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(interval)
-            cutoff = loop.time() - self.idle_timeout
+            now = loop.time()
+            cutoff = now - self.idle_timeout
             for conn in list(self._connections):
-                if not conn.busy and conn.last_active < cutoff and conn.close_reason is None:
+                if conn.close_reason is not None:
+                    continue
+                if conn.receive_deadline is not None and now >= conn.receive_deadline:
+                    conn.close_reason = (f"request not received within {self.receive_timeout * 1000:.0f} ms "
+                                         f"(the client stopped sending it)")
+                    log.warning("closing connection from %s: %s", conn.peer, conn.close_reason)
+                    conn.task.cancel()
+                elif not conn.busy and conn.last_active < cutoff:
                     conn.close_reason = f"idle for more than {self.idle_timeout * 1000:.0f} ms"
                     log.info("closing connection from %s: %s", conn.peer, conn.close_reason)
                     conn.task.cancel()
@@ -440,7 +533,8 @@ class KafkaServer:
         handled alone, as Kafka does.
         """
         clock = asyncio.get_running_loop().time
-        pipeline: collections.deque[tuple[asyncio.Task, int]] = collections.deque()  # handling, in order
+        # Handling, in order: the task, its request bytes, what to call once it is answered.
+        pipeline: collections.deque[tuple[asyncio.Task, int, list]] = collections.deque()
         next_request: asyncio.Future = asyncio.ensure_future(self._read_request(conn))
 
         def start(request: Request | memoryview) -> Awaitable[memoryview | None]:
@@ -449,18 +543,22 @@ class KafkaServer:
             conn.answered.clear()
             return self.dispatch.handle(request)
 
-        async def answer(handling: Awaitable[memoryview | None], held: int) -> None:
+        async def answer(handling: Awaitable[memoryview | None], held: int, after: list[Callable[[], None]]) -> None:
             try:
-                response = await handling
+                try:
+                    response = await handling
+                finally:
+                    conn.busy -= 1
+                    conn.handling -= 1
+                    if not conn.handling:
+                        conn.answered.set()
+                    self.budget.release(held)
+                conn.last_active = clock()
+                if response is not None and not conn.transport.is_closing():  # nobody to answer once it is gone
+                    await conn.write(response)
             finally:
-                conn.busy -= 1
-                conn.handling -= 1
-                if not conn.handling:
-                    conn.answered.set()
-                self.budget.release(held)
-            conn.last_active = clock()
-            if response is not None and not conn.transport.is_closing():  # nobody to answer once it is gone
-                await conn.write(response)
+                for done in after:
+                    done()
 
         async def answer_head() -> None:
             await answer(*pipeline.popleft())
@@ -489,21 +587,24 @@ class KafkaServer:
                     raise
                 del frame  # only its handling holds the request, and only while it is handled
                 pipelined = isinstance(request, Request) and request.api.key in _PIPELINED_APIS
+                after = request.after_answer if isinstance(request, Request) else []
                 while pipeline and not pipelined:  # answer what came before, in order
                     await answer_head()
                 next_request = asyncio.ensure_future(self._read_request(conn))
                 if pipelined:
-                    pipeline.append((asyncio.ensure_future(start(request)), held))
+                    pipeline.append((asyncio.ensure_future(start(request)), held, after))
                 else:
-                    await answer(start(request), held)
+                    await answer(start(request), held, after)
                 del request
         except CloseConnection as exc:
             log.info("closing connection from %s: %s", conn.peer, exc)
             return str(exc)
         finally:
-            for task, held in pipeline:
+            for task, held, after in pipeline:
                 task.cancel()
                 self.budget.release(held)
+                for done in after:
+                    done()
             if not next_request.done():
                 next_request.cancel()
             elif not next_request.cancelled() and isinstance(next_request.result(), tuple):
@@ -520,27 +621,57 @@ class KafkaServer:
             log.info("closing connection from %s: request size %d outside [%d, %d]",
                      conn.peer, size, MIN_REQUEST_BYTES, self.max_request_bytes)
             return f"bad request size {size}"
-        # While this connection's own requests are handled, take bytes only if they are free: queued
-        # behind others, this request could wait for its own connection's parked Fetch, and
-        # everyone queued behind it with it.
-        held = None
-        while held is None and conn.handling:
-            held = self.budget.try_acquire(size)
-            if held is None:
-                await conn.answered.wait()
-        if held is None:
-            conn.busy += 1  # waiting for the byte budget is the broker's doing, not idleness
-            try:
-                held = await self.budget.acquire(size)
-            finally:
-                conn.busy -= 1
+        conn.receive_left = self.receive_timeout
+        held = 0
         try:
-            return await conn.read(size), held  # a client that stalls mid-request is idle
-        except asyncio.IncompleteReadError as exc:
-            log.info("closing connection from %s: truncated request (%d of %d bytes)",
-                     conn.peer, len(exc.partial), size)
+            if size <= READ_AHEAD_BYTES:
+                # Read first: its bytes fit in the read-ahead, whose memory the connection holds anyway.
+                frame = await self._receive(conn, conn.read(size))
+                if _API_KEY.unpack_from(frame)[0] in _NEVER_QUEUED:
+                    held = size  # a new client must always get started, however full the budget
+                    self.budget.take(size)
+                else:
+                    held = await self._reserve(conn, size)
+                return frame, held
+            # Reserved step by step as the bytes arrive: announcing a large request holds no more than a step.
+            self._requests_started += 1
+            order = self._requests_started
+            frame = conn.start_frame(size)
+            filled = 0
+            while filled < size:
+                held += await self._reserve(conn, min(RECEIVE_STEP_BYTES, size - held), held, order)
+                filled = await self._receive(conn, conn.fill(frame, held))
+            return memoryview(frame).toreadonly(), held
+        except asyncio.IncompleteReadError:
+            log.info("closing connection from %s: truncated request (%d bytes announced)", conn.peer, size)
             self.budget.release(held)
             return "truncated request"
         except BaseException:
             self.budget.release(held)
             raise
+
+    async def _reserve(self, conn: _Connection, size: int, holding: int = 0, order: int = 0) -> int:
+        """Take up to ``size`` bytes from the budget for ``conn``'s request being read; the amount taken."""
+        # While this connection's own requests are handled, take bytes only if they are free: queued
+        # behind others, this request could wait for its own connection's parked Fetch, and
+        # everyone queued behind it with it.
+        while conn.handling:
+            held = self.budget.try_acquire(size)
+            if held is not None:
+                return held
+            await conn.answered.wait()
+        conn.busy += 1  # waiting for the byte budget is the broker's doing, not idleness
+        try:
+            return await self.budget.acquire(size, holding=holding, order=order)
+        finally:
+            conn.busy -= 1
+
+    async def _receive(self, conn: _Connection, reading: Awaitable):
+        """Await ``reading`` (request bytes from the client) under the request's receive timeout."""
+        clock = asyncio.get_running_loop().time
+        conn.receive_deadline = clock() + conn.receive_left
+        try:
+            return await reading
+        finally:
+            conn.receive_left = conn.receive_deadline - clock()
+            conn.receive_deadline = None

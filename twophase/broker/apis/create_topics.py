@@ -5,6 +5,9 @@ manual assignments must name this broker only. num_partitions -1 means the broke
 Topic configs are passed to storage, which rejects those it does not implement
 (INVALID_CONFIG). validate_only runs the checks of a create without creating. A create the disk
 refuses part-way (no descriptor or space for a partition log) is undone and answered KAFKA_STORAGE_ERROR.
+A create that would take the broker over its ``max_partitions`` (all topics together) is refused
+with POLICY_VIOLATION and a message naming the limit. Each topic's directories and files are made
+in a worker thread (Broker.create_topic_async): other clients are served meanwhile.
 """
 
 from __future__ import annotations
@@ -61,7 +64,8 @@ async def handle(broker, request):
         if code == NONE:
             configs = {c.name: c.value for c in topic.configs}
             try:
-                info = broker.create_topic(topic.name, partitions, configs, validate_only=body.validate_only)
+                info = await broker.create_topic_async(topic.name, partitions, configs,
+                                                       validate_only=body.validate_only)
             except KafkaError as exc:  # validate_only meets the same checks as a create
                 code, message = error(exc.code), str(exc)
         results.append(build(

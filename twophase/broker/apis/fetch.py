@@ -12,9 +12,15 @@ client uses to drop aborted records; read_uncommitted returns everything up to t
 no aborted transactions (null). Both report the LSO. A read_committed long poll counts only data below
 the LSO, and the marker that moves the LSO wakes it (the coordinator calls ``broker.data_arrived``).
 
-Response size: partition_max_bytes per partition and max_bytes for the whole response, except
-that the first partition with data always gets at least one whole batch (KIP-74), so a batch
-larger than the limits cannot stall a consumer.
+Response size: partition_max_bytes per partition and max_bytes for the whole response, both
+capped by the broker's ``fetch_max_bytes`` (Kafka's fetch.max.bytes), except that the first
+partition with data always gets at least one whole batch (KIP-74), so a batch larger than the
+limits cannot stall a consumer.
+
+Cost: record bytes are read a step at a time, yielding to the event loop between steps, and each
+step is taken from a budget shared by every connection's Fetch responses (``fetch_bytes_in_flight``)
+and given back once the response has been written. The first step of a response waits for the
+budget; a later one that does not fit ends the response there (it is answered with what it has).
 """
 
 from __future__ import annotations
@@ -31,15 +37,50 @@ from twophase.wire.errors import KafkaError
 from ..protocol import handles
 from ._common import NO_THROTTLE, NONE, READ_COMMITTED, error
 
+# Record bytes read (and taken from the fetch budget) at a time, between yields to the event loop.
+READ_STEP_BYTES = 1024 * 1024
 
-def _read(broker, body, rt) -> tuple[tuple, int, bool]:
-    """(topic responses, bytes of records, whether any partition has an error)."""
+
+class _Held:
+    """The fetch-budget bytes one response holds (its record bytes read so far)."""
+
+    def __init__(self, budget) -> None:
+        self.budget = budget
+        self.bytes = 0
+        self._unyielded = 0  # bytes read since the event loop last ran something else
+
+    async def pace(self, read: int) -> None:
+        """After ``read`` more bytes: let other connections' requests run once a step's worth was read."""
+        self._unyielded += read
+        if self._unyielded >= READ_STEP_BYTES:
+            self._unyielded = 0
+            await asyncio.sleep(0)
+
+    def settle(self, taken: int, keep: int) -> None:
+        """A read for which ``taken`` bytes were reserved returned ``keep`` bytes to keep: give back the
+        rest, or take the excess at once (a first batch larger than the step goes out whole)."""
+        if keep > taken:
+            self.budget.take(keep - taken)
+        else:
+            self.budget.release(taken - keep)
+        self.bytes += keep
+
+    def release(self) -> None:
+        """Give everything back (the response was written, or is not sent)."""
+        self.budget.release(self.bytes)
+        self.bytes = 0
+
+
+async def _read(broker, body, rt, held: _Held) -> tuple[tuple, int, bool]:
+    """(topic responses, bytes of records, whether any partition has an error); ``held`` holds the
+    record bytes in the fetch budget."""
     TopicResponse, PartitionData = nested(rt, "FetchableTopicResponse"), nested(rt, "PartitionData")
     AbortedTransaction = nested(rt, "AbortedTransaction")
     committed = body.isolation_level == READ_COMMITTED
-    budget = max(0, body.max_bytes)
+    budget = min(max(0, body.max_bytes), broker.config.fetch_max_bytes)
     total = 0
     errors = False
+    budget_short = False
     topics = []
     for topic in body.topics:
         partitions = []
@@ -48,14 +89,14 @@ def _read(broker, body, rt) -> tuple[tuple, int, bool]:
                 plog = broker.partition_log(topic.topic, part.partition)
                 high_watermark = plog.high_watermark
                 stable = plog.last_stable_offset
-                upper = stable if committed else None
-                if total == 0:
-                    # Nothing in the response yet: at least one whole batch, even above the limits.
-                    records, end = plog.read_range(
-                        part.fetch_offset, max(min(part.partition_max_bytes, budget), 1), upper)
-                else:
-                    records, end = _read_within(
-                        plog, part.fetch_offset, min(part.partition_max_bytes, budget - total), upper)
+                # Not beyond what this answer reports, however much arrives while it is read.
+                upper = stable if committed else high_watermark
+                limit = min(part.partition_max_bytes, budget - total)
+                if budget_short:
+                    limit = 0
+                records, end, short = await _read_partition(
+                    plog, part.fetch_offset, limit, upper, held, first=total == 0)
+                budget_short = budget_short or short
                 total += len(records)
                 aborted = None
                 if committed:
@@ -75,13 +116,45 @@ def _read(broker, body, rt) -> tuple[tuple, int, bool]:
     return tuple(topics), total, errors
 
 
-def _read_within(plog, offset: int, limit: int, upper: int | None) -> tuple[bytes, int]:
-    """Whole batches that fit in ``limit`` bytes (none if the first one does not fit), and the offset after."""
-    if limit <= 0:
-        plog.check_fetch_offset(offset)
-        return b"", offset
-    data, end = plog.read_range(offset, limit, upper)
-    return (data, end) if len(data) <= limit else (b"", offset)
+async def _read_partition(plog, offset: int, limit: int, upper: int, held: _Held, *,
+                          first: bool) -> tuple[bytes, int, bool]:
+    """Whole batches from ``offset`` below ``upper`` that fit in ``limit`` bytes, and the offset after
+    them; with ``first`` (nothing in the response yet) at least one whole batch, even above the limits.
+
+    Read a step at a time, each taken from the fetch budget first; the third value is True when the
+    budget was short, so the response should take nothing more."""
+    plog.check_fetch_offset(offset)
+    pieces: list[bytes] = []
+    got = 0
+    end = offset
+    while end < upper:
+        must = first and not got
+        want = min(READ_STEP_BYTES, limit - got)
+        if want <= 0 and not must:
+            break
+        want = max(want, 1)
+        if must:
+            taken = await held.budget.acquire(want)  # the response's first bytes: worth waiting for
+        else:
+            taken = held.budget.try_acquire(want)
+            if taken is None:
+                return b"".join(pieces), end, True
+        try:
+            data, after = plog.read_range(end, want, upper)
+        except BaseException as exc:
+            held.budget.release(taken)
+            if got and isinstance(exc, KafkaError):
+                break  # say retention removed what follows meanwhile: answer with what was read
+            raise
+        keep = len(data) if data and (must or got + len(data) <= limit) else 0
+        held.settle(taken, keep)
+        if not keep:
+            break  # nothing more below ``upper``, or a batch larger than what is left
+        pieces.append(data)
+        got += keep
+        end = after
+        await held.pace(keep)
+    return b"".join(pieces), end, False
 
 
 @handles(ApiKey.FETCH, 4, 12)  # 13+ addresses topics by id
@@ -95,18 +168,25 @@ async def handle(broker, request):
     max_wait = max(body.max_wait.total_seconds(), 0.0)
     deadline = time.monotonic() + max_wait
     keys = [(t.topic, p.partition) for t in body.topics for p in t.partitions]
-    while True:
-        # Register before reading, so a produce between the read and the wait is not missed.
-        waiter = broker.data_waiter(keys)
-        try:
-            topics, total, errors = _read(broker, body, rt)
-            remaining = deadline - time.monotonic()
-            if total >= body.min_bytes or errors or remaining <= 0 or not keys:
-                break
-            watched = {waiter} if request.gone is None else {waiter, request.gone}
-            await asyncio.wait(watched, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
-            if request.gone is not None and request.gone.done():
-                return None  # nobody to answer
-        finally:
-            broker.drop_waiter(keys, waiter)
+    held = _Held(broker.fetch_budget)
+    try:
+        while True:
+            # Register before reading, so a produce between the read and the wait is not missed.
+            waiter = broker.data_waiter(keys)
+            try:
+                topics, total, errors = await _read(broker, body, rt, held)
+                remaining = deadline - time.monotonic()
+                if total >= body.min_bytes or errors or remaining <= 0 or not keys:
+                    break
+                held.release()  # parked: what was read is read again when woken
+                watched = {waiter} if request.gone is None else {waiter, request.gone}
+                await asyncio.wait(watched, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
+                if request.gone is not None and request.gone.done():
+                    return None  # nobody to answer
+            finally:
+                broker.drop_waiter(keys, waiter)
+    except BaseException:
+        held.release()
+        raise
+    request.after_answer.append(held.release)  # the records stay in memory until written
     return build(rt, throttle_time=NO_THROTTLE, error_code=NONE, session_id=0, responses=topics)

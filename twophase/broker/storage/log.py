@@ -60,6 +60,7 @@ from twophase.wire.records import (
 
 from .config import LogConfig
 from .errors import DiskFullError
+from .open_files import OpenFiles
 from .producers import ProducerStateManager
 from .results import AppendResult, TimestampOffset
 from .segment import DetachedSeal, Segment, index_path
@@ -85,9 +86,11 @@ class PartitionLog:
         *,
         now_ms: int | None = None,
         leader_epoch: int = NO_PARTITION_LEADER_EPOCH,
+        open_files: OpenFiles | None = None,
     ) -> None:
         self.directory = directory
         self.config = config or LogConfig()
+        self._open_files = open_files  # limits the segment files kept open (see open_files.py)
         # Stamped into every stored batch; -1 matches a Metadata leader epoch of -1, which makes
         # clients skip OffsetForLeaderEpoch validation.
         self.leader_epoch = leader_epoch
@@ -125,7 +128,7 @@ class PartitionLog:
             if name.endswith(".tmp") or (index and stem.isdigit() and int(stem) not in bases):
                 unlink_quietly(os.path.join(self.directory, name))
         if not bases:
-            segment = Segment.create(self.directory, 0, self.config.index_interval_bytes)
+            segment = Segment.create(self.directory, 0, self.config.index_interval_bytes, self._open_files)
             fsync_dir(self.directory)
             return [segment]
         interval = self.config.index_interval_bytes
@@ -136,7 +139,8 @@ class PartitionLog:
         segments: list[Segment] = []
         try:
             for b in bases:
-                segments.append(Segment.open(self.directory, b, interval, recover=b == bases[-1] or b in unsealed))
+                segments.append(Segment.open(self.directory, b, interval, recover=b == bases[-1] or b in unsealed,
+                                             open_files=self._open_files))
         except BaseException:
             _close_all(segments)  # say EMFILE part-way: no descriptor outlives the failed open
             raise
@@ -365,7 +369,8 @@ class PartitionLog:
             old.seal()
             self._durable_end = old.next_offset
             self.producers.write_snapshot(old.next_offset)
-            segment = Segment.create(self.directory, old.next_offset, self.config.index_interval_bytes)
+            segment = Segment.create(self.directory, old.next_offset, self.config.index_interval_bytes,
+                                     self._open_files)
             fsync_dir(self.directory)
         else:
             # Up to a flush interval of data is unsynced, and with it pending, the fsyncs of a roll (the
@@ -375,7 +380,8 @@ class PartitionLog:
                                   self.producers.snapshot_writer(old.next_offset))
             self._pending_seals.append(roll_seal)
             self._unfinished_seals[old.base_offset] = roll_seal
-            segment = Segment.create(self.directory, old.next_offset, self.config.index_interval_bytes)
+            segment = Segment.create(self.directory, old.next_offset, self.config.index_interval_bytes,
+                                     self._open_files)
             self._directory_unsynced = True
         self._segments.append(segment)
         log.info("%s: rolled new segment at offset %d", self.directory, segment.base_offset)
@@ -501,7 +507,8 @@ class PartitionLog:
                 self._closed = True
                 self._discard_pending_seals()
                 _close_all(self._segments)  # without an fsync: recovery decides what the files hold
-            reopened = PartitionLog(self.directory, self.config, leader_epoch=self.leader_epoch)
+            reopened = PartitionLog(self.directory, self.config, leader_epoch=self.leader_epoch,
+                                    open_files=self._open_files)
         except Exception as exc:
             self._reopen_at = now + self._reopen_backoff
             log.error("%s: still offline, opening it again failed (next try in %gs): %s",
@@ -673,6 +680,13 @@ class PartitionLog:
             self._closed = True
             self._discard_pending_seals()
             _close_all(self._segments, sync=self._failed is None)
+
+    def release_files(self) -> None:
+        """Close the files of every segment with nothing unsynced (they are opened again when used):
+        for logs opened in a thread other than their OpenFiles' owner (see open_files.py)."""
+        for segment in self._segments:
+            if segment.idle():
+                segment.release_file()
 
     def delete_files(self) -> None:
         """Close and remove every file of this log (used when the topic is deleted)."""

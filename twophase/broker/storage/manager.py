@@ -21,7 +21,14 @@ Example::
     manager.close()
 
 All methods are synchronous and quick; the broker calls them from its single asyncio event-loop thread,
-so there is no locking.
+so there is no locking. The one exception is the slow part of creating a topic (its partition
+directories, files and fsyncs): ``create_topic_files`` may run in a worker thread between
+``begin_topic`` and ``finish_topic``, as it touches only the new topic's directories::
+
+    info = manager.begin_topic("orders", 100)                              # checks, reserves the name
+    opened = await asyncio.to_thread(manager.create_topic_files, "orders", info)
+    manager.finish_topic("orders", info, opened)                           # topics.json, visible
+    # (or manager.abandon_topic("orders", opened) if it is not to be)
 """
 
 from __future__ import annotations
@@ -49,11 +56,13 @@ from twophase.wire.errors import (
 )
 from .errors import DataDirLockedError, MetadataFileError
 from .log import PartitionLog
+from .open_files import OpenFiles
 
 log = logging.getLogger(__name__)
 
 METADATA_FILE = "topics.json"
 DELETING_MARKER = ".deleting"  # in a partition directory: its topic was deleted, its files are the broker's to remove
+POLICY_VIOLATION = 44  # Kafka's error code for a create a broker policy refuses
 MAX_TOPIC_NAME = 249
 _LEGAL_TOPIC = re.compile(r"[a-zA-Z0-9._-]+")
 
@@ -148,11 +157,15 @@ def _topic_info(path: str, name: Any, entry: Any) -> TopicInfo:
 
 
 class LogManager:
-    """All topic-partition logs under one data directory."""
+    """All topic-partition logs under one data directory; ``max_partitions`` (None: no limit) is the
+    most partitions all topics together may have: a create beyond it is refused (POLICY_VIOLATION)."""
 
-    def __init__(self, data_dir: str, config: LogConfig | None = None) -> None:
+    def __init__(self, data_dir: str, config: LogConfig | None = None, *, max_partitions: int | None = None) -> None:
         self.data_dir = data_dir
         self.config = config or LogConfig()
+        self.max_partitions = max_partitions
+        self._creating: dict[str, TopicInfo] = {}  # topics between begin_topic and finish/abandon_topic
+        self._open_files = OpenFiles(OpenFiles.default_capacity())  # segment files: not one per partition
         os.makedirs(data_dir, exist_ok=True)
         self._lock_fd = _lock_directory(data_dir)
         self._logs: dict[tuple[str, int], PartitionLog] = {}
@@ -164,6 +177,9 @@ class LogManager:
             for name, info in self._topics.items():
                 for p in range(info.partitions):
                     self._logs[(name, p)] = self._open(name, p, info)
+            if max_partitions is not None and len(self._logs) > max_partitions:
+                log.warning("%s: %d partitions exceed max_partitions %d: served, but no topic can be created",
+                            data_dir, len(self._logs), max_partitions)
         except BaseException:
             self.close()  # the logs opened so far, and the lock: a failed start must not keep the directory
             raise
@@ -299,38 +315,81 @@ class LogManager:
         validate_topic_name(name)
         if name in self._topics:
             raise TopicAlreadyExistsError(f"topic {name!r} already exists")
+        if name in self._creating:
+            raise TopicAlreadyExistsError(f"topic {name!r} is being created")
         # Kafka rejects names that differ only by '.' vs '_': they collide in metric names.
         collision_key = name.replace(".", "_")
-        for existing in self._topics:
+        for existing in (*self._topics, *self._creating):
             if existing.replace(".", "_") == collision_key:
                 raise InvalidTopicError(f"topic {name!r} collides with existing topic {existing!r}")
         if isinstance(partitions, bool) or not isinstance(partitions, int) or partitions < 1:
             raise InvalidPartitionsError(f"partition count must be >= 1, got {partitions!r}")
+        if self.max_partitions is not None:
+            held = len(self._logs) + sum(info.partitions for info in self._creating.values())
+            if held + partitions > self.max_partitions:
+                raise KafkaError(f"topic {name!r} with {partitions} partitions would make {held + partitions} "
+                                 f"partitions on this broker, over its limit of {self.max_partitions} "
+                                 f"(max_partitions)", POLICY_VIOLATION)
 
     def create_topic(self, name: str, partitions: int, config: Mapping[str, Any] | None = None) -> TopicInfo:
         """Create a topic; ``config`` overrides use Kafka names (``retention.ms``) or LogConfig field names.
 
         All or nothing: every partition log is opened before ``topics.json`` names the topic; if the disk
         or the descriptor limit refuses one, what was created is removed and KafkaStorageError raised.
+        The same in steps, the slow one in another thread: see the module docstring.
         """
+        info = self.begin_topic(name, partitions, config)
+        try:
+            opened = self.create_topic_files(name, info)
+        except BaseException:
+            self.abandon_topic(name, [])
+            raise
+        return self.finish_topic(name, info, opened)
+
+    def begin_topic(self, name: str, partitions: int, config: Mapping[str, Any] | None = None) -> TopicInfo:
+        """Check a create (the KafkaError it meets) and reserve the name and partitions until
+        ``finish_topic`` or ``abandon_topic``; returns the new topic's info."""
         info = TopicInfo(_new_topic_id(), partitions, self.check_new_topic(name, partitions, config))
+        self._creating[name] = info
+        return info
+
+    def create_topic_files(self, name: str, info: TopicInfo) -> list[PartitionLog]:
+        """Create and fsync the partition logs of a topic from ``begin_topic``; may run in any thread,
+        as it touches only that topic's directories. On failure what it made is removed and
+        KafkaStorageError raised."""
         opened: list[PartitionLog] = []
         try:
             # Empty or marked leftovers (check_new_topic refused any others) must not resurface as its data.
             for entry, topic, _ in self._partition_dirs():
                 if topic == name:
                     shutil.rmtree(os.path.join(self.data_dir, entry))
-            for p in range(partitions):
+            for p in range(info.partitions):
                 opened.append(self._open(name, p, info))
+                opened[-1].release_files()  # opened in this thread: the event loop's OpenFiles does not count them
             fsync_dir(self.data_dir)
+        except OSError as exc:
+            self._discard_new_topic(name, info.partitions, opened)
+            raise KafkaStorageError(f"creating topic {name!r} failed: {exc}") from exc
+        return opened
+
+    def finish_topic(self, name: str, info: TopicInfo, opened: list[PartitionLog]) -> TopicInfo:
+        """Name the topic in ``topics.json`` and serve its logs (``opened``, from ``create_topic_files``)."""
+        try:
             self._save_metadata({**self._topics, name: info})
         except OSError as exc:
-            self._discard_new_topic(name, partitions, opened)
+            self.abandon_topic(name, opened)
             raise KafkaStorageError(f"creating topic {name!r} failed: {exc}") from exc
+        del self._creating[name]
         self._topics[name] = info
         self._logs.update(((name, p), plog) for p, plog in enumerate(opened))
-        log.info("created topic %r (%d partitions, id %s)", name, partitions, info.topic_id)
+        log.info("created topic %r (%d partitions, id %s)", name, info.partitions, info.topic_id)
         return info
+
+    def abandon_topic(self, name: str, opened: list[PartitionLog]) -> None:
+        """Give up a create from ``begin_topic``: remove what ``create_topic_files`` made (``opened``)."""
+        info = self._creating.pop(name)
+        if opened:
+            self._discard_new_topic(name, info.partitions, opened)
 
     def _discard_new_topic(self, name: str, partitions: int, opened: list[PartitionLog]) -> None:
         """Undo a failed create_topic, as far as the disk lets us; what stays behind is an orphan directory."""
@@ -373,7 +432,8 @@ class LogManager:
         return os.path.join(self.data_dir, f"{topic}-{partition}")
 
     def _open(self, topic: str, partition: int, info: TopicInfo) -> PartitionLog:
-        return PartitionLog(self._dir(topic, partition), self.config.with_overrides(info.config))
+        return PartitionLog(self._dir(topic, partition), self.config.with_overrides(info.config),
+                            open_files=self._open_files)
 
     def partition(self, topic: str, partition: int) -> PartitionLog:
         """The PartitionLog of the partition; raises UnknownTopicOrPartitionError.

@@ -39,7 +39,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from twophase.durable import fsync_dir
-from twophase.wire.errors import CorruptRecordError
+from twophase.wire.errors import CorruptRecordError, KafkaStorageError
 from twophase.wire.records import (
     HEADER_SIZE,
     LOG_OVERHEAD,
@@ -51,6 +51,7 @@ from twophase.wire.records import (
 )
 
 from .errors import DiskFullError
+from .open_files import OpenFiles
 from .txnindex import TransactionIndex, txn_index_path
 
 log = logging.getLogger(__name__)
@@ -136,15 +137,20 @@ def index_path(directory: str, base_offset: int) -> str:
 
 
 class Segment:
-    """An append-only segment file; all calls are synchronous and not thread-safe."""
+    """An append-only segment file; all calls are synchronous and not thread-safe.
 
-    def __init__(self, directory: str, base_offset: int, index_interval_bytes: int) -> None:
+    Its log file is opened when first used; with ``open_files`` (see open_files.py) it may be closed
+    while idle and opened again when used."""
+
+    def __init__(self, directory: str, base_offset: int, index_interval_bytes: int,
+                 open_files: OpenFiles | None = None) -> None:
         self.directory = directory
         self.base_offset = base_offset
         self.index_interval_bytes = index_interval_bytes
         self.path = log_path(directory, base_offset)
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
-        self.size = os.fstat(self._fd).st_size
+        self._open_files = open_files
+        self._file_fd = -1
+        self._file_closed = False
         self.next_offset = base_offset
         self.max_timestamp = NO_TIMESTAMP
         self._rel_offsets = array("i")
@@ -161,13 +167,60 @@ class Segment:
         self.txn_index = TransactionIndex(txn_index_path(directory, base_offset), base_offset)
         self._checked = CheckedRanges()  # file ranges whose batches passed their CRC check
         self.damage: Damage | None = None  # the first damaged batch a read found
+        self._file_fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
+        self.size = os.fstat(self._fd).st_size
+
+    @property
+    def _fd(self) -> int:
+        """The log file's descriptor, opened again if it was closed while idle (-1 once the segment is
+        closed). No descriptor to spare is KafkaStorageError, not an OSError: nothing failed on disk,
+        so the log must not go offline for it."""
+        if self._file_fd < 0 and not self._file_closed:
+            try:
+                self._file_fd = os.open(self.path, os.O_RDWR | os.O_APPEND)
+            except OSError as exc:
+                if exc.errno not in (errno.EMFILE, errno.ENFILE):
+                    raise
+                raise KafkaStorageError(f"{self.path}: no descriptor to open it: {exc}") from exc
+        if self._open_files is not None:
+            self._open_files.used(self)
+        return self._file_fd
+
+    @_fd.setter
+    def _fd(self, fd: int) -> None:
+        self._file_fd = fd
+
+    def idle(self) -> bool:
+        """Whether its files could be closed now without losing anything: open, and nothing unsynced."""
+        return self._file_fd >= 0 and not (self._dirty or self._detached_sync or self.txn_index.dirty)
+
+    def release_file(self, *, sync: bool = False) -> None:
+        """Close the files while idle (see ``idle``), or after an fsync of what is unsynced with ``sync``;
+        they are opened again when next used. A failed fsync leaves them open (and is raised by the
+        next flush, so the log that owns them goes offline)."""
+        if sync:
+            if self._sync_error is not None:
+                return  # its log is going offline for that error: nothing to close it for
+            try:
+                self.flush()
+                self.txn_index.flush()
+            except OSError as exc:
+                log.warning("%s: fsync before closing an idle file failed, kept open: %s", self.path, exc)
+                return
+        if self._file_fd >= 0:
+            os.close(self._file_fd)
+            self._file_fd = -1
+        self.txn_index.close(sync=False)  # nothing unsynced: its next append opens it again
+        if self._open_files is not None:
+            self._open_files.closed(self)
 
     # -- opening ---------------------------------------------------------------------------------
 
     @classmethod
-    def create(cls, directory: str, base_offset: int, index_interval_bytes: int) -> Segment:
+    def create(cls, directory: str, base_offset: int, index_interval_bytes: int,
+               open_files: OpenFiles | None = None) -> Segment:
         """A new, empty segment with an empty transaction index; FileExistsError if its log already holds data."""
-        seg = cls(directory, base_offset, index_interval_bytes)
+        seg = cls(directory, base_offset, index_interval_bytes, open_files)
         try:
             if seg.size:
                 raise FileExistsError(f"segment {seg.path} already holds data")
@@ -178,13 +231,14 @@ class Segment:
         return seg
 
     @classmethod
-    def open(cls, directory: str, base_offset: int, index_interval_bytes: int, *, recover: bool) -> Segment:
+    def open(cls, directory: str, base_offset: int, index_interval_bytes: int, *, recover: bool,
+             open_files: OpenFiles | None = None) -> Segment:
         """Open an existing segment; ``recover`` CRC-checks every batch (for the possibly torn active segment).
 
         Otherwise the index is trusted if consistent and only the bytes after its last entry are
         walked. Either way a damaged tail is truncated and logged.
         """
-        seg = cls(directory, base_offset, index_interval_bytes)
+        seg = cls(directory, base_offset, index_interval_bytes, open_files)
         try:
             kept = 0 if recover else seg._load_index()
             seg._rescan(kept, validate=recover)
@@ -410,13 +464,16 @@ class Segment:
         """Release the files (after an fsync with ``sync``). The descriptors are closed even if that fsync
         fails (a log gone offline is closed this way): the error is raised after."""
         try:
-            if self._fd >= 0 and sync:
+            if self._file_fd >= 0 and sync:
                 self.flush()
         finally:
+            self._file_closed = True
             try:
-                if self._fd >= 0:
-                    os.close(self._fd)
-                    self._fd = -1
+                if self._file_fd >= 0:
+                    os.close(self._file_fd)
+                    self._file_fd = -1
+                if self._open_files is not None:
+                    self._open_files.closed(self)
             finally:
                 if sync and self.damage is None:
                     self.txn_index.seal(self.next_offset)

@@ -147,6 +147,11 @@ class TransactionIndex:
         return len(self._last)
 
     @property
+    def dirty(self) -> bool:
+        """Whether entries were appended since the last fsync."""
+        return self._dirty
+
+    @property
     def last_marker(self) -> int:
         """Offset of the newest ABORT marker here, -1 if none."""
         return self._last[-1] if len(self._last) else -1
