@@ -18,6 +18,7 @@ from confluent_kafka import OFFSET_BEGINNING, TopicPartition
 from confluent_kafka import Consumer as ConfluentConsumer
 from confluent_kafka import KafkaError as ConfluentError
 
+from tests.adversarial.reading import END, read_until_end
 from tests.broker.batches import batch, batch_offsets
 from tests.waiting import wait_for, wait_until
 from twophase.broker.storage import LogConfig, PartitionLog
@@ -26,7 +27,6 @@ from twophase.client import Admin, Consumer, CorruptRecordBatch, Producer
 from twophase.wire.errors import CorruptRecordError
 from twophase.wire.records import HEADER_SIZE, iter_batches
 
-END = b"end"
 SMALL_SEGMENTS = {"segment.bytes": "1024"}  # the smallest allowed: a few transactions per segment
 
 
@@ -59,19 +59,7 @@ def write_transactions(bootstrap: str, topic: str, rounds: int) -> set[bytes]:
 
 def read_twophase(bootstrap: str, topic: str) -> list[bytes]:
     """Every value before END, read_committed, with twophase.client."""
-    values: list[bytes] = []
-    with Consumer(bootstrap, isolation_level="read_committed") as consumer:
-        consumer.assign([(topic, 0)])
-
-        def saw_end() -> bool:
-            for m in consumer.poll(timeout_s=0.5):
-                if m.value == END:
-                    return True
-                values.append(m.value)
-            return False
-
-        wait_until(saw_end, timeout=60, what="END through twophase.client")
-    return values
+    return read_until_end(bootstrap, topic, isolation_level="read_committed")
 
 
 def read_confluent(bootstrap: str, topic: str) -> list[bytes]:

@@ -17,15 +17,15 @@ from collections.abc import Iterator
 import pytest
 from confluent_kafka import Producer as ConfluentProducer
 
+from tests.adversarial.reading import END, read_until_end
 from tests.broker.batches import batch
 from tests.broker.conftest import WireClient, only_partition, produce_request
-from tests.waiting import wait_for, wait_until
+from tests.waiting import wait_until
 from twophase.broker.storage import segment as segment_module
-from twophase.client import Admin, Consumer
+from twophase.client import Admin
 
 KAFKA_STORAGE_ERROR = 56
 VALUE_BYTES = 16 * 1024  # more than a page: a write cannot fit in what the last page of a file has left
-END = b"end"
 
 
 @pytest.fixture
@@ -96,24 +96,7 @@ def test_disk_full_answers_storage_error_at_once_and_recovers_when_space_returns
     del producer  # librdkafka's descriptors go with the last reference (it has no close())
     assert "space is back" in caplog.text
 
-    assert read_to_end(broker.bootstrap, topic) == acked  # each acknowledged record once, in order; no refused one
-
-
-def read_to_end(bootstrap: str, topic: str) -> list[bytes]:
-    """The values of partition 0 before END, with twophase.client."""
-    with Consumer(bootstrap) as consumer:
-        consumer.assign([(topic, 0)])
-        values: list[bytes] = []
-
-        def saw_end() -> bool:
-            for m in consumer.poll(timeout_s=0.5):
-                if m.value == END:
-                    return True
-                values.append(m.value)
-            return False
-
-        wait_for(saw_end, what="END")
-    return values
+    assert read_until_end(broker.bootstrap, topic) == acked  # each acknowledged record once, in order; no refused one
 
 
 def test_a_partition_offline_after_a_failed_fsync_comes_back_without_a_restart(
@@ -147,4 +130,4 @@ def test_a_partition_offline_after_a_failed_fsync_comes_back_without_a_restart(
     assert "back online" in caplog.text and "dropping" in caplog.text
     reopened = broker.logs.partition(topic, 0)
     assert reopened._open_files is broker.logs._open_files  # its segment files count against the broker's cap
-    assert read_to_end(broker.bootstrap, topic) == [b"acked", b"after"]
+    assert read_until_end(broker.bootstrap, topic) == [b"acked", b"after"]

@@ -20,7 +20,7 @@ import struct
 
 import pytest
 
-from tests.adversarial.txn_reading import read_committed
+from tests.adversarial.reading import read_committed
 from tests.waiting import wait_until
 from twophase.broker.txn import TXN_DIR
 from twophase.client import Admin, Producer

@@ -19,7 +19,7 @@ import pytest
 from confluent_kafka import Producer as ConfluentProducer
 from kio.schema.errors import ErrorCode
 
-from tests.adversarial.txn_reading import read_committed
+from tests.adversarial.reading import read_committed
 from tests.broker.batches import batch
 from tests.broker.conftest import MS, only_partition, produce_request, req
 from twophase.client import Admin, Producer

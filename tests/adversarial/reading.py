@@ -1,4 +1,4 @@
-"""What a read_committed consumer sees, for the transaction attacks.
+"""What a consumer sees after an attack: every value of a partition up to an END record.
 
 Reading to the end is an event, not a pause: a committed END record goes to every partition
 (from a transactional producer of its own), and a partition is read once its END arrived.
@@ -8,6 +8,7 @@ also proves the LSO moved past everything before it.
 Example::
 
     seen = read_committed(broker.bootstrap, topic, partitions=2)   # {partition: [values before END]}
+    values = read_until_end(broker.bootstrap, topic)               # END written by the test itself
 """
 
 from __future__ import annotations
@@ -52,3 +53,22 @@ def read_committed(bootstrap: str, topic: str, partitions: int, timeout: float =
 
         wait_until(all_ended, timeout=timeout, what=f"END on every partition of {topic} (saw {sorted(ended)})")
     return seen
+
+
+def read_until_end(bootstrap: str, topic: str, partition: int = 0,
+                   isolation_level: str = "read_uncommitted", timeout: float = 60.0) -> list[bytes]:
+    """The values of ``topic``-``partition`` before its first END record (which the test wrote), with
+    twophase.client; every record arrives in offset order, so seeing END means all before it were seen."""
+    values: list[bytes] = []
+    with Consumer(bootstrap, isolation_level=isolation_level) as consumer:
+        consumer.assign([(topic, partition)])
+
+        def saw_end() -> bool:
+            for m in consumer.poll(timeout_s=0.5):
+                if m.value == END:
+                    return True
+                values.append(m.value)
+            return False
+
+        wait_until(saw_end, timeout=timeout, what=f"END of {topic}-{partition} through twophase.client")
+    return values
