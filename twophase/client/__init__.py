@@ -17,11 +17,12 @@ Example::
 from twophase.wire.errors import KafkaError
 
 from .admin import Admin, TransactionDescription, TransactionListing
-from .consumer import Consumer, Message
+from .consumer import EARLIEST, LATEST, Consumer, Message
 from .errors import (
     CorruptRecordBatch,
     KafkaConnectionError,
     KafkaTimeout,
+    OffsetOutOfRange,
     PreparedTxnLost,
     ProducerFenced,
     TransactionStateError,
@@ -30,7 +31,8 @@ from .producer import Producer
 from .transactions import PreparedTxn
 
 __all__ = [
-    "Admin", "Consumer", "CorruptRecordBatch", "KafkaConnectionError", "KafkaError", "KafkaTimeout", "Message", "PreparedTxn",
+    "EARLIEST", "LATEST", "Admin", "Consumer", "CorruptRecordBatch", "KafkaConnectionError", "KafkaError", "KafkaTimeout",
+    "Message", "OffsetOutOfRange", "PreparedTxn",
     "PreparedTxnLost", "Producer", "ProducerFenced", "TransactionDescription", "TransactionListing",
     "TransactionStateError",
 ]

@@ -8,6 +8,7 @@ Example::
             print(txn.transactional_id, txn.state)
         [info] = admin.describe_transactions(["t1"])
         admin.abort_transaction("t1")         # fences the id and aborts what it left open, 2PC too
+        admin.list_offsets([("orders", 0)], LATEST, "read_committed")   # {("orders", 0): last stable offset}
         for h in admin.find_hanging(topic="orders", max_transaction_timeout_ms=0):   # KIP-664
             admin.abort_hanging(h.topic, h.partition, h.producer_id, h.producer_epoch)
 """
@@ -26,6 +27,7 @@ from twophase.wire.errors import KafkaError
 
 from .cluster import Cluster, CoordinatorType
 from .connection import MS, Connection, message, part
+from .consumer import ISOLATION_LEVELS, LATEST
 from .errors import check
 from .retry import retry
 from .transactions import init_producer_id
@@ -169,6 +171,52 @@ class Admin:
         finally:  # also when one name failed: the others of the request may be gone
             for name in names:
                 self.cluster.invalidate(name)
+
+    # --- offsets ------------------------------------------------------------------------------
+
+    def list_offsets(self, partitions: Iterable[tuple[str, int]], timestamp: int = LATEST,
+                     isolation_level: str = "read_uncommitted") -> dict[tuple[str, int], int]:
+        """Each partition's offset for ``timestamp``: EARLIEST (-2, the log start offset), LATEST (-1: the
+        high watermark, or under ``isolation_level="read_committed"`` the last stable offset, never past
+        an open transaction) or a time in ms (the first offset at or after it, -1 if none).
+
+        One ListOffsets request per leader broker, however many partitions; retriable errors (no leader,
+        NOT_LEADER, a topic being created) are retried for up to ``request_timeout_ms``.
+
+        Example::
+
+            ends = admin.list_offsets([("orders", 0), ("orders", 1)], LATEST, "read_committed")
+            # {("orders", 0): 120, ("orders", 1): 98}
+        """
+        if isolation_level not in ISOLATION_LEVELS:
+            raise ValueError(f"isolation_level must be read_committed or read_uncommitted, not {isolation_level!r}")
+        wanted = sorted(set(partitions))
+        found: dict[tuple[str, int], int] = {}
+
+        def call() -> None:
+            by_leader: dict[int, dict[str, list[int]]] = {}
+            for topic, partition in wanted:
+                if (topic, partition) not in found:
+                    by_leader.setdefault(self.cluster.leader(topic, partition), {}).setdefault(topic, []).append(
+                        partition)
+            for node, topics in sorted(by_leader.items()):
+                conn = self.cluster.connection(node)
+                v = conn.version(ApiKey.LIST_OFFSETS, 7, 2)
+                response = conn.request(message(
+                    ApiKey.LIST_OFFSETS, v, replica_id=-1, isolation_level=ISOLATION_LEVELS[isolation_level],
+                    topics=tuple(part(ApiKey.LIST_OFFSETS, v, "ListOffsetsTopic", name=t, partitions=tuple(
+                        part(ApiKey.LIST_OFFSETS, v, "ListOffsetsPartition", partition_index=p,
+                             current_leader_epoch=-1, timestamp=timestamp) for p in ps)) for t, ps in topics.items())))
+                for t in response.topics:
+                    for p in t.partitions:
+                        if p.error_code:
+                            self.cluster.invalidate(t.name)
+                            check(p.error_code, f"ListOffsets({t.name}-{p.partition_index})")
+                        found[(t.name, int(p.partition_index))] = int(p.offset)
+            # Partitions answered before an error are kept: a retry asks only for the others.
+
+        retry(call, self.request_timeout_s, "ListOffsets")
+        return {tp: found[tp] for tp in wanted}
 
     # --- transactions -------------------------------------------------------------------------
 

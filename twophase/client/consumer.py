@@ -15,6 +15,12 @@ much memory, however far it would inflate). A batch that fails is a :class:`Corr
 past it). With ``on_corrupt="skip"`` the consumer moves past it instead, counts it in
 ``corrupt_batches_skipped`` and logs a WARNING naming the topic, partition and offsets.
 
+A position the broker answers OFFSET_OUT_OF_RANGE for (retention deleted the records there, or the
+topic was recreated) is reset to ``auto_offset_reset`` ("earliest" or "latest", logged as a WARNING);
+with ``auto_offset_reset="none"`` ``poll`` raises :class:`OffsetOutOfRange` instead (after the
+records fetched before it), and again at each poll until the caller seeks: a reader that must not
+skip records silently (the Spark source) decides itself.
+
 Example::
 
     c = Consumer("127.0.0.1:9092", isolation_level="read_committed", group_id="g")
@@ -57,15 +63,16 @@ from twophase.wire.records import (
 
 from .cluster import Cluster
 from .connection import MS, message, part
-from .errors import CorruptRecordBatch, error_for
+from .errors import CorruptRecordBatch, OffsetOutOfRange, error_for
 from .group import GroupMember, TopicPartitionKey
 from .retry import retry
 
 log = logging.getLogger("twophase.client")
 
-EARLIEST, LATEST = -2, -1
-_ISOLATION = {"read_uncommitted": 0, "read_committed": 1}
+EARLIEST, LATEST = -2, -1  # ListOffsets' special timestamps (seek to them)
+ISOLATION_LEVELS = {"read_uncommitted": 0, "read_committed": 1}
 _ON_CORRUPT = ("raise", "skip")
+_RESET = {"earliest": EARLIEST, "latest": LATEST, "none": None}
 _UNREADABLE = (CorruptRecordError, InvalidRecordError, MessageTooLargeError)  # what makes a batch corrupt
 
 
@@ -79,6 +86,7 @@ class Message:
     value: bytes | None
     headers: tuple[tuple[str, bytes | None], ...]
     timestamp_ms: int
+    timestamp_type: int = 0  # 0: CreateTime (set by the producer), 1: LogAppendTime (set by the broker)
 
 
 class PartitionRecords(NamedTuple):
@@ -114,7 +122,8 @@ def records_of(topic: str, partition: int, data: bytes, position: int, aborted: 
                 if not parse_control_record(batch).commit:
                     aborting.discard(header.producer_id)
             elif not (header.is_transactional and header.producer_id in aborting):
-                out.extend(Message(topic, partition, r.offset, r.key, r.value, r.headers, r.timestamp_ms)
+                timestamp_type = int(header.has_log_append_time)
+                out.extend(Message(topic, partition, r.offset, r.key, r.value, r.headers, r.timestamp_ms, timestamp_type)
                            for r in decode_batch_records(batch, max_inflated_bytes) if r.offset >= position)
         except _UNREADABLE as exc:
             corrupt = CorruptRecordBatch(topic, partition, header.base_offset, header.last_offset, str(exc))
@@ -142,6 +151,10 @@ class Consumer:
     A batch that cannot be read raises :class:`CorruptRecordBatch` from ``poll`` (after the records
     before it); ``on_corrupt="skip"`` skips it instead, counted in ``corrupt_batches_skipped`` and
     logged. ``max_inflated_batch_bytes`` bounds what one compressed batch may inflate to.
+
+    ``auto_offset_reset`` ("earliest", "latest" or "none") is where a partition without a committed
+    offset starts, and where a position out of range moves; with "none" the first is a KafkaError and the
+    second an :class:`OffsetOutOfRange` from ``poll`` (the position stays until the caller seeks).
     """
     def __init__(self, bootstrap: str, *, group_id: str | None = None, isolation_level: str = "read_uncommitted",
                  auto_offset_reset: str = "earliest", max_wait_ms: int = 500, min_bytes: int = 1,
@@ -149,17 +162,17 @@ class Consumer:
                  rebalance_timeout_ms: int = 30_000, heartbeat_interval_ms: int = 1_000,
                  request_timeout_ms: int = 30_000, client_id: str = "twophase-consumer",
                  max_inflated_batch_bytes: int = DEFAULT_MAX_INFLATED_BYTES, on_corrupt: str = "raise") -> None:
-        if isolation_level not in _ISOLATION:
+        if isolation_level not in ISOLATION_LEVELS:
             raise ValueError(f"isolation_level must be read_committed or read_uncommitted, not {isolation_level!r}")
-        if auto_offset_reset not in ("earliest", "latest"):
-            raise ValueError(f"auto_offset_reset must be earliest or latest, not {auto_offset_reset!r}")
+        if auto_offset_reset not in _RESET:
+            raise ValueError(f"auto_offset_reset must be earliest, latest or none, not {auto_offset_reset!r}")
         if on_corrupt not in _ON_CORRUPT:
             raise ValueError(f"on_corrupt must be raise or skip, not {on_corrupt!r}")
         if not 1 <= max_inflated_batch_bytes <= INT32_MAX - HEADER_SIZE:  # a batch's length is an int32
             raise ValueError(f"max_inflated_batch_bytes must be between 1 and 2 GiB, not {max_inflated_batch_bytes}")
         self.group_id = group_id
-        self.isolation = _ISOLATION[isolation_level]
-        self.reset = EARLIEST if auto_offset_reset == "earliest" else LATEST
+        self.isolation = ISOLATION_LEVELS[isolation_level]
+        self.reset = _RESET[auto_offset_reset]  # None: raise instead of resetting
         self.max_wait_ms, self.min_bytes = max_wait_ms, min_bytes
         self.max_partition_bytes, self.max_bytes = max_partition_bytes, max_bytes
         self.max_inflated_batch_bytes, self.on_corrupt = max_inflated_batch_bytes, on_corrupt
@@ -172,7 +185,8 @@ class Consumer:
         self._assigned: list[TopicPartitionKey] = []
         self._positions: dict[TopicPartitionKey, int] = {}
         self._buffer: collections.deque[Message] = collections.deque()
-        self._corrupt: dict[TopicPartitionKey, CorruptRecordBatch] = {}  # raised once the buffer is empty
+        # A corrupt batch or an offset out of range (auto_offset_reset="none"): raised once the buffer is empty.
+        self._failed: dict[TopicPartitionKey, CorruptRecordBatch | OffsetOutOfRange] = {}
 
     # --- assignment ---------------------------------------------------------------------------
 
@@ -199,7 +213,7 @@ class Consumer:
         self._assigned = sorted(set(partitions))
         self._positions = {tp: o for tp, o in self._positions.items() if tp in self._assigned}
         self._buffer = collections.deque(m for m in self._buffer if (m.topic, m.partition) in self._assigned)
-        self._corrupt = {tp: e for tp, e in self._corrupt.items() if tp in self._assigned}
+        self._failed = {tp: e for tp, e in self._failed.items() if tp in self._assigned}
 
     def seek(self, topic: str, partition: int, offset: int) -> None:
         """Read ``topic``-``partition`` from ``offset`` next (EARLIEST/LATEST: -2/-1 resolve via ListOffsets)."""
@@ -207,7 +221,7 @@ class Consumer:
         if tp not in self._assigned:
             raise KafkaError(f"{topic}-{partition} is not assigned to this consumer")
         self._buffer = collections.deque(m for m in self._buffer if (m.topic, m.partition) != tp)
-        self._corrupt.pop(tp, None)
+        self._failed.pop(tp, None)
         self._positions[tp] = self._list_offset(tp, offset) if offset < 0 else offset
 
     def position(self, topic: str, partition: int) -> int | None:
@@ -240,6 +254,8 @@ class Consumer:
         committed = self._group.committed(missing) if self._group else {}
         for tp in missing:
             offset = committed.get(tp, -1)
+            if offset < 0 and self.reset is None:
+                raise KafkaError(f"{tp[0]}-{tp[1]} has no committed offset and auto_offset_reset is none: seek first")
             self._positions[tp] = offset if offset >= 0 else self._list_offset(tp, self.reset)
 
     def commit(self, offsets: dict[TopicPartitionKey, int] | None = None) -> None:
@@ -263,7 +279,8 @@ class Consumer:
     def poll(self, timeout_s: float = 1.0, max_records: int = 500) -> list[Message]:
         """Up to ``max_records`` messages, waiting up to ``timeout_s`` for the first (long polling).
 
-        Raises CorruptRecordBatch for a batch that cannot be read, once the messages before it are returned.
+        Raises CorruptRecordBatch for a batch that cannot be read, and OffsetOutOfRange (auto_offset_reset="none")
+        for a position the broker holds no record at, once the messages before it are returned.
         """
         deadline = time.monotonic() + timeout_s
         while True:
@@ -273,8 +290,8 @@ class Consumer:
                     self._set_assignment(new)
             if self._buffer:
                 return [self._buffer.popleft() for _ in range(min(max_records, len(self._buffer)))]
-            if self._corrupt:  # the position stays at the batch: the next poll fetches and raises it again
-                raise self._corrupt.pop(next(iter(self._corrupt)))
+            if self._failed:  # the position stays there: the next poll fetches and raises it again
+                raise self._failed.pop(next(iter(self._failed)))
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return []
@@ -331,6 +348,9 @@ class Consumer:
                 if tp not in self._positions:
                     continue  # reassigned or sought meanwhile
                 if p.error_code == ErrorCode.offset_out_of_range:
+                    if self.reset is None:
+                        self._failed[tp] = OffsetOutOfRange(tp[0], tp[1], self._positions[tp])
+                        continue
                     log.warning("offset %d out of range for %s: resetting", self._positions[tp], tp)
                     self._positions[tp] = self._list_offset(tp, self.reset)
                 elif p.error_code == ErrorCode.corrupt_message:
@@ -358,7 +378,7 @@ class Consumer:
             self._positions[tp] = max(self._positions[tp], corrupt.last_offset + 1)
             log.warning("skipped %s (on_corrupt=skip; %d skipped so far)", corrupt, self.corrupt_batches_skipped)
         else:
-            self._corrupt[tp] = corrupt
+            self._failed[tp] = corrupt
 
     def close(self) -> None:
         """Leave the group (if subscribed) and close every connection; final."""

@@ -71,6 +71,29 @@ class CorruptRecordBatch(KafkaError):
         self.reason = reason
 
 
+class OffsetOutOfRange(KafkaError):
+    """The broker holds no record at a consumer's position (OFFSET_OUT_OF_RANGE), and the consumer was made
+    with ``auto_offset_reset="none"``: retention deleted the records there, or the topic was deleted and
+    created again (its offsets went backwards). ``topic``, ``partition`` and ``offset`` say where; the
+    consumer's position stays there until the caller seeks.
+
+    Example::
+
+        try:
+            messages = consumer.poll()
+        except OffsetOutOfRange as e:
+            log.warning("%s", e)
+            consumer.seek(e.topic, e.partition, EARLIEST)   # accept the loss
+    """
+
+    code = 1
+
+    def __init__(self, topic: str, partition: int, offset: int) -> None:
+        super().__init__(f"offset {offset} of {topic}-{partition} is out of range (OFFSET_OUT_OF_RANGE): "
+                         "deleted by retention, or the topic was recreated", 1)
+        self.topic, self.partition, self.offset = topic, partition, offset
+
+
 def error_for(code: int, context: str) -> KafkaError:
     """The exception for a non-zero error code: ProducerFenced, RetriableError or KafkaError."""
     error = ErrorCode(code)
