@@ -259,5 +259,9 @@ class KafkaSource(DataSource):
 
 
 def register(spark) -> None:
-    """Register every data source of twophase (``twophase-kafka``) on the session ``spark``; idempotent."""
-    spark.dataSource.register(KafkaSource)
+    """Register every data source of twophase (``twophase-kafka``) on the session ``spark``; idempotent:
+    one registered already is kept (registering again would log Spark's "replaced" WARNING)."""
+    manager = spark._jsparkSession.sessionState().dataSourceManager()  # no Python API asks whether one exists
+    for source in (KafkaSource,):
+        if not manager.dataSourceExists(source.name()):
+            spark.dataSource.register(source)
