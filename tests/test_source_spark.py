@@ -10,7 +10,6 @@ options failing at the start naming the option.
 from __future__ import annotations
 
 import collections
-import datetime
 import json
 import time
 
