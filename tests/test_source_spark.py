@@ -230,3 +230,42 @@ def test_fail_on_data_loss_both_ways_after_retention(source, broker, topic, tmp_
 def test_bad_options_fail_at_the_start_naming_the_option(source, broker, options, named):
     with pytest.raises(Exception, match=named):
         reader(source, broker.bootstrap, stream=True, **options).writeStream.format("noop").start().stop()
+
+
+def batches_of(query) -> dict[int, tuple]:
+    """{batch id: (start offsets, end offsets, rows)} from the query's progress reports."""
+    def parsed(offsets):
+        return json.loads(offsets) if isinstance(offsets, str) else offsets
+    return {p["batchId"]: (parsed(p["sources"][0]["startOffset"]), parsed(p["sources"][0]["endOffset"]),
+                           p["numInputRows"]) for p in query.recentProgress if p["numInputRows"]}
+
+
+def test_a_batch_the_driver_did_not_finish_is_replayed_over_the_same_offsets(source, broker, topic, tmp_path):
+    """A driver killed after Spark logged offsets/N and before commits/N (played by removing commits/N):
+    the restarted query runs batch N again over exactly the offsets of the checkpoint, although the
+    backlog changed meanwhile (a new plan under maxOffsetsPerTrigger would share the limit differently)."""
+    broker.create_topic(topic, 3)
+    produce(broker.bootstrap, topic, range(300), partitions=3)
+    checkpoint = tmp_path / "cp"
+
+    def run():
+        df = reader(source, broker.bootstrap, stream=True, subscribe=topic, startingOffsets="earliest",
+                    maxOffsetsPerTrigger=100)
+        query = (df.writeStream.format("noop").option("checkpointLocation", str(checkpoint))
+                 .trigger(availableNow=True).start())
+        try:
+            query.awaitTermination(180)
+            assert not query.isActive and query.exception() is None, query.exception()
+        finally:
+            query.stop()
+        return batches_of(query)
+
+    first = run()
+    last = max(first)
+    assert sum(rows for _, _, rows in first.values()) == 300 and last >= 2, first
+    for name in (str(last), f".{last}.crc"):  # Hadoop's checksum file too, or Spark cannot write it again
+        (checkpoint / "commits" / name).unlink()
+    produce(broker.bootstrap, topic, range(1000, 1090), partitions=1)  # all to partition 0
+    second = run()
+    assert second[last] == first[last], "the unfinished batch was re-planned instead of replayed"
+    assert sum(rows for b, (_, _, rows) in second.items() if b != last) == 90
