@@ -203,3 +203,18 @@ def test_a_topic_recreated_or_deleted_is_data_loss_or_skipped(broker, topic, cap
         assert end == {(topic, 0): 0}, "restarts at the recreated topic's earliest offset; the gone partition leaves"
         assert "offsets went backwards from 10 to 1" in caplog.text and f"{topic}-1 is gone" in caplog.text
         assert planner.latest_offsets(end) == {(topic, 0): 1}
+
+
+def test_the_driver_side_client_outlives_a_broker_restart(broker_factory, topic, tmp_path):
+    first = broker_factory(data_dir=tmp_path / "data")
+    first.create_topic(topic, 2)
+    with Producer(first.bootstrap) as p:
+        p.send(topic, value=b"v", partition=0)
+    with OffsetPlanner(options_for(first, topic)) as planner:
+        start = planner.latest_offsets({})
+        assert start == {(topic, 0): 0, (topic, 1): 0}
+        port = first.port
+        first.stop()
+        again = broker_factory(data_dir=tmp_path / "data", port=port)
+        assert planner.latest_offsets(start) == {(topic, 0): 1, (topic, 1): 0}
+        assert again.port == port

@@ -27,6 +27,7 @@ import re
 
 from twophase.client import EARLIEST, LATEST, Admin
 from twophase.client.errors import check
+from twophase.client.retry import retry
 
 from .source_options import SourceOptionError, SourceOptions
 
@@ -98,16 +99,18 @@ class OffsetPlanner:
                            client_id=options.client_id)
 
     def current_partitions(self) -> list[TopicPartition]:
-        """The partitions the source reads now, from fresh metadata (topics that do not exist: none)."""
+        """The partitions the source reads now, from fresh metadata (topics that do not exist: none).
+
+        A broker that cannot be reached (restarting) is retried for up to kafka.request.timeout.ms."""
         cluster = self.admin.cluster
         opts = self.options
         if opts.subscribe_pattern is not None:
-            codes = cluster.refresh(None)
+            codes = retry(lambda: cluster.refresh(None), self.admin.request_timeout_s, "Metadata")
             topics = [t for t, code in codes.items()
                       if code == 0 and not t.startswith("__") and re.fullmatch(opts.subscribe_pattern, t)]
         else:
             wanted = sorted(set(opts.subscribe) | {t for t, _ in opts.assign})
-            codes = cluster.refresh(wanted)
+            codes = retry(lambda: cluster.refresh(wanted), self.admin.request_timeout_s, "Metadata")
             topics = [t for t in wanted if codes.get(t) == 0]
             for t in wanted:
                 if codes.get(t) not in (0, 3):  # 3: UNKNOWN_TOPIC_OR_PARTITION: not created (yet)
