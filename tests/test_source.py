@@ -5,14 +5,24 @@ from __future__ import annotations
 
 import json
 import logging
+import pickle
 
 import pyarrow as pa
 import pytest
 from pyspark.sql.pandas.types import to_arrow_schema
+from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadMaxRows
 
 from tests.broker.conftest import broker, broker_factory, topic  # noqa: F401  (fixtures)
 from twophase.client import Admin, Message, Producer
-from twophase.spark.source import SCHEMA, SCHEMA_WITH_HEADERS, KafkaRange, plan, read_range, to_record_batch
+from twophase.spark.source import (
+    SCHEMA,
+    SCHEMA_WITH_HEADERS,
+    KafkaRange,
+    KafkaSource,
+    plan,
+    read_range,
+    to_record_batch,
+)
 from twophase.spark.source_offsets import DataLoss, OffsetPlanner, from_json, limit_rows, to_json
 from twophase.spark.source_options import SourceOptionError, parse_options
 
@@ -218,3 +228,36 @@ def test_the_driver_side_client_outlives_a_broker_restart(broker_factory, topic,
         again = broker_factory(data_dir=tmp_path / "data", port=port)
         assert planner.latest_offsets(start) == {(topic, 0): 1, (topic, 1): 0}
         assert again.port == port
+
+
+def test_the_stream_reader_glue_without_spark(broker, topic):
+    """What Spark's driver process and executors call, in Spark's order, on the real broker; the reader
+    pickles without its client, and stop() closes it (the autouse leak check fails the test otherwise)."""
+    broker.create_topic(topic, 2)
+    with Producer(broker.bootstrap) as p:
+        for i in range(10):
+            p.send(topic, value=f"v{i}".encode(), partition=i % 2)
+    source = KafkaSource({"kafka.bootstrap.servers": broker.bootstrap, "subscribe": topic,
+                          "startingOffsets": "earliest", "maxOffsetsPerTrigger": "4", "includeHeaders": "true"})
+    assert source.schema() == SCHEMA_WITH_HEADERS
+    reader = source.streamReader(source.schema())
+    try:
+        start = reader.initialOffset()
+        assert start == {topic: {"0": 0, "1": 0}}
+        limit = reader.getDefaultReadLimit()
+        assert limit == ReadMaxRows(4)
+        end = reader.latestOffset(start, limit)
+        assert end == {topic: {"0": 2, "1": 2}}
+        assert reader.latestOffset(start, ReadAllAvailable()) == {topic: {"0": 5, "1": 5}}
+        shipped = pickle.loads(pickle.dumps(reader))  # as Spark ships it to executors
+        assert shipped._planner is None
+        rows = [row for part in reader.partitions(start, end) for b in shipped.read(part) for row in b.to_pylist()]
+        assert sorted((r["partition"], r["offset"]) for r in rows) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+        assert reader.partitions(end, end) == []
+        reader.prepareForTriggerAvailableNow()
+        with Producer(broker.bootstrap) as p:
+            p.send(topic, value=b"late", partition=0)
+        assert reader.latestOffset(end, ReadAllAvailable()) == {topic: {"0": 5, "1": 5}}
+    finally:
+        reader.stop()
+    assert reader._planner is None
