@@ -23,7 +23,13 @@ from twophase.spark.source import (
     read_range,
     to_record_batch,
 )
-from twophase.spark.source_offsets import DataLoss, OffsetPlanner, from_json, limit_rows, to_json
+from twophase.spark.source_offsets import (
+    DataLoss,
+    OffsetPlanner,
+    from_json,
+    limit_rows,
+    to_json,
+)
 from twophase.spark.source_options import SourceOptionError, parse_options
 
 BOOT = {"kafka.bootstrap.servers": "127.0.0.1:9092"}

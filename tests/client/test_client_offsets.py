@@ -5,7 +5,15 @@ from __future__ import annotations
 
 import pytest
 
-from twophase.client import EARLIEST, LATEST, Admin, Consumer, KafkaError, OffsetOutOfRange, Producer
+from twophase.client import (
+    EARLIEST,
+    LATEST,
+    Admin,
+    Consumer,
+    KafkaError,
+    OffsetOutOfRange,
+    Producer,
+)
 from twophase.client.connection import Connection
 from twophase.wire.api_keys import ApiKey
 
