@@ -248,12 +248,14 @@ def test_the_stream_reader_glue_without_spark(broker, topic):
     assert source.schema() == SCHEMA_WITH_HEADERS
     reader = source.streamReader(source.schema())
     try:
+        assert reader.reportLatestOffset() is None
         start = reader.initialOffset()
         assert start == {topic: {"0": 0, "1": 0}}
         limit = reader.getDefaultReadLimit()
         assert limit == ReadMaxRows(4)
         end = reader.latestOffset(start, limit)
         assert end == {topic: {"0": 2, "1": 2}}
+        assert reader.reportLatestOffset() == {topic: {"0": 5, "1": 5}}, "the backlog, past the limit"
         assert reader.latestOffset(start, ReadAllAvailable()) == {topic: {"0": 5, "1": 5}}
         shipped = pickle.loads(pickle.dumps(reader))  # as Spark ships it to executors
         assert shipped._planner is None
@@ -264,6 +266,7 @@ def test_the_stream_reader_glue_without_spark(broker, topic):
         with Producer(broker.bootstrap) as p:
             p.send(topic, value=b"late", partition=0)
         assert reader.latestOffset(end, ReadAllAvailable()) == {topic: {"0": 5, "1": 5}}
+        assert reader.reportLatestOffset() == {topic: {"0": 6, "1": 5}}, "the backlog, past AvailableNow's end"
     finally:
         reader.stop()
     assert reader._planner is None

@@ -130,6 +130,9 @@ def test_stream_read_limits_available_now_end_restart_and_new_topics(source, bro
     assert keys_of(rows) == collections.Counter(first.keys()), "exactly the records there were when the run started"
     sizes = [p["numInputRows"] for p in query.recentProgress]
     assert sum(sizes) == 1200 and max(sizes) <= 150 and len([s for s in sizes if s]) >= 8, sizes
+    first_batch = query.recentProgress[0]["sources"][0]
+    backlog = json.loads(first_batch["latestOffset"])[topic]  # reportLatestOffset: past the limit, for lag
+    assert sum(backlog.values()) == 1200 and sum(json.loads(first_batch["endOffset"])[topic].values()) == 150
 
     other = topic + "-b"
     broker.create_topic(other, 2)

@@ -222,6 +222,12 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         max_rows = limit.max_rows if isinstance(limit, ReadMaxRows) else None
         return to_json(self.planner.latest_offsets(from_json(start), max_rows, self._target))
 
+    def reportLatestOffset(self) -> dict | None:
+        """Every offset readable when the last batch was planned, past maxOffsetsPerTrigger and
+        Trigger.AvailableNow's end (the query progress's ``latestOffset``: the backlog, for lag)."""
+        available = self._planner.available if self._planner is not None else None
+        return None if available is None else to_json(available)
+
     def prepareForTriggerAvailableNow(self) -> None:
         """Trigger.AvailableNow: the query ends at the offsets readable now."""
         partitions = self.planner.current_partitions()

@@ -95,6 +95,7 @@ class OffsetPlanner:
 
     def __init__(self, options: SourceOptions) -> None:
         self.options = options
+        self.available: Offsets | None = None  # every readable offset the last latest_offsets saw (for lag)
         self.admin = Admin(options.bootstrap, request_timeout_ms=options.request_timeout_ms,
                            client_id=options.client_id)
 
@@ -182,6 +183,7 @@ class OffsetPlanner:
         for tp in set(current) - set(partitions):
             if tp in start:
                 end[tp] = start[tp]
+        self.available = {**end, **{tp: max(end[tp], latest[tp]) for tp in partitions}}
         if max_rows is not None:
             end = limit_rows(start, end, max_rows)
         return end
