@@ -270,3 +270,30 @@ def test_the_stream_reader_glue_without_spark(broker, topic):
     finally:
         reader.stop()
     assert reader._planner is None
+
+
+@pytest.mark.parametrize("codec", ["gzip"])  # the other codecs join as the client learns them
+def test_a_range_written_by_confluent_kafka_in_compressed_transactions(broker, topic, codec):
+    """confluent-kafka's transactional producer, compressed batches, one transaction committed and one
+    aborted: read_committed rows are exactly the committed records, headers included."""
+    from confluent_kafka import Producer as ConfluentProducer
+
+    broker.create_topic(topic, 1)
+    theirs = ConfluentProducer({"bootstrap.servers": broker.bootstrap, "compression.type": codec, "linger.ms": 5,
+                                "transactional.id": f"{topic}-confluent"})
+    try:
+        theirs.init_transactions(30)
+        for commit in (True, False):
+            theirs.begin_transaction()
+            for i in range(100):
+                theirs.produce(topic, value=b"%d" % i, key=b"k%d" % commit, partition=0, headers=[("i", b"%d" % i)])
+            theirs.commit_transaction(30) if commit else theirs.abort_transaction(30)
+    finally:
+        theirs.flush(10)
+        del theirs  # librdkafka's threads and sockets go with the object
+    with Admin(broker.bootstrap) as admin:
+        end = admin.list_offsets([(topic, 0)], -1, "read_committed")[(topic, 0)]
+    opts = options_for(broker, topic, includeHeaders="true")
+    rows = rows_of(KafkaRange(topic, 0, 0, end, opts))
+    assert [(r["key"], r["value"]) for r in rows] == [(b"k1", b"%d" % i) for i in range(100)]
+    assert rows[7]["headers"] == [{"key": "i", "value": b"7"}]
