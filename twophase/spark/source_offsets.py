@@ -23,7 +23,6 @@ Example::
 from __future__ import annotations
 
 import logging
-import re
 
 from twophase.client import EARLIEST, LATEST, Admin
 from twophase.client.errors import check
@@ -108,7 +107,7 @@ class OffsetPlanner:
         if opts.subscribe_pattern is not None:
             codes = retry(lambda: cluster.refresh(None), self.admin.request_timeout_s, "Metadata")
             topics = [t for t, code in codes.items()
-                      if code == 0 and not t.startswith("__") and re.fullmatch(opts.subscribe_pattern, t)]
+                      if code == 0 and not t.startswith("__") and opts.matches(t)]  # "__": internal topics
         else:
             wanted = sorted(set(opts.subscribe) | {t for t, _ in opts.assign})
             codes = retry(lambda: cluster.refresh(wanted), self.admin.request_timeout_s, "Metadata")
