@@ -93,11 +93,14 @@ def lz4_bomb(inflated_bytes: int = 1 << 30) -> bytes:
 def zstd_bomb(inflated_bytes: int = 1 << 30) -> bytes:
     """A zstd frame of ``inflated_bytes`` zeros (1 GiB: 32 KB) in RLE blocks of 128 KiB (4 bytes each),
     not declaring its size, and asking for the largest window libzstd accepts by default (128 MiB)."""
-    block = 128 << 10
     frame_header = struct.pack("<I", 0xFD2FB528) + b"\x00" + bytes([(27 - 10) << 3])  # window 2**27
-    rle = lambda last: (block << 3 | 1 << 1 | last).to_bytes(3, "little") + b"\x00"  # noqa: E731
-    count = inflated_bytes // block
-    return frame_header + rle(0) * (count - 1) + rle(1)
+    blocks = [zstd_rle_block(128 << 10, last=False)] * (inflated_bytes // (128 << 10) - 1)
+    return frame_header + b"".join(blocks) + zstd_rle_block(128 << 10, last=True)
+
+
+def zstd_rle_block(size: int, last: bool) -> bytes:
+    """A zstd RLE block (RFC 8878 3.1.1.2): ``size`` zero bytes in 4 bytes."""
+    return (size << 3 | 1 << 1 | last).to_bytes(3, "little") + b"\x00"
 
 
 BOMBS = {GZIP: gzip_bomb, SNAPPY: snappy_bomb, LZ4: lz4_bomb, ZSTD: zstd_bomb}

@@ -27,8 +27,8 @@ from collections.abc import Sequence
 from kio.schema.errors import ErrorCode
 
 from twophase.wire.api_keys import ApiKey
-from twophase.wire.errors import KafkaError
 from twophase.wire.compression import codec_id
+from twophase.wire.errors import KafkaError
 from twophase.wire.records import INT32_MAX, record_batch
 
 from .cluster import Cluster, CoordinatorType

@@ -144,12 +144,12 @@ def _snappy_inflate(prefix: Buffer, payload: Buffer, max_bytes: int) -> bytearra
             size = cramjam.snappy.decompress_raw_len(block)
         except cramjam.DecompressionError as exc:
             raise CorruptRecordError(f"bad snappy data: {exc}") from None
-        if size > _SNAPPY_MAX_RATIO * len(block):
-            raise CorruptRecordError(f"a snappy block of {len(block)} bytes declares {size} bytes inflated")
-        sizes.append(size)
         total += size
         if total > max_bytes:
             raise MessageTooLargeError(f"compressed records inflate to more than {max_bytes} bytes")
+        if size > _SNAPPY_MAX_RATIO * len(block):
+            raise CorruptRecordError(f"a snappy block of {len(block)} bytes declares {size} bytes inflated")
+        sizes.append(size)
     out = bytearray(len(prefix) + total)
     out[: len(prefix)] = prefix
     pos = len(prefix)
