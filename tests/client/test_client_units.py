@@ -23,8 +23,8 @@ from twophase.client.group import decode_assignment, encode_subscription, range_
 from twophase.client.partitioner import StickyPartitions, murmur2, partition_for_key
 from twophase.client.transactions import PreparedTxn, TxnState, TxnStateMachine
 from twophase.states import IllegalTransition
-from twophase.wire.errors import CorruptRecordError, InvalidRecordError, KafkaError
 from twophase.wire.compression import CODEC_NAMES
+from twophase.wire.errors import CorruptRecordError, InvalidRecordError, KafkaError
 from twophase.wire.records import (
     Record,
     control_batch,
