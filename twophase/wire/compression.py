@@ -2,28 +2,28 @@
 and inflate them with a bound. Client and broker both use this table; nothing else inflates.
 
 =====  ======  =========================================================================================
- id    name    format (what Kafka's Java client writes; what is read)
+ id    name    written here (as Kafka's Java client writes it), and what is read
 =====  ======  =========================================================================================
  0     none    the records as they are
- 1     gzip    one gzip member (RFC 1952); several concatenated members are read too
- 2     snappy  snappy-java's framing, as Kafka's Java client writes it: b"\\x82SNAPPY\\x00", version 1,
-               compatible version 1 (int32 big-endian each), then blocks of [int32 big-endian length]
-               [raw snappy] holding 32 KiB each. Raw snappy (what librdkafka writes) is read too: a
-               payload is xerial-framed if it starts with the magic (as librdkafka and kafka-python tell).
- 3     lz4     the LZ4 frame format with independent blocks (Kafka's Java reader refuses dependent
-               blocks), 64 KiB blocks, a correct header checksum (RecordBatch v2; only magic 0 had the
-               broken one)
- 4     zstd    zstd frames (RFC 8878), one or more
+ 1     gzip    one gzip member (RFC 1952), level 6; several concatenated members are read too
+ 2     snappy  snappy-java's framing: b"\\x82SNAPPY\\x00", version 1, compatible version 1 (int32
+               big-endian each), then blocks of [int32 big-endian length][raw snappy] of 32 KiB
+               each. Raw snappy (what librdkafka writes) is read too: a payload is framed if it starts
+               with the magic (as librdkafka and kafka-python tell).
+ 3     lz4     an LZ4 frame with independent 64 KiB blocks (Kafka's Java reader refuses dependent
+               blocks), block checksums, a correct header checksum (only magic 0 had the broken
+               one), LZ4's fast mode; any LZ4 frame is read
+ 4     zstd    one zstd frame (RFC 8878), level 3, declaring its size; one or more frames are read
 =====  ======  =========================================================================================
 
 Inflating is bounded: :func:`inflate` refuses, with MessageTooLargeError, records that inflate to
-more than ``max_bytes``, holding at most ``max_bytes`` + 1 inflated bytes meanwhile whatever the data
+more than ``max_bytes``, holding about ``max_bytes`` inflated bytes at most whatever the data
 declares, and raises CorruptRecordError for data that does not inflate. How each codec keeps that:
 
 - gzip: zlib inflates in 1 MiB steps (``max_length``) until the bound.
-- snappy: each raw block declares its length (a varint): every declaration is checked against the
-  bound (all blocks together) and against what the block's bytes can hold (:data:`MAX_RATIO`)
-  before anything is allocated, and each block is inflated into exactly its declared room.
+- snappy: each raw block declares its length (a varint): the declarations are added up and checked
+  against the bound, and each against what its block's bytes can hold (21 times their length),
+  before anything is allocated; each block then inflates into exactly its declared room.
 - lz4 and zstd: a frame need not declare its size (Kafka's Java producer never does) and a
   declaration is not trusted: the data is inflated into a buffer of a guessed size (8 times the
   compressed size, at least 256 KiB), and if it does not fit, again into one 4 times as large, up to
@@ -187,7 +187,7 @@ def _growing_inflate(name: str, decompress_into: Callable[[Buffer, memoryview], 
             except cramjam.DecompressionError as exc:
                 if _OUTPUT_FULL not in str(exc):
                     raise CorruptRecordError(f"bad {name} data: {exc}") from None
-                inflated = size + 1
+                inflated = size + 1  # at least: one byte more than the buffer holds
             if inflated > max_bytes:
                 raise MessageTooLargeError(f"compressed records inflate to more than {max_bytes} bytes")
             if inflated <= size:
