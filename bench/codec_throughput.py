@@ -4,7 +4,7 @@
 Run (from the repo root)::
 
     source scripts/env.sh
-    python bench/codec_throughput.py                              # 200k records of ~300 B, 3 rounds
+    python bench/codec_throughput.py                              # 200k records of ~220 B, 3 rounds
     python bench/codec_throughput.py --records 50000 --rounds 1   # quick look
     python bench/codec_throughput.py --fsync 100                  # the broker fsyncs every 100 ms
 

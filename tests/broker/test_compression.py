@@ -9,6 +9,8 @@ import tracemalloc
 import cramjam
 import lz4.frame
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from kafka.codec import snappy_decode
 
 from tests.adversarial.crafted import SNAPPY, raw_batch, record, snappy_declaring, zstd_rle_block
@@ -107,3 +109,21 @@ def test_codec_names_and_ids():
     with pytest.raises(CorruptRecordError, match="unknown compression codec 6"):
         inflate(6, b"", b"data", max_bytes=MIB)
     assert most_inflated(6, 100) == 0 and most_inflated(COMPRESSION_LZ4, 100) == 25_500
+
+
+@settings(max_examples=400, deadline=None)
+@given(codec=st.sampled_from(list(CODECS.values())), cut=st.integers(0, 10_000),
+       damage=st.lists(st.tuples(st.integers(0, 10_000), st.integers(0, 255)), max_size=5))
+def test_damaged_data_of_any_codec_is_refused_with_a_record_error(codec, cut, damage):
+    """Cut short or with bytes changed: inflating raises CorruptRecordError or MessageTooLargeError (or
+    the change was harmless), never another exception from the codec library."""
+    data = bytearray(compress(codec, BODY))
+    if cut < len(data):
+        del data[cut:]
+    for at, value in damage:
+        if data:
+            data[at % len(data)] = value
+    try:
+        inflate(codec, b"", bytes(data), max_bytes=MIB)
+    except (CorruptRecordError, MessageTooLargeError):
+        pass
