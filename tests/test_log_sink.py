@@ -235,8 +235,11 @@ def test_transactional_id_stays_within_limits():
     ({"bootstrap": "h:1", "topic": "t", "transactional_id_prefix": "a.b"}, ValueError),
     ({"bootstrap": "h:1", "topic": "t", "key": 3}, TypeError),
     ({"bootstrap": "h:1", "topic": "t", "producer": {"transactional_id": "x"}}, ValueError),
+    ({"bootstrap": "h:1", "topic": "t", "producer": {"compression": "brotli"}}, ValueError),
+    ({"bootstrap": "h:1", "topic": "t", "producer": {"compression.type": "zstd"}}, ValueError),
 ])
 def test_bad_settings_are_refused(kwargs, error):
+    """On the driver, when the sink is built: its producer opens only in a task."""
     with pytest.raises(error):
         LogSink(**kwargs)
 
