@@ -53,6 +53,7 @@ class CoordinatorDaemon:
         self.leading = threading.Event()
         self._wake = threading.Event()
         self._session_lost = threading.Event()
+        self._troubled: dict[tuple[str, str], str] = {}  # (app, stage) -> the trouble last logged as an ERROR
 
     def run(self, stop: threading.Event) -> None:
         """Contend and, when elected, lead, until ``stop`` is set; rejoins the election after losing it."""
@@ -99,10 +100,10 @@ class CoordinatorDaemon:
                         except Fenced:
                             raise
                         except Exception as e:  # noqa: BLE001 - one app's trouble must not stop the others
-                            log.error("daemon %s: app %s cannot start phase two: %r; retried next round",
-                                      self.identifier, name, e, exc_info=e)
+                            self._app_trouble(name, "start", f"cannot start phase two: {e!r}; retried next round", e)
                             continue
                         apps[name] = app
+                        self._troubled.pop((name, "start"), None)
                     apps[name].reconcile_logged()
                 self._wake.wait(self.policy.poll_interval)
         except Fenced:
@@ -114,14 +115,24 @@ class CoordinatorDaemon:
             self.leading.clear()
             log.info("daemon %s: no longer leading", self.identifier)
 
+    def _app_trouble(self, name: str, stage: str, what: str, cause: BaseException | None = None) -> None:
+        """Log an app's trouble as an ERROR when it is new, then only at DEBUG while it stays the same:
+        the daemon retries every round, and one damaged app must not flood the log."""
+        if self._troubled.get((name, stage)) == what:
+            log.debug("daemon %s: app %r still %s", self.identifier, name, what)
+            return
+        self._troubled[(name, stage)] = what
+        log.error("daemon %s: app %r %s", self.identifier, name, what, exc_info=cause)
+
     def _daemon_apps(self, client) -> list[str]:
         names = []
         for name in children(client, app_names(self.root)):
             try:
                 mode = read_object(client, AppPaths(self.root, name).base, {}).get("coordinator")
             except RecordError as e:  # one damaged app must not stop the others
-                log.error("daemon %s: app %r skipped: %s", self.identifier, name, e)
+                self._app_trouble(name, "read", f"skipped: {e}")
                 continue
+            self._troubled.pop((name, "read"), None)
             if mode == "daemon":
                 names.append(name)
         return names

@@ -60,6 +60,7 @@ aborts whatever it left open.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import re
 from collections.abc import Callable, Iterable, Mapping
@@ -70,6 +71,7 @@ from kio.schema.errors import ErrorCode
 
 from twophase.client import Admin, KafkaError, PreparedTxn, PreparedTxnLost, Producer
 from twophase.sink import AbortFailed, CommitFailed, TwoPhaseCommitSink, TxnContext
+from twophase.wire.compression import codec_id
 
 Extractor = Union[str, Callable[[Any], Any], None]
 Headers = Union[Mapping[str, Any], Iterable[tuple[str, Any]], Callable[[Any], Iterable[tuple[str, Any]]], None]
@@ -177,6 +179,13 @@ class LogSink(TwoPhaseCommitSink):
         reserved = {"transactional_id", "enable_2pc"} & set(producer or {})
         if reserved:
             raise ValueError(f"producer settings {sorted(reserved)} are the sink's to choose")
+        # Checked here, on the driver: the producer itself opens only in a task, on its first row.
+        unknown = set(producer or {}) - set(inspect.signature(Producer).parameters) - reserved
+        if unknown:
+            raise ValueError(f"unknown producer settings {sorted(unknown)} (twophase.client.Producer's "
+                             "keyword arguments, e.g. linger_ms, batch_size, compression)")
+        if (producer or {}).get("compression") is not None:
+            codec_id(producer["compression"])  # ValueError naming the codecs
         self.bootstrap = bootstrap
         self.topic = topic
         self.key = key

@@ -9,8 +9,17 @@ import pytest
 
 from coordinator.app import PassOptions
 from coordinator.fence import Fenced
-from coordinator.report import (AbortReason, AttemptAborted, AttemptCleanedUp, EpochBlocked, EpochCommitted,
-                                EpochSkipped, Operation, OperationFailed, SkipReason)
+from coordinator.report import (
+    AbortReason,
+    AttemptAborted,
+    AttemptCleanedUp,
+    EpochBlocked,
+    EpochCommitted,
+    EpochSkipped,
+    Operation,
+    OperationFailed,
+    SkipReason,
+)
 from coordinator.state import EpochRecord, EpochState
 from coordinator.zk import read_json
 from sinks.files import FileSink
@@ -297,11 +306,12 @@ def test_an_unregistered_attempt_that_began_after_the_commit_is_cleaned_up_by_gc
     assert not pipe.zk.exists(pipe.qp.epoch(0))
 
 
-DEPOSED = {"calls": 0, "on_first_commit": None}
+DEPOSED = {"calls": 0, "after": 0, "deposed": threading.Event(), "on_first_commit": None}
 
 
 class DeposingSink(FileSink):
-    """Counts commits; the first one lets the test depose the committing coordinator."""
+    """The first commit deposes the committing coordinator; every other commit waits until that is
+    done, so those that run are exactly the ones a deposed coordinator lets through."""
 
     commit_concurrency = 2
 
@@ -309,6 +319,10 @@ class DeposingSink(FileSink):
         DEPOSED["calls"] += 1
         if DEPOSED["calls"] == 1:
             DEPOSED["on_first_commit"]()
+            DEPOSED["deposed"].set()
+        else:
+            assert DEPOSED["deposed"].wait(60), "the first commit never finished deposing its coordinator"
+            DEPOSED["after"] += 1
         super().commit(handle)
 
 
@@ -318,10 +332,11 @@ def test_a_coordinator_deposed_mid_epoch_stops_committing_concurrently(zk, zk_ro
         pipe.task("r1", 0, partition, range(partition * 10, partition * 10 + 10))
     pipe.barrier(0, "r1")
     old = pipe.coordinator("old")
-    DEPOSED.update(calls=0, on_first_commit=lambda: pipe.coordinator("new"))
+    DEPOSED.update(calls=0, after=0, deposed=threading.Event(), on_first_commit=lambda: pipe.coordinator("new"))
     with pytest.raises(Fenced):
         old.reconcile()
-    assert DEPOSED["calls"] <= 3  # the first commit and at most the ones in flight beside it
+    # Once deposed, at most the commit its other thread had already begun runs: none starts after.
+    assert DEPOSED["after"] <= DeposingSink.commit_concurrency - 1
     DEPOSED["on_first_commit"] = lambda: None
     successor = pipe.coordinator("successor")
     successor.reconcile()

@@ -127,7 +127,7 @@ def test_an_app_that_cannot_start_does_not_stop_the_daemon_serving_the_others(zk
     thread.start()
     try:
         wait_until(lambda: good.watermark() == 0, what="the good app's epoch to commit")
-        wait_until(lambda: "app bad cannot start phase two" in caplog.text, what="the bad app's error logged")
+        wait_until(lambda: "app 'bad' cannot start phase two" in caplog.text, what="the bad app's error logged")
     finally:
         stop.set()
         thread.join(60)

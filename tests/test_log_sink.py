@@ -23,6 +23,7 @@ from tests.broker.conftest import broker, broker_factory, topic  # noqa: F401  (
 from tests.harness import Pipeline, stage
 from twophase.client import Admin
 from twophase.sink import AbortFailed, CommitFailed, TxnContext
+from twophase.wire.records import iter_batches
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -234,8 +235,11 @@ def test_transactional_id_stays_within_limits():
     ({"bootstrap": "h:1", "topic": "t", "transactional_id_prefix": "a.b"}, ValueError),
     ({"bootstrap": "h:1", "topic": "t", "key": 3}, TypeError),
     ({"bootstrap": "h:1", "topic": "t", "producer": {"transactional_id": "x"}}, ValueError),
+    ({"bootstrap": "h:1", "topic": "t", "producer": {"compression": "brotli"}}, ValueError),
+    ({"bootstrap": "h:1", "topic": "t", "producer": {"compression.type": "zstd"}}, ValueError),
 ])
 def test_bad_settings_are_refused(kwargs, error):
+    """On the driver, when the sink is built: its producer opens only in a task."""
     with pytest.raises(error):
         LogSink(**kwargs)
 
@@ -252,3 +256,22 @@ def test_coordinator_commits_the_winner_and_aborts_the_loser(zk, zk_root, sink):
     assert pipe.watermark() == 0
     assert committed_ids(sink) == list(range(10))
     assert all_ids(sink) == sorted(list(range(10)) + list(range(5)))
+
+
+def test_zstd_compressed_transactions_commit_and_are_read_once(zk, zk_root, broker, topic):
+    """Issue 12: producer={"compression": "zstd"} writes zstd batches; the coordinator commits the
+    winners, a reader sees each committed row once and the loser's rows nowhere."""
+    broker.create_topic(topic, 3)
+    sink = LogSink(broker.bootstrap, topic, key="id", producer={"compression": "zstd", "linger_ms": 20})
+    pipe = Pipeline(zk, zk_root, sink)
+    speculative = pipe.begin("r1", 0, 0, attempt=1)
+    assert pipe.task("r1", 0, 0, range(0, 200), attempt=0)
+    assert pipe.finish(speculative, range(0, 200)) is False
+    assert pipe.task("r1", 0, 1, range(200, 400))
+    pipe.barrier(0, "r1")
+    pipe.coordinator().reconcile()
+    assert committed_ids(sink) == list(range(400))
+    stored = [broker.call(lambda p=p: broker.partition_log(topic, p).read(0, 1 << 24)) for p in range(3)]
+    codecs = {h.compression for data in stored for _, h in iter_batches(data) if not h.is_control}
+    assert codecs == {4}  # zstd
+

@@ -3,9 +3,9 @@
 The broker now refuses malformed batches on Produce, so these attacks play a broker that serves
 them anyway: a real Broker whose partition log got the crafted batch through PartitionLog.append,
 which checks the batch's framing, header and CRC but not its records (as a log written before the
-produce-side checks, or damaged under a valid CRC, would hold). The consumer must inflate with a
-bound, stop at the bad batch with an error naming its offsets, and skip it on request, counted and
-logged.
+produce-side checks, or damaged under a valid CRC, would hold). The consumer must inflate every
+codec with a bound (test_compression_bombs.py measures the memory a bomb of each costs), stop at
+the bad batch with an error naming its offsets, and skip it on request, counted and logged.
 """
 
 from __future__ import annotations
@@ -18,7 +18,18 @@ import tracemalloc
 
 import pytest
 
-from tests.adversarial.crafted import GZIP, gzip_bomb, raw_batch, record
+from tests.adversarial.crafted import (
+    GZIP,
+    LZ4,
+    SNAPPY,
+    ZSTD,
+    gzip_bomb,
+    lz4_bomb,
+    raw_batch,
+    record,
+    snappy_declaring,
+    zstd_bomb,
+)
 from tests.broker.batches import batch
 from tests.waiting import wait_for
 from twophase.client import Consumer, CorruptRecordBatch, Producer
@@ -28,6 +39,12 @@ MIB = 1 << 20
 BAD_BATCHES = {
     "count says 3, holds 2": lambda: raw_batch(record(0, b"a") + record(1, b"b"), count=3),
     "gzip bomb, 1 MB to 1 GiB": lambda: raw_batch(gzip_bomb(), count=1, codec=GZIP),
+    # The broker's log takes batches of up to 1 MiB (max_message_bytes): snappy inflates 21-fold at most,
+    # so its bomb here is a block declaring 1 GiB.
+    "snappy declaring 1 GiB in 13 bytes": lambda: raw_batch(snappy_declaring(), count=1, codec=SNAPPY),
+    "lz4 bomb, 0.8 MB to 192 MiB": lambda: raw_batch(lz4_bomb(192 * MIB), count=1, codec=LZ4),
+    "zstd bomb, 32 KB to 1 GiB": lambda: raw_batch(zstd_bomb(), count=1, codec=ZSTD),
+    "zstd that does not inflate": lambda: raw_batch(b"\x28\xb5\x2f\xfd" + b"\xff" * 40, count=1, codec=ZSTD),
 }
 
 

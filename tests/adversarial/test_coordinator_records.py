@@ -89,8 +89,18 @@ def test_a_malformed_record_is_named_and_recover_changes_nothing(pipe, zk, zk_se
 def test_the_daemon_skips_an_app_whose_record_is_damaged_and_serves_the_others(pipe, zk, zk_root, caplog):
     zk.create(f"{zk_root}/apps/broken", b"[]")
     zk.set(pipe.paths.base, dump({"coordinator": "daemon"}))
-    assert CoordinatorDaemon("unused", zk_root, SIGNER)._daemon_apps(zk) == ["app"]
+    daemon = CoordinatorDaemon("unused", zk_root, SIGNER)
+    assert daemon._daemon_apps(zk) == ["app"]
     assert "'broken' skipped" in caplog.text and "expected a JSON object" in caplog.text
+    # Every round reads the apps again: the same trouble is not logged as an ERROR again ...
+    assert daemon._daemon_apps(zk) == ["app"]
+    assert [r.levelname for r in caplog.records if "'broken'" in r.getMessage()] == ["ERROR"]
+    # ... until it is mended and breaks again.
+    zk.set(f"{zk_root}/apps/broken", b"{}")
+    assert daemon._daemon_apps(zk) == ["app"]
+    zk.set(f"{zk_root}/apps/broken", b"123")
+    daemon._daemon_apps(zk)
+    assert [r.levelname for r in caplog.records if "'broken' skipped" in r.getMessage()] == ["ERROR", "ERROR"]
 
 
 # -- signatures -----------------------------------------------------------------------------------

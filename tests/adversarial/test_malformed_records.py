@@ -1,8 +1,8 @@
 """Issue 11, item 8: a Produce of batches whose records do not parse is refused and stores nothing.
 
 Raw wire Produce requests carry batches with a valid CRC whose records lie: a record count that
-disagrees with the records, garbage records, gzip that inflates garbage, a gzip bomb, a control
-batch. Each is answered with Kafka's error code, the partition's end does not move, and real
+disagrees with the records, garbage records, compressed data (gzip, snappy, lz4, zstd) that
+inflates garbage or does not inflate, a bomb of each codec, a control batch. Each is answered with Kafka's error code, the partition's end does not move, and real
 consumers (twophase.client and confluent-kafka) then read the good records around the attack
 without an error.
 """
@@ -17,7 +17,20 @@ from confluent_kafka import OFFSET_BEGINNING, TopicPartition
 from confluent_kafka import Consumer as ConfluentConsumer
 from confluent_kafka import KafkaError as ConfluentError
 
-from tests.adversarial.crafted import ATTR_CONTROL, GZIP, gzip_bomb, raw_batch, record
+from tests.adversarial.crafted import (
+    ATTR_CONTROL,
+    GZIP,
+    LZ4,
+    SNAPPY,
+    ZSTD,
+    gzip_bomb,
+    lz4_bomb,
+    raw_batch,
+    record,
+    snappy_bomb,
+    snappy_declaring,
+    zstd_bomb,
+)
 from tests.broker.batches import batch
 from tests.broker.conftest import (
     MS,
@@ -29,10 +42,12 @@ from tests.broker.conftest import (
 )
 from tests.waiting import wait_for
 from twophase.client import Consumer
+from twophase.wire.compression import compress
 
 INVALID_RECORD, CORRUPT_MESSAGE, MESSAGE_TOO_LARGE = 87, 2, 10
 TWO_RECORDS = record(0, b"a") + record(1, b"b")
 GARBAGE = b"\xde\xad\xbe\xef" * 20
+CODECS = {"snappy": SNAPPY, "lz4": LZ4, "zstd": ZSTD}  # gzip has cases of its own
 
 
 def _control_record() -> bytes:
@@ -50,6 +65,19 @@ ATTACKS = {
     "gzip that does not inflate": (lambda: raw_batch(GARBAGE, count=1, codec=GZIP), CORRUPT_MESSAGE, "gzip"),
     "gzip bomb, 1 MB to 1 GiB": (lambda: raw_batch(gzip_bomb(), count=1, codec=GZIP), MESSAGE_TOO_LARGE,
                                  "inflate to more than"),
+    **{f"{name} inflating garbage": (lambda codec=codec: raw_batch(compress(codec, GARBAGE), count=1, codec=codec),
+                                     INVALID_RECORD, "malformed records") for name, codec in CODECS.items()},
+    **{f"{name} that does not inflate": (lambda codec=codec: raw_batch(GARBAGE, count=1, codec=codec),
+                                         CORRUPT_MESSAGE, name) for name, codec in CODECS.items()},
+    "snappy bomb, 6 MB to 128 MiB": (lambda: raw_batch(snappy_bomb(), count=1, codec=SNAPPY), MESSAGE_TOO_LARGE,
+                                     "inflate to more than"),
+    "snappy declaring 1 GiB in 13 bytes": (lambda: raw_batch(snappy_declaring(), count=1, codec=SNAPPY),
+                                           MESSAGE_TOO_LARGE, "inflate to more than"),
+    "lz4 bomb, 4.5 MB to 1 GiB": (lambda: raw_batch(lz4_bomb(), count=1, codec=LZ4), MESSAGE_TOO_LARGE,
+                                  "inflate to more than"),
+    "zstd bomb, 32 KB to 1 GiB": (lambda: raw_batch(zstd_bomb(), count=1, codec=ZSTD), MESSAGE_TOO_LARGE,
+                                  "inflate to more than"),
+    "unknown codec 5": (lambda: raw_batch(TWO_RECORDS, count=2, codec=5), CORRUPT_MESSAGE, "codec 5"),
     "control batch from a client": (lambda: raw_batch(_control_record(), count=1, attributes=ATTR_CONTROL),
                                     INVALID_RECORD, "control"),
     "garbage under a bad CRC": (lambda: _bad_crc(raw_batch(GARBAGE, count=2)), CORRUPT_MESSAGE, "CRC"),

@@ -1,5 +1,5 @@
 """Producer and consumer against the real broker, cross-checked with confluent-kafka: keys, headers,
-gzip, murmur2 partitions, idempotent retries through a connection-dropping proxy, long polling."""
+every codec, murmur2 partitions, idempotent retries through a connection-dropping proxy, long polling."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def _all_partitions(consumer: Consumer, topic: str, n: int) -> Consumer:
     return consumer
 
 
-@pytest.mark.parametrize("compression", [None, "gzip"])
+@pytest.mark.parametrize("compression", [None, "gzip", "snappy", "lz4", "zstd"])
 def test_round_trip_keys_headers_and_values(broker, topic, compression):
     Admin(broker.bootstrap).create_topics({topic: 3})
     with Producer(broker.bootstrap, compression=compression, linger_ms=20) as p:

@@ -27,8 +27,9 @@ from collections.abc import Sequence
 from kio.schema.errors import ErrorCode
 
 from twophase.wire.api_keys import ApiKey
+from twophase.wire.compression import codec_id
 from twophase.wire.errors import KafkaError
-from twophase.wire.records import COMPRESSION_GZIP, COMPRESSION_NONE, INT32_MAX, record_batch
+from twophase.wire.records import INT32_MAX, record_batch
 
 from .cluster import Cluster, CoordinatorType
 from .connection import MS, Connection, message, part
@@ -63,7 +64,8 @@ class Producer:
     ``delivery_timeout_ms`` bounds how long a batch is retried (``retries``, if given, also caps the
     attempts); ``transaction_timeout_ms`` is the broker-side timeout of a non-2PC transaction;
     ``enable_2pc`` registers the producer for KIP-939 (its transactions never time out and can be
-    prepared); ``compression`` is None or "gzip".
+    prepared); ``compression`` is Kafka's compression.type: None or "none", "gzip", "snappy", "lz4" or
+    "zstd" (ValueError for another name).
     """
 
     def __init__(self, bootstrap: str, *, transactional_id: str | None = None, enable_2pc: bool = False,
@@ -73,8 +75,7 @@ class Producer:
                  client_id: str = "twophase-producer") -> None:
         if acks not in ("all", -1):
             raise ValueError(f"the producer is idempotent, which needs acks='all', not {acks!r}")
-        if compression not in (None, "none", "gzip"):
-            raise ValueError(f"compression must be None or 'gzip', not {compression!r}")
+        compression_id = codec_id("none" if compression is None else compression)
         if enable_2pc and transactional_id is None:
             raise ValueError("enable_2pc needs a transactional_id")
         self.transactional_id = transactional_id
@@ -85,7 +86,7 @@ class Producer:
         self.request_timeout_s = request_timeout_ms / 1000
         self.delivery_timeout_s = delivery_timeout_ms / 1000
         self.retries = retries
-        self._compression = COMPRESSION_GZIP if compression == "gzip" else COMPRESSION_NONE
+        self._compression = compression_id
         self._cluster = Cluster(bootstrap, client_id=client_id, request_timeout_s=self.request_timeout_s)
         self._txn = TxnStateMachine()
         self._producer_id = -1

@@ -19,23 +19,22 @@ Example::
 
 Whole records::
 
-    data = record_batch([(ts, b"key", b"value", [("h", b"x")])], compression=COMPRESSION_GZIP)
+    data = record_batch([(ts, b"key", b"value", [("h", b"x")])], compression=COMPRESSION_ZSTD)
     records = decode_batch_records(fetched_batch)   # [Record(offset, timestamp_ms, key, value, headers)]
     check_batch_records(inflate_batch(produced_batch))   # the same checks, without building the records
 
 Both walk the records with aiokafka's record reader (C, about 0.1 us a record) and check that the
 header's record count matches the records, each record's length matches its fields, the records
-end exactly at the batch's end and their offset deltas run 0..n-1. A gzip batch is inflated in
-1 MiB steps up to ``max_inflated_bytes`` (default 64 MiB): a 1 MB batch that would inflate to
-1 GiB costs at most that much memory, then raises MessageTooLargeError. The reader builds each
-record's key and value: checking costs about what decoding does.
+end exactly at the batch's end and their offset deltas run 0..n-1. A compressed batch (gzip,
+snappy, lz4, zstd: twophase.wire.compression) is inflated up to ``max_inflated_bytes`` (default
+64 MiB): a 1 MB batch that would inflate to 1 GiB costs about that much memory at most, then raises
+MessageTooLargeError. The reader builds each record's key and value: checking costs about what
+decoding does.
 """
 
 from __future__ import annotations
 
-import gzip
 import struct
-import zlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from operator import attrgetter
@@ -45,12 +44,8 @@ import crc32c
 from aiokafka.errors import CorruptRecordException
 from aiokafka.record.default_records import DefaultRecordBatch as _RecordReader
 
-from .errors import (
-    CorruptRecordError,
-    InvalidRecordError,
-    KafkaError,
-    MessageTooLargeError,
-)
+from .compression import CODEC_NAMES, COMPRESSION_NONE, Buffer, compress, inflate
+from .errors import CorruptRecordError, InvalidRecordError
 from .varint import decode_varint, encode_varint
 
 HEADER_SIZE = 61
@@ -75,8 +70,6 @@ _OFFSET_AND_EPOCH = struct.Struct(">qii")  # baseOffset, batchLength, partitionL
 _CRC_START = 21
 _CONTROL_KEY = struct.Struct(">hh")
 _CONTROL_VALUE = struct.Struct(">hi")
-
-Buffer = bytes | bytearray | memoryview
 
 
 @dataclass(frozen=True)
@@ -299,9 +292,6 @@ def iter_record_timestamps(batch: Buffer) -> Iterator[tuple[int, int]]:
 
 # --- whole records, for clients (twophase.client): encoding with headers, decoding fetched batches ---
 
-COMPRESSION_NONE = 0
-COMPRESSION_GZIP = 1
-
 
 @dataclass(frozen=True)
 class Record:
@@ -334,16 +324,17 @@ def record_batch(
     *, producer_id: int = NO_PRODUCER_ID, producer_epoch: int = -1, base_sequence: int = NO_SEQUENCE,
     transactional: bool = False, compression: int = COMPRESSION_NONE,
 ) -> bytes:
-    """A v2 batch (base offset 0) of (timestamp_ms, key, value, headers) records, optionally gzipped."""
+    """A v2 batch (base offset 0) of (timestamp_ms, key, value, headers) records, compressed with
+    ``compression`` (a codec id of twophase.wire.compression)."""
     if not records:
         raise ValueError("a record batch needs at least one record")
-    if compression not in (COMPRESSION_NONE, COMPRESSION_GZIP):
-        raise ValueError(f"unsupported compression codec {compression} (only none and gzip)")
+    if compression != COMPRESSION_NONE and compression not in CODEC_NAMES.values():
+        raise ValueError(f"unknown compression codec {compression}")
     base_ts = records[0][0]
     body = b"".join(encode_record(i, ts - base_ts, key, value, headers)
                     for i, (ts, key, value, headers) in enumerate(records))
-    if compression == COMPRESSION_GZIP:
-        body = gzip.compress(body, compresslevel=6, mtime=0)
+    if compression != COMPRESSION_NONE:
+        body = compress(compression, body)
     attributes = compression | (ATTR_TRANSACTIONAL if transactional else 0)
     buf = bytearray(_HEADER.pack(
         0, HEADER_SIZE - LOG_OVERHEAD + len(body), NO_PARTITION_LEADER_EPOCH, MAGIC, 0, attributes,
@@ -357,48 +348,22 @@ def record_batch(
 # Most a compressed batch may inflate to, by default: real batches are far smaller (producers cap a
 # batch at about 1 MiB before compression), and a bomb stops here.
 DEFAULT_MAX_INFLATED_BYTES = 64 * 1024 * 1024
-UNSUPPORTED_COMPRESSION_TYPE = 76
-_INFLATE_STEP = 1 << 20
 _ATTRIBUTES_LOW_BYTE = 22  # attributes i16 @21, big-endian: the codec bits are in this byte
 _T = TypeVar("_T")
-
-
-def _gunzip_into(out: bytearray, payload: Buffer, max_bytes: int) -> None:
-    """Append the decompressed ``payload`` to ``out``, in steps, raising once more than ``max_bytes`` came out."""
-    limit = len(out) + max_bytes
-    data = payload
-    try:
-        while data:  # one gzip member a round: producers write one, the format allows several
-            inflater = zlib.decompressobj(wbits=31)
-            while not inflater.eof:
-                chunk = inflater.decompress(data, min(_INFLATE_STEP, limit + 1 - len(out)))
-                data = inflater.unconsumed_tail
-                if not chunk and not data:
-                    raise CorruptRecordError("truncated gzip data")
-                out += chunk
-                if len(out) > limit:
-                    raise MessageTooLargeError(f"compressed records inflate to more than {max_bytes} bytes")
-            data = inflater.unused_data
-    except zlib.error as exc:
-        raise CorruptRecordError(f"bad gzip data: {exc}") from None
 
 
 def inflate_batch(batch: Buffer, max_inflated_bytes: int = DEFAULT_MAX_INFLATED_BYTES) -> Buffer:
     """The batch that starts ``batch`` with its records uncompressed: ``batch`` itself if they are not
     compressed, else a copy with the records inflated, the codec bits cleared and the length set (the
-    CRC is not recomputed). Raises CorruptRecordError for gzip data that does not inflate,
-    MessageTooLargeError for more than ``max_inflated_bytes`` of it, and KafkaError with
-    UNSUPPORTED_COMPRESSION_TYPE for codecs other than none and gzip.
+    CRC is not recomputed). Raises CorruptRecordError for data that does not inflate or an unknown
+    codec, MessageTooLargeError for more than ``max_inflated_bytes`` of it (twophase.wire.compression).
     """
     header = parse_header(batch)
     if header.compression == COMPRESSION_NONE:
         return batch
-    if header.compression != COMPRESSION_GZIP:
-        raise KafkaError(f"compression codec {header.compression} is not supported (only none and gzip)",
-                         UNSUPPORTED_COMPRESSION_TYPE)
-    out = bytearray(batch[:HEADER_SIZE])
+    out = inflate(header.compression, memoryview(batch)[:HEADER_SIZE], memoryview(batch)[HEADER_SIZE : header.size],
+                  max_inflated_bytes)
     out[_ATTRIBUTES_LOW_BYTE] &= ~ATTR_COMPRESSION_MASK
-    _gunzip_into(out, memoryview(batch)[HEADER_SIZE : header.size], max_inflated_bytes)
     struct.pack_into(">i", out, 8, len(out) - LOG_OVERHEAD)
     return out
 
@@ -444,7 +409,7 @@ def _record(r) -> Record:
 
 
 def decode_batch_records(batch: Buffer, max_inflated_bytes: int = DEFAULT_MAX_INFLATED_BYTES) -> list[Record]:
-    """The records of one complete batch (``batch`` starts at its first byte); gzip is inflated.
+    """The records of one complete batch (``batch`` starts at its first byte), inflated if compressed.
 
     Raises what :func:`inflate_batch` and :func:`check_batch_records` raise.
     """

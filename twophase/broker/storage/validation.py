@@ -9,15 +9,16 @@ batch no client could read is refused instead of stored. What a refusal answers:
   a record whose length disagrees with its fields, bytes left after the last record, offset
   deltas other than 0..n-1, a header key that is not UTF-8.
 - CORRUPT_MESSAGE (2): a batch whose CRC does not match (whatever else is wrong with it, as in
-  Kafka, which checks the CRC first), gzip data that does not inflate, an unknown codec id.
+  Kafka, which checks the CRC first), compressed data that does not inflate (gzip, snappy, lz4,
+  zstd), an unknown codec id.
 - MESSAGE_TOO_LARGE (10): compressed batches inflating to more than 64 MiB in one request, all
-  partitions together (``REQUEST_INFLATION_LIMIT``). Inflating stops there, so a gzip bomb costs
-  that much memory and event-loop time at most, per request: about what checking 64 MiB of
-  uncompressed records costs. A Java producer answered this splits the batch and sends the halves.
+  partitions together (``REQUEST_INFLATION_LIMIT``). Inflating stops there, so a bomb of any codec
+  costs about that much memory and event-loop time at most, per request: about what checking 64 MiB
+  of uncompressed records costs. A Java producer answered this splits the batch and sends the halves.
 - INVALID_TIMESTAMP (32): the LogAppendTime timestamp type set by a producer.
 
-gzip batches are inflated and checked; snappy, lz4 and zstd batches (no codec for them here)
-are stored after the header and CRC checks alone. A batch's maxTimestamp is stored as sent.
+Batches of every codec are inflated (twophase.wire.compression) and their records checked, and
+stored compressed as sent. A batch's maxTimestamp is stored as sent.
 
 Example::
 
@@ -34,10 +35,9 @@ from dataclasses import dataclass
 
 from kio.schema.errors import ErrorCode
 
+from twophase.wire.compression import most_inflated
 from twophase.wire.errors import CorruptRecordError, KafkaError, MessageTooLargeError
 from twophase.wire.records import (
-    COMPRESSION_GZIP,
-    COMPRESSION_NONE,
     DEFAULT_MAX_INFLATED_BYTES,
     HEADER_SIZE,
     MAGIC,
@@ -50,9 +50,6 @@ from twophase.wire.records import (
 )
 
 REQUEST_INFLATION_LIMIT = DEFAULT_MAX_INFLATED_BYTES
-_DEFLATE_MAX_RATIO = 1032  # the most one compressed byte can inflate to
-_KNOWN_CODECS = range(5)  # none, gzip, snappy, lz4, zstd
-_CHECKED_CODECS = (COMPRESSION_NONE, COMPRESSION_GZIP)
 
 
 @dataclass
@@ -88,10 +85,6 @@ def _validate(batch: memoryview, header: BatchHeader, budget: InflationBudget) -
         raise CorruptRecordError(f"unsupported magic {header.magic} (only RecordBatch v2)")
     if header.has_log_append_time:
         raise KafkaError("a producer may not set the LogAppendTime timestamp type", ErrorCode.invalid_timestamp)
-    if header.compression not in _KNOWN_CODECS:
-        raise CorruptRecordError(f"unknown compression codec {header.compression}")
-    if header.compression not in _CHECKED_CODECS:
-        return
     try:
         data = inflate_batch(batch, budget.remaining)
     except MessageTooLargeError:
@@ -99,9 +92,9 @@ def _validate(batch: memoryview, header: BatchHeader, budget: InflationBudget) -
         raise MessageTooLargeError(
             f"compressed records of this request inflate to more than {REQUEST_INFLATION_LIMIT} bytes") from None
     except CorruptRecordError:
-        # Damaged after inflating an unknown amount: charge the most deflate can have produced, so
+        # Damaged after inflating an unknown amount: charge the most the codec can have produced, so
         # that bombs with a broken tail cannot each inflate a whole budget.
-        budget.remaining -= min(budget.remaining, _DEFLATE_MAX_RATIO * len(batch))
+        budget.remaining -= min(budget.remaining, most_inflated(header.compression, len(batch) - HEADER_SIZE))
         raise
     if data is not batch:
         budget.remaining -= len(data) - HEADER_SIZE
