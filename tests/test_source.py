@@ -272,7 +272,7 @@ def test_the_stream_reader_glue_without_spark(broker, topic):
     assert reader._planner is None
 
 
-@pytest.mark.parametrize("codec", ["gzip"])  # the other codecs join as the client learns them
+@pytest.mark.parametrize("codec", ["gzip", "snappy", "lz4", "zstd"])
 def test_a_range_written_by_confluent_kafka_in_compressed_transactions(broker, topic, codec):
     """confluent-kafka's transactional producer, compressed batches, one transaction committed and one
     aborted: read_committed rows are exactly the committed records, headers included."""
