@@ -272,3 +272,30 @@ def test_a_batch_the_driver_did_not_finish_is_replayed_over_the_same_offsets(sou
     second = run()
     assert second[last] == first[last], "the unfinished batch was re-planned instead of replayed"
     assert sum(rows for b, (_, _, rows) in second.items() if b != last) == 90
+
+
+CODECS = ("gzip", "snappy", "lz4", "zstd")
+
+
+def test_every_codec_written_by_confluent_kafka_in_transactions(source, broker, topic):
+    """One partition per codec, each written by a confluent-kafka transactional producer with a
+    committed and an aborted transaction: one Spark read sees every committed record once, no aborted one."""
+    from confluent_kafka import Producer as ConfluentProducer
+
+    broker.create_topic(topic, len(CODECS))
+    for partition, codec in enumerate(CODECS):
+        theirs = ConfluentProducer({"bootstrap.servers": broker.bootstrap, "compression.type": codec,
+                                    "linger.ms": 5, "transactional.id": f"{topic}-{codec}"})
+        try:
+            theirs.init_transactions(30)
+            for commit in (True, False):
+                theirs.begin_transaction()
+                for i in range(200):
+                    theirs.produce(topic, value=b"x" * 50, key=f"{codec}-{commit}-{i}".encode(), partition=partition)
+                theirs.commit_transaction(30) if commit else theirs.abort_transaction(30)
+        finally:
+            theirs.flush(10)
+            del theirs  # librdkafka's threads and sockets go with the object
+    rows = reader(source, broker.bootstrap, subscribe=topic).collect()
+    expected = collections.Counter(f"{codec}-True-{i}".encode() for codec in CODECS for i in range(200))
+    assert keys_of(rows) == expected
