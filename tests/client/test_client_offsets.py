@@ -3,6 +3,9 @@ many partitions in one request per broker) and Consumer(auto_offset_reset="none"
 
 from __future__ import annotations
 
+import struct
+
+import crc32c
 import pytest
 
 from twophase.client import (
@@ -15,7 +18,9 @@ from twophase.client import (
     Producer,
 )
 from twophase.client.connection import Connection
+from twophase.client.consumer import records_of
 from twophase.wire.api_keys import ApiKey
+from twophase.wire.records import ATTR_LOG_APPEND_TIME, record_batch
 
 
 def test_list_offsets_earliest_latest_and_the_last_stable_offset_in_one_request(broker, topic, monkeypatch):
@@ -77,3 +82,16 @@ def test_auto_offset_reset_none_raises_out_of_range_and_keeps_the_position(broke
         assert c.poll(timeout_s=5)[0].offset == start
     with pytest.raises(ValueError, match="earliest, latest or none"):
         Consumer(broker.bootstrap, auto_offset_reset="smallest")
+
+
+def test_the_timestamp_type_of_a_message_is_its_batchs():
+    """Kafka's LogAppendTime batches (attribute bit 3, set by a broker configured so) give every record
+    the batch's max timestamp and timestamp type 1; others are CreateTime, 0."""
+    created = record_batch([(1_000, b"k", b"v", ()), (1_005, b"k", b"w", ())])
+    appended = bytearray(created)
+    struct.pack_into(">h", appended, 21, struct.unpack_from(">h", appended, 21)[0] | ATTR_LOG_APPEND_TIME)
+    struct.pack_into(">q", appended, 35, 9_999)  # maxTimestamp: the broker's append time
+    struct.pack_into(">I", appended, 17, crc32c.crc32c(bytes(appended[21:])))
+    struct.pack_into(">q", appended, 0, 2)  # its base offset: after the first batch
+    read = records_of("t", 0, created + bytes(appended), 0, [], read_committed=True)
+    assert [(m.timestamp_ms, m.timestamp_type) for m in read.messages] == [(1_000, 0), (1_005, 0)] + [(9_999, 1)] * 2

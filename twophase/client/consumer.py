@@ -122,8 +122,8 @@ def records_of(topic: str, partition: int, data: bytes, position: int, aborted: 
                 if not parse_control_record(batch).commit:
                     aborting.discard(header.producer_id)
             elif not (header.is_transactional and header.producer_id in aborting):
-                timestamp_type = int(header.has_log_append_time)
-                out.extend(Message(topic, partition, r.offset, r.key, r.value, r.headers, r.timestamp_ms, timestamp_type)
+                stamped_by = int(header.has_log_append_time)  # the timestamp type is the batch's
+                out.extend(Message(topic, partition, r.offset, r.key, r.value, r.headers, r.timestamp_ms, stamped_by)
                            for r in decode_batch_records(batch, max_inflated_bytes) if r.offset >= position)
         except _UNREADABLE as exc:
             corrupt = CorruptRecordBatch(topic, partition, header.base_offset, header.last_offset, str(exc))
