@@ -9,6 +9,7 @@ worker thread, and segment files are opened only while used.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import resource
@@ -189,6 +190,28 @@ def test_concurrent_auto_creates_of_one_topic_are_told_to_retry_and_all_succeed(
         for thread in threads:
             thread.join(90)
         first.close()
+
+
+def test_a_create_cancelled_twice_is_undone_once_its_files_are_made(broker_factory, topic, monkeypatch):
+    broker = broker_factory()
+    entered, release = hold_creation(monkeypatch)
+    try:
+        creating = broker.call(lambda: asyncio.ensure_future(broker.create_topic_async(topic, 3)))
+        assert entered.wait(60), "the create never started"
+        broker.call(creating.cancel)  # say its client went away...
+        broker.call(lambda: None)  # (the task has taken the first cancellation)
+        broker.call(creating.cancel)  # ...and then the broker stops
+        wait_until(lambda: broker.call(creating.done), what="the create given up")
+        assert broker.call(creating.cancelled)
+    finally:
+        release.set()
+    # The name is given back and nothing of the topic stays once the thread has made its files.
+    wait_until(lambda: not broker.call(broker.logs.being_created, topic), what="the name given back")
+    assert topic not in broker.call(broker.topics)
+    wait_until(lambda: topic_dirs(broker.data_dir, topic) == [], what="its directories removed")
+    with WireClient(broker.port) as client:
+        [created] = client.request(create_topics_request((topic, 2, -1, None))).topics
+        assert created.error_code == ErrorCode.none
 
 
 def test_a_broker_with_2000_partitions_restarts_and_serves_them_under_a_low_descriptor_limit(broker_cli, tmp_path):
