@@ -5,9 +5,11 @@ before anything is buffered: a frame shorter than a request header or longer tha
 ``max_request_bytes`` closes the connection. Responses go out in request order. A connection's
 requests are handled one at a time (Kafka mutes a connection while one of its requests is in
 flight), except that consecutive Produce requests are handled together, so that a client's
-in-flight batches share an fsync; they are appended in arrival order. A parked Fetch holds back
-later requests of its own connection only. A request that closes the connection is decoded
-before it is handled, so nothing after it is handled at all.
+in-flight batches share an fsync; they are appended in arrival order (but for one that first
+auto-creates its topic: later ones to that topic are answered LEADER_NOT_AVAILABLE, and retried,
+until it is created). A parked Fetch holds back later requests of its own connection only. A
+request that closes the connection is decoded before it is handled, so nothing after it is handled
+at all.
 
 Resource limits (Kafka's names where Kafka has one): a connection with no request for
 ``connections.max.idle.ms`` is closed (a request still being handled keeps it open); request
