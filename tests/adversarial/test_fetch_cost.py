@@ -151,3 +151,37 @@ def test_a_first_batch_larger_than_the_cap_is_returned_whole(broker_factory, top
         assert [base for base, _ in batch_offsets(second.records)] == [1]
     wait_until(lambda: broker.call(lambda: broker.fetch_budget.available) == broker.fetch_budget.capacity,
                what="the responses' bytes given back to the fetch budget")
+
+
+def test_a_fetch_waits_for_the_budget_no_longer_than_its_max_wait_or_its_client(broker_factory, topic):
+    broker = broker_factory()
+    budget = broker.fetch_budget
+    with WireClient(broker.port, timeout=30) as client:
+        assert only_partition(client.request(produce_request(topic, batch([b"x"])))).error_code == ErrorCode.none
+        broker.call(lambda: budget.take(budget.capacity))  # held, as by slow readers' unread responses
+        try:
+            # Answered at its max_wait with nothing (the client asks again), not when the budget frees.
+            starved = only_partition(client.request(fetch_request(topic, 0, max_wait_ms=200)))
+            assert starved.error_code == ErrorCode.none and not starved.records
+            # A client that leaves while its Fetch waits for the budget gives up its place.
+            with WireClient(broker.port, timeout=30) as leaving:
+                leaving.send(fetch_request(topic, 0, max_wait_ms=600_000))
+                wait_until(lambda: broker.call(lambda: budget.waiting) == 1, what="its fetch waiting")
+            wait_until(lambda: broker.call(lambda: budget.waiting) == 0, what="its place given up")
+        finally:
+            broker.call(lambda: budget.release(budget.capacity))
+        fetched = only_partition(client.request(fetch_request(topic, 0, max_wait_ms=200)))
+        assert [base for base, _ in batch_offsets(fetched.records)] == [0]
+    wait_until(lambda: broker.call(lambda: budget.available) == budget.capacity, what="the budget given back")
+
+
+def test_one_response_takes_at_most_its_share_of_the_budget(broker_factory, topic):
+    in_flight = 8 * MIB  # one response's share: an eighth, 1 MiB
+    broker = broker_factory(fetch_bytes_in_flight=in_flight)
+    with WireClient(broker.port, timeout=60) as client:
+        for i in range(8):
+            response = client.request(produce_request(topic, batch([bytes([i]) * 400_000])))
+            assert only_partition(response).error_code == ErrorCode.none
+        fetched = only_partition(client.request(big_fetch(topic)))
+        assert [base for base, _ in batch_offsets(fetched.records)] == [0, 1]  # not all 8 (3.2 MB)
+        assert len(fetched.records) <= in_flight // 8

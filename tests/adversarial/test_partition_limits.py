@@ -9,11 +9,13 @@ worker thread, and segment files are opened only while used.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import resource
 import threading
 
+from confluent_kafka import Producer as ConfluentProducer
 from kio.schema.errors import ErrorCode
 
 from tests.broker.batches import batch, decode
@@ -26,7 +28,9 @@ from tests.broker.conftest import (
     produce_request,
     req,
 )
+from tests.waiting import wait_until
 from twophase.broker.storage import LogManager
+from twophase.client import Producer
 
 API_VERSIONS = req(18, 3, client_software_name="partitions-test", client_software_version="1")
 
@@ -66,8 +70,9 @@ def test_creates_beyond_the_partition_limit_are_refused_and_leave_nothing(broker
         assert topic_dirs(data_dir, f"{topic}-{refused}") == []
 
 
-def test_other_clients_are_served_while_a_topic_is_created(broker_factory, topic, monkeypatch):
-    broker = broker_factory()
+def hold_creation(monkeypatch) -> tuple[threading.Event, threading.Event]:
+    """(entered, release): a topic's files are made only once ``release`` is set; ``entered`` says a
+    create is being held."""
     entered, release = threading.Event(), threading.Event()
     create_files = LogManager.create_topic_files
 
@@ -78,6 +83,12 @@ def test_other_clients_are_served_while_a_topic_is_created(broker_factory, topic
         return create_files(self, name, info)
 
     monkeypatch.setattr(LogManager, "create_topic_files", held_create_files)
+    return entered, release
+
+
+def test_other_clients_are_served_while_a_topic_is_created(broker_factory, topic, monkeypatch):
+    broker = broker_factory()
+    entered, release = hold_creation(monkeypatch)
     creator = WireClient(broker.port, timeout=90)
     try:
         correlation = creator.send(create_topics_request((topic, 200, -1, None)))
@@ -96,6 +107,111 @@ def test_other_clients_are_served_while_a_topic_is_created(broker_factory, topic
     finally:
         release.set()
         creator.close()
+
+
+def test_other_clients_are_served_while_a_produce_auto_creates_its_topic(broker_factory, topic, monkeypatch):
+    broker = broker_factory(default_partitions=50)
+    entered, release = hold_creation(monkeypatch)
+    producer = WireClient(broker.port, timeout=90)
+    try:
+        request = produce_request(topic, batch([b"first"]))
+        correlation = producer.send(request)
+        assert entered.wait(60), "the auto-create never started"
+        with WireClient(broker.port, timeout=30) as other:
+            assert other.request(API_VERSIONS).error_code == ErrorCode.none
+        release.set()
+        assert only_partition(producer.recv(type(request), correlation)).error_code == ErrorCode.none
+        [described] = producer.request(metadata_request(12, [topic])).topics
+        assert len(described.partitions) == 50
+        fetched = only_partition(producer.request(fetch_request(topic, 0)))
+        assert [value for *_, value in decode(fetched.records)] == [b"first"]
+    finally:
+        release.set()
+        producer.close()
+
+
+def test_concurrent_auto_creates_of_one_topic_are_told_to_retry_and_all_succeed(broker_factory, topic, monkeypatch):
+    broker = broker_factory(default_partitions=2)
+    entered, release = hold_creation(monkeypatch)
+    refused = []  # auto-creates answered "being created" (LEADER_NOT_AVAILABLE)
+    being_created = LogManager.being_created
+
+    def counted(self, name):
+        held = being_created(self, name)
+        if held:
+            refused.append(name)
+        return held
+
+    monkeypatch.setattr(LogManager, "being_created", counted)
+    first = WireClient(broker.port, timeout=90)
+    threads: list[threading.Thread] = []
+    try:
+        correlation = first.send(metadata_request(12, [topic]))
+        assert entered.wait(60), "the auto-create never started"
+        with WireClient(broker.port, timeout=30) as other:
+            # A retriable answer while it is created (TOPIC_ALREADY_EXISTS would be final for a client).
+            [described] = other.request(metadata_request(12, [topic])).topics
+            assert described.error_code == ErrorCode.leader_not_available
+            produced = only_partition(other.request(produce_request(topic, batch([b"raw"]))))
+            assert produced.error_code == ErrorCode.leader_not_available
+            # An explicit create is refused as Kafka does.
+            [again] = other.request(create_topics_request((topic, 1, -1, None))).topics
+            assert again.error_code == ErrorCode.topic_already_exists
+        # Real clients auto-creating the same topic meanwhile retry until it exists.
+        delivered: dict[str, object] = {}
+
+        def ours() -> None:
+            with Producer(broker.bootstrap) as producer:
+                producer.send(topic, value=b"ours", partition=0)
+                producer.flush()
+            delivered["twophase"] = None
+
+        def theirs() -> None:
+            producer = ConfluentProducer({"bootstrap.servers": broker.bootstrap})
+            producer.produce(topic, b"theirs", partition=1,
+                             on_delivery=lambda err, msg: delivered.__setitem__("confluent", err))
+            producer.flush(60)
+
+        threads = [threading.Thread(target=ours, daemon=True), threading.Thread(target=theirs, daemon=True)]
+        for thread in threads:
+            thread.start()
+        wait_until(lambda: refused.count(topic) >= 4, what="the clients told to retry")
+        release.set()
+        [created] = first.recv(type(metadata_request(12, [topic])), correlation).topics
+        assert created.error_code == ErrorCode.none and len(created.partitions) == 2
+        for thread in threads:
+            thread.join(90)
+        assert delivered == {"twophase": None, "confluent": None}
+        for partition, value in ((0, b"ours"), (1, b"theirs")):
+            fetched = only_partition(first.request(fetch_request(topic, 0, partition=partition)))
+            assert [v for *_, v in decode(fetched.records)] == [value]
+    finally:
+        release.set()
+        for thread in threads:
+            thread.join(90)
+        first.close()
+
+
+def test_a_create_cancelled_twice_is_undone_once_its_files_are_made(broker_factory, topic, monkeypatch):
+    broker = broker_factory()
+    entered, release = hold_creation(monkeypatch)
+    try:
+        creating = broker.call(lambda: asyncio.ensure_future(broker.create_topic_async(topic, 3)))
+        assert entered.wait(60), "the create never started"
+        broker.call(creating.cancel)  # say its client went away...
+        broker.call(lambda: None)  # (the task has taken the first cancellation)
+        broker.call(creating.cancel)  # ...and then the broker stops
+        wait_until(lambda: broker.call(creating.done), what="the create given up")
+        assert broker.call(creating.cancelled)
+    finally:
+        release.set()
+    # The name is given back and nothing of the topic stays once the thread has made its files.
+    wait_until(lambda: not broker.call(broker.logs.being_created, topic), what="the name given back")
+    assert topic not in broker.call(broker.topics)
+    wait_until(lambda: topic_dirs(broker.data_dir, topic) == [], what="its directories removed")
+    with WireClient(broker.port) as client:
+        [created] = client.request(create_topics_request((topic, 2, -1, None))).topics
+        assert created.error_code == ErrorCode.none
 
 
 def test_a_broker_with_2000_partitions_restarts_and_serves_them_under_a_low_descriptor_limit(broker_cli, tmp_path):

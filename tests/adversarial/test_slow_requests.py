@@ -4,7 +4,8 @@ Before the fix the broker reserved a request's whole announced size from the sha
 budget before reading it, so two connections announcing 100 MiB each took the whole 200 MiB
 budget and every other request, even a client's first ApiVersions, waited for the 10-minute idle
 timeout. Now bytes are reserved step by step as they arrive, and a request whose bytes do not all
-arrive within the receive timeout closes its connection.
+arrive in time closes its connection: the receive timeout is a progress timeout, each step of up to
+1 MiB has to arrive within it.
 """
 
 from __future__ import annotations
@@ -109,7 +110,7 @@ def test_stalled_and_trickling_requests_are_closed_after_the_receive_timeout(bro
     broker = broker_factory(request_receive_timeout_ms=1000)
     budget = broker._server.budget
     stalled = [stall(broker), stall(broker, announced=1000)]  # a large and a small request
-    # One byte at a time, each well within the timeout: the whole request still has to arrive in time.
+    # One byte at a time, each well within the timeout: a whole step (1 MiB) still has to arrive in time.
     trickler = stall(broker)
     stop = threading.Event()
 
@@ -190,3 +191,21 @@ def test_a_new_client_is_started_even_when_stalled_requests_hold_the_whole_budge
             assert client.request(API_VERSIONS).error_code == ErrorCode.none
             [described] = client.request(metadata_request(12, [topic])).topics
             assert described.error_code == ErrorCode.none
+
+
+def test_a_large_request_on_a_slow_link_arrives_as_long_as_each_step_is_in_time(broker_factory, topic):
+    """The receive timeout is a progress timeout: a 4 MB request sent a MiB every 1.2 s takes longer
+    than the 2 s timeout in all, but each step of it arrives within it."""
+    broker = broker_factory(request_receive_timeout_ms=2000, fsync=1000)
+    request = produce_request(topic, b"".join(batch([bytes([i]) * 1_000_000]) for i in range(4)))
+    frame = encode_request(1, request)
+    step = 4 + MIB  # the size prefix and the first MiB, then a MiB at a time: one receive step each
+    chunks = [frame[:step]] + [frame[at:at + MIB] for at in range(step, len(frame), MIB)]
+    assert len(chunks) == 4
+    link = threading.Event()  # never set: paces the sender like a slow link
+    with WireClient(broker.port, timeout=60) as client:
+        for i, chunk in enumerate(chunks):
+            if i:
+                link.wait(1.2)
+            client.send_raw(chunk)
+        assert only_partition(client.recv(type(request), 1)).error_code == ErrorCode.none

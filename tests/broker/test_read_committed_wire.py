@@ -28,6 +28,8 @@ class TxnWriter:
 
     def __init__(self, broker, client: WireClient, topic: str) -> None:
         self.broker, self.client, self.topic = broker, client, topic
+        if topic not in broker.call(broker.topics):
+            broker.call(broker.create_topic, topic, 1)
         response = client.request(req(22, 4, transactional_id=None, transaction_timeout=60_000 * MS,
                                       producer_id=-1, producer_epoch=-1))
         assert response.error_code == 0
@@ -38,7 +40,7 @@ class TxnWriter:
                         transactional=transactional, timestamp=timestamp)
 
         def append() -> int:
-            result = self.broker.partition_log(self.topic, 0, create=True).append(records, int(time.time() * 1000))
+            result = self.broker.partition_log(self.topic, 0).append(records, int(time.time() * 1000))
             self.broker.data_arrived(self.topic, 0)
             return result.base_offset
 

@@ -36,13 +36,15 @@ import uuid
 from collections.abc import Iterable
 from typing import Literal
 
+from kio.schema.errors import ErrorCode
+
 from .groups import GroupCoordinator
 from .server import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_RECEIVE_TIMEOUT_MS, ByteBudget, Dispatcher, KafkaServer
 from .group_commit import GroupCommit
 from .storage import LogConfig, LogManager, MetadataFileError, TopicInfo, run_flushes
 from .txn import TXN_DIR, Failpoint, TransactionCoordinator, TxnSettings, open_transactions
 from twophase.durable import atomic_write
-from twophase.wire.errors import UnknownTopicOrPartitionError
+from twophase.wire.errors import KafkaError
 
 log = logging.getLogger("twophase.broker")
 
@@ -412,26 +414,26 @@ class Broker:
         work = asyncio.ensure_future(asyncio.to_thread(logs.create_topic_files, name, info))
         try:
             opened = await asyncio.shield(work)
-        except asyncio.CancelledError:  # the broker is stopping: the thread cannot be, so undo once it ends
-            opened = []
+        except asyncio.CancelledError:
+            # The request was given up (its client left, the broker stops). The thread cannot be
+            # stopped, so its files are undone once it ends, even if this task is cancelled again.
+            work.add_done_callback(lambda done: logs.abandon_topic(
+                name, [] if done.cancelled() or done.exception() else done.result()))
             with contextlib.suppress(Exception):
-                opened = await work
-            logs.abandon_topic(name, opened)
+                await asyncio.shield(work)
             raise
         except BaseException:
             logs.abandon_topic(name, [])
             raise
         return logs.finish_topic(name, info, opened)
 
-    async def auto_create_topic_async(self, name: str) -> TopicInfo:
-        """Create ``name`` with the default partition count, off the event loop; raises KafkaError (bad name...)."""
+    async def auto_create_topic(self, name: str) -> TopicInfo:
+        """Create ``name`` with the default partition count, off the event loop (Metadata and Produce
+        to a new topic); raises KafkaError. While another request creates it, LEADER_NOT_AVAILABLE:
+        retriable, Kafka's answer for a topic being created (CreateTopics answers TOPIC_ALREADY_EXISTS)."""
+        if self.logs.being_created(name):
+            raise KafkaError(f"topic {name!r} is being created", ErrorCode.leader_not_available)
         info = await self.create_topic_async(name, self.config.default_partitions)
-        log.info("auto-created topic %s with %d partitions", name, info.partitions)
-        return info
-
-    def auto_create_topic(self, name: str) -> TopicInfo:
-        """Create ``name`` with the default partition count; raises KafkaError (bad name...)."""
-        info = self.logs.create_topic(name, self.config.default_partitions)
         log.info("auto-created topic %r with %d partitions", name, info.partitions)
         return info
 
@@ -444,14 +446,8 @@ class Broker:
             for p in range(info.partitions):
                 self.data_arrived(name, p)  # parked fetches re-read and see the topic gone
 
-    def partition_log(self, topic: str, partition: int, create: bool = False):
-        """The PartitionLog, auto-creating the topic if asked and configured; raises KafkaError."""
-        try:
-            return self.logs.partition(topic, partition)
-        except UnknownTopicOrPartitionError:
-            if not (create and self.config.auto_create_topics) or topic in self.logs.topics():
-                raise
-        self.auto_create_topic(topic)
+    def partition_log(self, topic: str, partition: int):
+        """The PartitionLog; raises KafkaError (UnknownTopicOrPartitionError...)."""
         return self.logs.partition(topic, partition)
 
     # -- long-poll wake-ups ----------------------------------------------------------------------

@@ -90,7 +90,8 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="record bytes of Fetch responses read or sent at once across all connections "
                         "(default %(default)s)")
     p.add_argument("--request-receive-timeout-ms", type=_positive, default=DEFAULT_RECEIVE_TIMEOUT_MS,
-                   help="close a connection whose request has not fully arrived this long after its size, "
+                   help="close a connection whose request's next 1 MiB has not arrived this long after its size "
+                        "or the previous MiB, "
                         "or that leaves a response unread this long (default %(default)s)")
     p.add_argument("--group-initial-rebalance-delay-ms", type=_int_from(0), default=3_000,
                    help="how long a new consumer group waits for more members before its first "

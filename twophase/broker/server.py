@@ -5,9 +5,11 @@ before anything is buffered: a frame shorter than a request header or longer tha
 ``max_request_bytes`` closes the connection. Responses go out in request order. A connection's
 requests are handled one at a time (Kafka mutes a connection while one of its requests is in
 flight), except that consecutive Produce requests are handled together, so that a client's
-in-flight batches share an fsync; they are appended in arrival order. A parked Fetch holds back
-later requests of its own connection only. A request that closes the connection is decoded
-before it is handled, so nothing after it is handled at all.
+in-flight batches share an fsync; they are appended in arrival order (but for one that first
+auto-creates its topic: later ones to that topic are answered LEADER_NOT_AVAILABLE, and retried,
+until it is created). A parked Fetch holds back later requests of its own connection only. A
+request that closes the connection is decoded before it is handled, so nothing after it is handled
+at all.
 
 Resource limits (Kafka's names where Kafka has one): a connection with no request for
 ``connections.max.idle.ms`` is closed (a request still being handled keeps it open); request
@@ -16,9 +18,11 @@ bytes are read only as far as a byte budget shared by all connections
 they arrive, not up front, so a client that announces a large request and sends nothing holds
 at most one step, and a burst of large requests slows clients down through TCP flow control
 instead of growing the broker's memory without bound. ApiVersions and Metadata requests that
-fit in the read-ahead are never queued for the budget, so a new client always gets started. A request whose bytes have not all
-arrived within ``request_receive_timeout_ms`` (time spent waiting for the budget not counted),
-or a response the client does not read for that long, closes the connection.
+fit in the read-ahead are never queued for the budget, so a new client always gets started. A request
+whose next step of bytes (up to ``RECEIVE_STEP_BYTES``, 1 MiB) has not arrived within
+``request_receive_timeout_ms`` (a progress timeout: each step gets it anew, so a large request on a
+slow link arrives; time spent waiting for the budget not counted), or a response the client does not
+read for that long, closes the connection.
 
 What happens to bad input:
 
@@ -115,10 +119,9 @@ class _Connection(asyncio.BufferedProtocol):
         self._frame: mmap.mmap | None = None  # a large request being received in place
         self._filled = 0
         self._limit = 0  # bytes of the frame the socket may fill so far
-        # The receive timeout of the request being read: its deadline while the client is the one
-        # awaited (None otherwise), and the time it has left.
+        # When the step of the request being read must have arrived, while the client is the one
+        # awaited (None otherwise).
         self.receive_deadline: float | None = None
-        self.receive_left = 0.0
         self._wanted = 0  # unread bytes the request loop waits for (read-ahead mode)
         self._waiter: asyncio.Future | None = None
         self._eof = False
@@ -420,9 +423,10 @@ class KafkaServer:
       that long is closed; a request being handled (a parked Fetch, a JoinGroup waiting for the
       other members) keeps it busy, not idle;
     - ``max_queued_request_bytes`` (queued.max.request.bytes): see :class:`ByteBudget`;
-    - ``receive_timeout_ms`` (30 s): the time a request's bytes have to arrive once its size is
-      read (waits for the byte budget not counted), and the longest a client may read nothing of
-      a response it is sent; past it the connection is closed.
+    - ``receive_timeout_ms`` (30 s): the time each step of a request's bytes (1 MiB, or the whole
+      of a smaller request) has to arrive once its size is read (waits for the byte budget not
+      counted), and the longest a client may read nothing of a response it is sent; past it the
+      connection is closed.
     """
 
     def __init__(self, dispatch: Dispatcher, host: str = "127.0.0.1",
@@ -495,8 +499,9 @@ class KafkaServer:
                 if conn.close_reason is not None:
                     continue
                 if conn.receive_deadline is not None and now >= conn.receive_deadline:
-                    conn.close_reason = (f"request not received within {self.receive_timeout * 1000:.0f} ms "
-                                         f"(the client stopped sending it)")
+                    conn.close_reason = (f"the next step of a request (up to 1 MiB) not received within "
+                                         f"{self.receive_timeout * 1000:.0f} ms (the client stopped sending it, "
+                                         f"or sends too slowly)")
                     log.warning("closing connection from %s: %s", conn.peer, conn.close_reason)
                     conn.task.cancel()
                 elif not conn.busy and conn.last_active < cutoff:
@@ -621,7 +626,6 @@ class KafkaServer:
             log.info("closing connection from %s: request size %d outside [%d, %d]",
                      conn.peer, size, MIN_REQUEST_BYTES, self.max_request_bytes)
             return f"bad request size {size}"
-        conn.receive_left = self.receive_timeout
         held = 0
         try:
             if size <= READ_AHEAD_BYTES:
@@ -667,11 +671,10 @@ class KafkaServer:
             conn.busy -= 1
 
     async def _receive(self, conn: _Connection, reading: Awaitable):
-        """Await ``reading`` (request bytes from the client) under the request's receive timeout."""
-        clock = asyncio.get_running_loop().time
-        conn.receive_deadline = clock() + conn.receive_left
+        """Await ``reading`` (one step of request bytes from the client) under the receive timeout:
+        a progress timeout, so each step has the whole of it."""
+        conn.receive_deadline = asyncio.get_running_loop().time() + self.receive_timeout
         try:
             return await reading
         finally:
-            conn.receive_left = conn.receive_deadline - clock()
             conn.receive_deadline = None

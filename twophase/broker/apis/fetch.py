@@ -20,7 +20,10 @@ limits cannot stall a consumer.
 Cost: record bytes are read a step at a time, yielding to the event loop between steps, and each
 step is taken from a budget shared by every connection's Fetch responses (``fetch_bytes_in_flight``)
 and given back once the response has been written. The first step of a response waits for the
-budget; a later one that does not fit ends the response there (it is answered with what it has).
+budget, but no longer than the Fetch's max_wait and only while its client is there: then it is
+answered with what it has (often nothing), and the client asks again. A later step that does not fit
+ends the response there. One response takes at most ``1/RESPONSES_PER_BUDGET`` of the budget (beyond
+its first batch), so a few clients reading their responses slowly cannot hold all of it.
 """
 
 from __future__ import annotations
@@ -39,15 +42,36 @@ from ._common import NO_THROTTLE, NONE, READ_COMMITTED, error
 
 # Record bytes read (and taken from the fetch budget) at a time, between yields to the event loop.
 READ_STEP_BYTES = 1024 * 1024
+# One response's share of the fetch budget is at most this fraction of it: it takes this many slow
+# readers to hold the whole budget (and even then other Fetches wait only until their max_wait).
+RESPONSES_PER_BUDGET = 8
 
 
 class _Held:
-    """The fetch-budget bytes one response holds (its record bytes read so far)."""
+    """The fetch-budget bytes one response holds (its record bytes read so far); the budget is waited
+    for until ``deadline`` (time.monotonic()) or until ``gone`` (the client left) is done."""
 
-    def __init__(self, budget) -> None:
+    def __init__(self, budget, deadline: float, gone: asyncio.Future | None) -> None:
         self.budget = budget
+        self.deadline = deadline
+        self.gone = gone
         self.bytes = 0
         self._unyielded = 0  # bytes read since the event loop last ran something else
+
+    async def acquire_first(self, size: int) -> int | None:
+        """Budget for a response's first bytes (the amount taken), waiting for them at most until the
+        deadline or the client is gone: None then."""
+        taken = self.budget.try_acquire(size)
+        if taken is not None:
+            return taken
+        acquiring = asyncio.ensure_future(self.budget.acquire(size))
+        watched = {acquiring} if self.gone is None else {acquiring, self.gone}
+        await asyncio.wait(watched, timeout=max(0.0, self.deadline - time.monotonic()),
+                           return_when=asyncio.FIRST_COMPLETED)
+        if not acquiring.done():
+            acquiring.cancel()  # ByteBudget.acquire gives back what was granted as it was cancelled
+            await asyncio.wait({acquiring})
+        return None if acquiring.cancelled() else acquiring.result()
 
     async def pace(self, read: int) -> None:
         """After ``read`` more bytes: let other connections' requests run once a step's worth was read."""
@@ -77,7 +101,8 @@ async def _read(broker, body, rt, held: _Held) -> tuple[tuple, int, bool]:
     TopicResponse, PartitionData = nested(rt, "FetchableTopicResponse"), nested(rt, "PartitionData")
     AbortedTransaction = nested(rt, "AbortedTransaction")
     committed = body.isolation_level == READ_COMMITTED
-    budget = min(max(0, body.max_bytes), broker.config.fetch_max_bytes)
+    budget = min(max(0, body.max_bytes), broker.config.fetch_max_bytes,
+                 max(1, held.budget.capacity // RESPONSES_PER_BUDGET))
     total = 0
     errors = False
     budget_short = False
@@ -95,7 +120,7 @@ async def _read(broker, body, rt, held: _Held) -> tuple[tuple, int, bool]:
                 if budget_short:
                     limit = 0
                 records, end, short = await _read_partition(
-                    plog, part.fetch_offset, limit, upper, held, first=total == 0)
+                    plog, part.fetch_offset, limit, upper, held, first=total == 0 and not budget_short)
                 budget_short = budget_short or short
                 total += len(records)
                 aborted = None
@@ -134,7 +159,9 @@ async def _read_partition(plog, offset: int, limit: int, upper: int, held: _Held
             break
         want = max(want, 1)
         if must:
-            taken = await held.budget.acquire(want)  # the response's first bytes: worth waiting for
+            taken = await held.acquire_first(want)  # the response's first bytes: worth waiting for
+            if taken is None:
+                return b"", end, True
         else:
             taken = held.budget.try_acquire(want)
             if taken is None:
@@ -168,7 +195,7 @@ async def handle(broker, request):
     max_wait = max(body.max_wait.total_seconds(), 0.0)
     deadline = time.monotonic() + max_wait
     keys = [(t.topic, p.partition) for t in body.topics for p in t.partitions]
-    held = _Held(broker.fetch_budget)
+    held = _Held(broker.fetch_budget, deadline, request.gone)
     try:
         while True:
             # Register before reading, so a produce between the read and the wait is not missed.

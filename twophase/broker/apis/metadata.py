@@ -58,7 +58,7 @@ async def handle(broker, request):
                 topics.append(topic(name, ErrorCode.invalid_topic_exception))
             elif allow and broker.config.auto_create_topics:
                 try:
-                    topics.append(topic(name, info=await broker.auto_create_topic_async(name)))
+                    topics.append(topic(name, info=await broker.auto_create_topic(name)))
                 except KafkaError as exc:
                     topics.append(topic(name, error(exc.code)))
             else:

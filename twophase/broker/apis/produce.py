@@ -4,7 +4,8 @@ The records are checked (twophase.broker.storage.validation: a batch no client c
 refused) and handed to storage as they are: it validates each batch (CRC-32C, magic,
 idempotent-producer sequence) and assigns offsets. A retried idempotent batch is acknowledged
 with its original offset. acks must be 0, 1 or -1; with acks=0
-no response is sent. Unknown topics are created when the broker auto-creates topics. Under fsync
+no response is sent. Unknown topics are created when the broker auto-creates topics, off the event
+loop (the request waits; LEADER_NOT_AVAILABLE while another request creates the same name). Under fsync
 "always" a response waits until its batches are fsynced; that fsync runs off the event loop and is
 shared with every other append made before it started (twophase.broker.group_commit).
 
@@ -72,9 +73,13 @@ async def handle(broker, request):
     topics = []
     for topic in body.topic_data:
         partitions = []
+        refused = await _auto_create(broker, topic.name)
         for part in topic.partition_data:
             if acks not in (0, 1, -1):
                 partitions.append(partition_response(part.index, ErrorCode.invalid_required_acks))
+                continue
+            if refused is not None:
+                partitions.append(partition_response(part.index, error(refused.code), message=str(refused)[:200]))
                 continue
             if not part.records:
                 partitions.append(partition_response(part.index, ErrorCode.invalid_record, message="no records"))
@@ -85,7 +90,7 @@ async def handle(broker, request):
                 continue
             try:
                 validate_records(part.records, inflation)  # what storage does not check: the records
-                plog = broker.partition_log(topic.name, part.index, create=True)
+                plog = broker.partition_log(topic.name, part.index)
                 # Under fsync "always" the fsync is shared with other requests (group commit); acks=0
                 # has no response to hold back, so it syncs inline.
                 result = plog.append(part.records, now_ms, defer_fsync=acks != 0)
@@ -103,6 +108,19 @@ async def handle(broker, request):
     if acks == 0:
         return None
     return build(rt, responses=tuple(topics), throttle_time=NO_THROTTLE)
+
+
+async def _auto_create(broker, topic: str) -> KafkaError | None:
+    """Create ``topic`` if it is new and the broker auto-creates topics (off the event loop, so
+    other clients are served meanwhile); the KafkaError that refused it, else None."""
+    if not broker.config.auto_create_topics or topic in broker.topics():
+        return None
+    try:
+        await broker.auto_create_topic(topic)
+    except KafkaError as exc:
+        log.info("auto-creating topic %r for a produce failed: %s", topic, exc)
+        return exc
+    return None
 
 
 def _transaction_check(broker, transactional_id: str | None, topic: str, partition: int, records: bytes):

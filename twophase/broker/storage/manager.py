@@ -353,6 +353,10 @@ class LogManager:
         self._creating[name] = info
         return info
 
+    def being_created(self, name: str) -> bool:
+        """Whether ``name`` is between ``begin_topic`` and ``finish_topic``/``abandon_topic``."""
+        return name in self._creating
+
     def create_topic_files(self, name: str, info: TopicInfo) -> list[PartitionLog]:
         """Create and fsync the partition logs of a topic from ``begin_topic``; may run in any thread,
         as it touches only that topic's directories. On failure what it made is removed and
