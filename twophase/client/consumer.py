@@ -431,8 +431,8 @@ class Consumer:
         """The run of refused offsets of ``tp`` (if any) is over: log what was skipped."""
         first = self._refused.pop(tp, None)
         if first is not None:
-            log.warning("%s-%d: skipped offsets %d..%d the broker refused as damaged (on_corrupt=skip); "
-                        "reading on from offset %d", tp[0], tp[1], first, served_from - 1, served_from)
+            log.warning("%s-%d: skipped offsets %d..%d the broker refused as damaged (on_corrupt=skip)",
+                        tp[0], tp[1], first, served_from - 1)
 
     def close(self) -> None:
         """Leave the group (if subscribed) and close every connection; final."""

@@ -52,8 +52,9 @@ class CorruptRecordBatch(KafkaError):
     compressed records inflating past ``max_inflated_batch_bytes``, or offsets the broker refuses to
     serve because it holds them damaged. ``topic``, ``partition`` and ``base_offset``..``last_offset``
     say where it is (``last_offset`` as the damaged header claims it); the consumer's position stays at
-    it. ``next_offset`` is where reading can go on past it without trusting the damaged header: the
-    next intact batch's base offset in the same response, else one past the refused offset.
+    it. ``next_offset`` is where reading can go on past it: after ``last_offset`` if the batch's CRC
+    holds; else, not trusting its header, the next intact batch's base offset in the same response,
+    or one offset on.
 
     Example::
 
