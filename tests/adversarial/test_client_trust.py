@@ -10,8 +10,10 @@ the bad batch with an error naming its offsets, and skip it on request, counted 
 
 from __future__ import annotations
 
+import glob
 import gzip
 import logging
+import os
 import struct
 import time
 import tracemalloc
@@ -34,6 +36,7 @@ from tests.broker.batches import batch
 from tests.waiting import wait_for
 from twophase.client import Consumer, CorruptRecordBatch, Producer
 from twophase.client.consumer import records_of
+from twophase.wire.records import iter_batches
 
 MIB = 1 << 20
 BAD_BATCHES = {
@@ -141,3 +144,55 @@ def test_skip_mode_moves_past_the_corrupt_batch_counted_and_logged(broker, topic
 def test_on_corrupt_must_be_raise_or_skip():
     with pytest.raises(ValueError, match="on_corrupt"):
         Consumer("127.0.0.1:1", on_corrupt="ignore")
+
+
+LAST_OFFSET_DELTA = 23  # where a batch's lastOffsetDelta (int32, under the CRC) lies
+
+
+def _flip_last_offset_delta(partition_dir: str, base_offset: int) -> None:
+    """Flip the high byte of the lastOffsetDelta of the batch at ``base_offset`` in the partition's files, as
+    a disk might: its CRC no longer holds and its header claims some 16 million offsets more."""
+    [path] = glob.glob(os.path.join(partition_dir, "*.log"))
+    with open(path, "rb") as f:
+        raw = f.read()
+    [pos] = [pos for pos, header in iter_batches(raw) if header.base_offset == base_offset]
+    with open(path, "r+b") as f:
+        f.seek(pos + LAST_OFFSET_DELTA)
+        f.write(bytes([raw[pos + LAST_OFFSET_DELTA] ^ 0x01]))
+
+
+def test_skip_mode_does_not_trust_the_offsets_of_a_batch_whose_crc_failed(broker, topic, poisoned, caplog):
+    """Review finding 13: the skip goes to the next intact batch, not to the damaged header's last offset
+    (there, 16 million offsets on: out of range, reset to the start, read again in a loop)."""
+    poisoned(batch([b"damaged-2", b"damaged-3"]))  # stored intact, then damaged where the broker serves it
+    _flip_last_offset_delta(os.path.join(broker.data_dir, f"{topic}-0"), 2)
+    caplog.set_level(logging.WARNING, logger="twophase.client")
+    with Consumer(broker.bootstrap, on_corrupt="skip") as consumer:
+        consumer.assign([(topic, 0)])
+        assert _poll_values(consumer, 3) == [b"good-0", b"good-1", b"good-after"]
+        assert consumer.corrupt_batches_skipped == 1 and consumer.position(topic, 0) == 5
+        # The broker, trusting the damaged header too, serves it again ahead of what comes later: skipped
+        # again, not counted again, nothing read twice.
+        with Producer(broker.bootstrap) as producer:
+            producer.send(topic, value=b"later", partition=0)
+            producer.flush()
+        assert _poll_values(consumer, 1) == [b"later"]
+        assert consumer.corrupt_batches_skipped == 1
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("CRC mismatch" in w and "reading on from offset 4" in w for w in warnings), warnings
+
+
+def test_a_batch_whose_crc_failed_is_skipped_to_the_next_batch_or_one_offset_on():
+    good, bad, after = batch([b"a", b"b"]), bytearray(batch([b"c", b"d"], base_offset=2)), batch([b"e"], base_offset=4)
+    bad[LAST_OFFSET_DELTA] ^= 0x01
+    read = records_of("t", 0, bytes(good + bad + after), 0, [], False, skip_corrupt=True)
+    assert [m.value for m in read.messages] == [b"a", b"b", b"e"] and read.position == 5
+    assert [(c.base_offset, c.next_offset) for c in read.skipped] == [(2, 4)]
+    # Nothing after it in the response, or what follows is not intact: one offset on, and the next fetch goes on.
+    for data in (good + bad, good + bad + after[:-1] + bytes([after[-1] ^ 0xFF])):
+        read = records_of("t", 0, bytes(data), 0, [], False, skip_corrupt=True)
+        assert [m.value for m in read.messages] == [b"a", b"b"] and read.position == 3
+    assert records_of("t", 0, bytes(bad), 3, [], False, skip_corrupt=True).position == 4  # fetched from inside it
+    # Raise mode stops at it, and says where to seek to accept the loss.
+    read = records_of("t", 0, bytes(good + bad + after), 0, [], False)
+    assert read.position == 2 and read.corrupt.next_offset == 4 and read.skipped == ()

@@ -255,6 +255,48 @@ def test_a_flipped_byte_in_a_closed_segment_gives_consumers_a_clear_error(broker
     assert any(f"{topic}-0" in m and ".log" in m and f"damaged batch at offset {damaged} " in m for m in errors)
 
 
+def test_skip_mode_reads_on_past_what_the_broker_refuses_as_damaged(broker_factory, tmp_path, topic, caplog):
+    """Review finding 3 (client part): with on_corrupt="skip", a consumer whose fetch the broker answers
+    CORRUPT_MESSAGE (a flipped byte in a closed segment) skips the refused offsets, counted and logged once
+    per damaged run, and reads on: every record before the damage once, every record the broker serves
+    after it (the next segment's at least) once, in order."""
+    data_dir = tmp_path / "data"
+    broker = broker_factory(data_dir=data_dir)
+    with Admin(broker.bootstrap) as admin:
+        admin.create_topics({topic: 1}, configs={"segment.bytes": "2048"})
+    written = produce_numbered(broker.bootstrap, topic, rounds=40, per_round=10)
+    directory = partition_dir(broker, topic)
+    broker.stop()
+    damaged = flip_in_closed_segment(directory, "record")
+    next_segment = int(os.path.basename(sorted(glob.glob(os.path.join(directory, "*.log")))[2]).split(".")[0])
+    assert 0 < damaged < next_segment < len(written)
+
+    broker = broker_factory(data_dir=data_dir)
+    caplog.set_level(logging.WARNING, logger="twophase.client")
+    got: list[bytes] = []
+    with Consumer(broker.bootstrap, on_corrupt="skip") as consumer:
+        consumer.assign([(topic, 0)])
+
+        def saw_end() -> bool:
+            for m in consumer.poll(timeout_s=0.5):
+                if m.value == END:
+                    return True
+                got.append(m.value)
+            return False
+
+        wait_until(saw_end, timeout=60, what="END through twophase.client, skipping the damage")
+        skipped = consumer.corrupt_batches_skipped
+    assert got[:damaged] == written[:damaged]
+    assert got[len(got) - (len(written) - next_segment):] == written[next_segment:]
+    assert got == [value for value in written if value in set(got)]  # in order, each once
+    assert written[damaged] not in got
+    assert skipped == 1
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    started = [w for w in warnings if "the broker refuses offset" in w]
+    assert len(started) == 1 and f"{topic}-0: the broker refuses offset {damaged} as damaged" in started[0], warnings
+    assert any(f"{topic}-0: skipped offsets {damaged}.." in w for w in warnings), warnings
+
+
 def test_a_damaged_segment_whose_transaction_index_is_gone_is_never_sealed_as_complete(tmp_path, caplog):
     """A closed segment with broken framing and an emptied .txnindex: recovery re-derives the aborted
     transactions up to the damage, and neither it nor a clean close claims the index complete beyond, so

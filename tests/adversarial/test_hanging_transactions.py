@@ -202,3 +202,44 @@ def test_describe_producers_and_write_txn_markers_are_advertised(broker):
         assert conn.version(27, 2) == 2 and conn.version(27, 1) == 1
     finally:
         conn.close()
+
+
+def test_a_known_producers_transaction_whose_marker_was_lost_is_left_to_the_operator(broker_factory, tmp_path,
+                                                                                     topic, caplog):
+    # Review finding 4: T1 of "known" commits on both partitions, T2 of the same producer id on
+    # partition 1 only; partition 0 loses T1's COMMIT marker. At restart the coordinator no longer
+    # records T1's outcome there: aborting it would drop committed records, so it must not.
+    data = tmp_path / "data"
+    broker = broker_factory(data_dir=data)
+    with Admin(broker.bootstrap) as admin:
+        admin.create_topics({topic: 2})
+    commit(broker.bootstrap, "known", topic, {0: b"t1-0", 1: b"t1-1"})
+    commit(broker.bootstrap, "known", topic, {1: b"t2-1"})
+    broker.stop()
+    tear_last_batch(data / f"{topic}-0")  # T1's COMMIT marker
+    with caplog.at_level(logging.WARNING, "twophase.broker.txn"):
+        again = broker_factory(data_dir=data, transaction_max_timeout_ms=1000, transaction_check_interval_ms=50)
+        with Admin(again.bootstrap) as admin:
+            [known] = admin.describe_transactions(["known"])
+        assert open_transactions(again.bootstrap, topic) == {(topic, 0): [known.producer_id], (topic, 1): []}
+        # A transaction begun after the start times out after the hanging one's deadline: once the
+        # coordinator has aborted it, its sweep has passed that deadline too.
+        with Producer(again.bootstrap, transactional_id="later", transaction_timeout_ms=1000) as later:
+            later.init_transactions()
+            later.begin_transaction()
+            later.send(topic, b"later", partition=1)
+            later.flush()
+
+            def later_aborted() -> bool:
+                with Admin(again.bootstrap) as admin:
+                    return admin.describe_transactions(["later"])[0].state == "CompleteAbort"
+            wait_until(later_aborted, what="the coordinator aborting the timed-out transaction of 'later'")
+    assert open_transactions(again.bootstrap, topic) == {(topic, 0): [known.producer_id], (topic, 1): []}
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1 and f"{topic}-0: open transaction of producer {known.producer_id}" in errors[0], errors
+    assert "twophase txns find-hanging / abort --topic" in errors[0]
+    # The ERROR's advice works: the operator's abort of it is not refused.
+    with Admin(again.bootstrap) as admin:
+        [state] = [s for s in admin.describe_producers([(topic, 0)])[(topic, 0)] if s.txn_start_offset is not None]
+        admin.abort_hanging(topic, 0, state.producer_id, state.producer_epoch)
+    assert open_transactions(again.bootstrap, topic) == {(topic, 0): [], (topic, 1): []}

@@ -6,7 +6,9 @@ temporary directory. The real partition side is exercised by test_txn_wire and t
 
 from __future__ import annotations
 
+import logging
 import os
+from types import SimpleNamespace
 
 import pytest
 
@@ -16,6 +18,7 @@ from twophase.broker.txn import (
 from twophase.broker.txn.coordinator import (
     CONCURRENT_TRANSACTIONS, INVALID_PRODUCER_EPOCH, INVALID_PRODUCER_ID_MAPPING, INVALID_TRANSACTION_TIMEOUT,
     INVALID_TXN_STATE, NONE, PRODUCER_FENCED, TRANSACTIONAL_ID_AUTHORIZATION_FAILED, UNKNOWN_PRODUCER_ID)
+from twophase.broker.txn.hanging import open_transactions
 from twophase.broker.txn.log import LOG_FILE
 from twophase.broker.txn.metadata import MAX_EPOCH
 from twophase.states import IllegalTransition
@@ -24,15 +27,31 @@ from twophase.wire.errors import UnknownTopicOrPartitionError
 T0 = 1_700_000_000_000
 
 
+class FakeProducers:
+    """The transactions a fake partition holds open: producer id -> (epoch, first offset)."""
+
+    def __init__(self):
+        self.open = {}
+
+    def open_transactions(self):
+        return {producer_id: start for producer_id, (_, start) in self.open.items()}
+
+    def entry(self, producer_id):
+        held = self.open.get(producer_id)
+        return None if held is None else SimpleNamespace(epoch=held[0], txn_first_offset=held[1])
+
+
 class FakePartition:
     def __init__(self, name, markers):
         self.name, self.markers = name, markers
         self.fail = False
+        self.producers = FakeProducers()
 
     def append_marker(self, producer_id, producer_epoch, commit, coordinator_epoch, now_ms):
         if self.fail:
             raise OSError("disk gone")
         self.markers.append((self.name, producer_id, producer_epoch, commit))
+        self.producers.open.pop(producer_id, None)
         return len(self.markers)
 
 
@@ -576,3 +595,27 @@ def test_an_id_keeps_its_producer_ids_through_an_epoch_roll_over_while_its_trans
     assert new_pid != pid
     for owned in (pid, new_pid):  # the open transaction's and the current instance's
         assert h.txns.check_idempotent_produce(owned, 0) == INVALID_PRODUCER_ID_MAPPING
+
+
+# -- hanging transactions found at start ---------------------------------------------------------
+
+def test_only_a_producer_id_nobody_owns_has_its_open_transaction_aborted_at_start(h, caplog):
+    pid, epoch = init(h)
+    for partitions in ([("a", 0), ("a", 1)], [("a", 1)]):  # T1 on a-0 and a-1, then T2 on a-1 only
+        assert h.txns.add_partitions("app", pid, epoch, partitions, T0) == NONE
+        assert h.txns.end_txn("app", pid, epoch, True, T0) == NONE
+    # After a restart a-0 still holds T1 open (its COMMIT marker was lost to damage), and a-2 a
+    # transaction of a producer id this coordinator never issued (its transaction log was lost).
+    h.partitions[("a", 0)].producers.open[pid] = (epoch, 5)
+    h.partitions[("a", 2)].producers.open[999] = (3, 7)
+    h.markers.clear()
+    h.restart()
+    with caplog.at_level(logging.WARNING, "twophase.broker.txn"):
+        h.txns.resolve_open_transactions(open_transactions(h.partitions), T0)
+        h.txns.check(T0 + h.settings.max_timeout_ms + 1)
+    assert h.markers == [("a-2", 999, 3, False)]  # the unknown one is aborted once the timeout has passed
+    assert h.partitions[("a", 0)].producers.open == {pid: (epoch, 5)}  # T1 may have committed: left alone
+    [error] = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert f"a-0: open transaction of producer {pid} epoch {epoch} from offset 5 belongs to transactional id 'app'" \
+        in error
+    assert f"twophase txns find-hanging / abort --topic a --partition 0 --producer-id {pid}" in error

@@ -117,17 +117,17 @@ def test_read_committed_skips_aborted_batches_and_control_batches():
     data = (_txn(0, 1, b"c0", b"c1") + _at(2, control_batch(1, 0, True, 0, 0)) + _txn(3, 2, b"a0")
             + _txn(4, 1, b"c2") + _txn(5, 2, b"a1") + _at(6, control_batch(2, 0, False, 0, 0))
             + _txn(7, 2, b"c3") + _at(8, control_batch(1, 0, True, 0, 0)) + _at(9, control_batch(2, 0, True, 0, 0)))
-    committed, position, corrupt = records_of("t", 0, data, 0, [(2, 3)], read_committed=True)
+    committed, position, corrupt, _ = records_of("t", 0, data, 0, [(2, 3)], read_committed=True)
     assert [m.value for m in committed] == [b"c0", b"c1", b"c2", b"c3"]
     assert position == 10 and corrupt is None
-    everything, _, _ = records_of("t", 0, data, 0, [(2, 3)], read_committed=False)
+    everything, _, _, _ = records_of("t", 0, data, 0, [(2, 3)], read_committed=False)
     assert [m.value for m in everything] == [b"c0", b"c1", b"a0", b"c2", b"a1", b"c3"]
 
 
 def test_records_before_the_position_and_a_truncated_tail_are_not_returned():
     data = _at(10, record_batch([(0, None, b"%d" % i, []) for i in range(5)]))
     tail = _at(15, record_batch([(0, None, b"late", [])]))
-    messages, position, _ = records_of("t", 0, data + tail[:-3], 12, [], read_committed=False)
+    messages, position, _, _ = records_of("t", 0, data + tail[:-3], 12, [], read_committed=False)
     assert [m.offset for m in messages] == [12, 13, 14] and position == 15
 
 

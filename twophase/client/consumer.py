@@ -12,8 +12,12 @@ batch is inflated only up to ``max_inflated_batch_bytes`` (64 MiB by default: ge
 batches, which producers cap at about 1 MiB before compression; a 1 MB gzip bomb costs at most that
 much memory, however far it would inflate). A batch that fails is a :class:`CorruptRecordBatch`:
 ``poll`` returns the records before it, then raises it (again at each poll, until the caller seeks
-past it). With ``on_corrupt="skip"`` the consumer moves past it instead, counts it in
-``corrupt_batches_skipped`` and logs a WARNING naming the topic, partition and offsets.
+past it); so is an offset the broker refuses as damaged (CORRUPT_MESSAGE). With
+``on_corrupt="skip"`` the consumer moves past it instead, counts it in ``corrupt_batches_skipped``
+and logs a WARNING naming the topic, partition and offsets. The damaged batch's header is not
+trusted (its lastOffsetDelta is under the failed CRC): it is skipped to the next intact batch of
+the same response, else one offset on; offsets the broker refuses are skipped one by one, logged
+when the run starts and when the broker serves the partition again.
 
 A position the broker answers OFFSET_OUT_OF_RANGE for (retention deleted the records there, or the
 topic was recreated) is reset to ``auto_offset_reset`` ("earliest" or "latest", logged as a WARNING);
@@ -95,42 +99,77 @@ class PartitionRecords(NamedTuple):
     messages: list[Message]
     position: int  # where to read next: after the last batch read, or at the corrupt batch
     corrupt: CorruptRecordBatch | None  # the first batch that cannot be read: nothing after it was read
+    skipped: tuple[CorruptRecordBatch, ...] = ()  # with skip_corrupt: the batches read past instead
 
 
 def records_of(topic: str, partition: int, data: bytes, position: int, aborted: Iterable[tuple[int, int]],
-               read_committed: bool, max_inflated_bytes: int = DEFAULT_MAX_INFLATED_BYTES) -> PartitionRecords:
+               read_committed: bool, max_inflated_bytes: int = DEFAULT_MAX_INFLATED_BYTES, *,
+               skip_corrupt: bool = False) -> PartitionRecords:
     """Messages at or after ``position`` in the complete batches of ``data``, and the next position.
 
     ``aborted`` is the Fetch response's (producer id, first offset) list; with ``read_committed``
     transactional batches of aborted transactions and all control batches are dropped. Reading stops
-    at the first batch that cannot be read (CRC, records, more than ``max_inflated_bytes`` inflated).
+    at the first batch that cannot be read (CRC, records, more than ``max_inflated_bytes`` inflated);
+    with ``skip_corrupt`` it goes on past it to its ``next_offset`` (see CorruptRecordBatch): into the
+    next batch of ``data`` when that one is intact, else the next fetch goes on from there.
     """
     pending = sorted((first, pid) for pid, first in aborted) if read_committed else []
     aborting: set[int] = set()
     out: list[Message] = []
+    skipped: list[CorruptRecordBatch] = []
     pos = 0
     while pos + LOG_OVERHEAD <= len(data):
         header = parse_header(data, pos) if pos + HEADER_SIZE <= len(data) else None
         if header is None or pos + header.size > len(data):
             break  # the broker cuts the last batch at the size limit
         batch = memoryview(data)[pos : pos + header.size]
-        while pending and pending[0][0] <= header.last_offset:
-            aborting.add(heapq.heappop(pending)[1])
         try:
             validate_batch(data, pos)
-            if header.is_control:
-                if not parse_control_record(batch).commit:
-                    aborting.discard(header.producer_id)
-            elif not (header.is_transactional and header.producer_id in aborting):
-                stamped_by = int(header.has_log_append_time)  # the timestamp type is the batch's
-                out.extend(Message(topic, partition, r.offset, r.key, r.value, r.headers, r.timestamp_ms, stamped_by)
-                           for r in decode_batch_records(batch, max_inflated_bytes) if r.offset >= position)
         except _UNREADABLE as exc:
-            corrupt = CorruptRecordBatch(topic, partition, header.base_offset, header.last_offset, str(exc))
-            return PartitionRecords(out, position, corrupt)
+            corrupt, follows = _damaged(topic, partition, data, pos, header, position, str(exc))
+        else:
+            while pending and pending[0][0] <= header.last_offset:
+                aborting.add(heapq.heappop(pending)[1])
+            try:
+                if header.is_control:
+                    if not parse_control_record(batch).commit:
+                        aborting.discard(header.producer_id)
+                elif not (header.is_transactional and header.producer_id in aborting):
+                    stamped_by = int(header.has_log_append_time)  # the timestamp type is the batch's
+                    out.extend(Message(topic, partition, r.offset, r.key, r.value, r.headers, r.timestamp_ms,
+                                       stamped_by)
+                               for r in decode_batch_records(batch, max_inflated_bytes) if r.offset >= position)
+                corrupt, follows = None, True
+            except _UNREADABLE as exc:  # under an intact CRC: the header's offsets and length hold
+                corrupt = CorruptRecordBatch(topic, partition, header.base_offset, header.last_offset, str(exc),
+                                             header.last_offset + 1)
+                follows = True
+        if corrupt is not None:
+            if not skip_corrupt:
+                return PartitionRecords(out, position, corrupt)
+            skipped.append(corrupt)
+            position = max(position, corrupt.next_offset)
+            if not follows:
+                break
+        else:
+            position = max(position, header.last_offset + 1)
         pos += header.size
-        position = max(position, header.last_offset + 1)
-    return PartitionRecords(out, position, None)
+    return PartitionRecords(out, position, None, tuple(skipped))
+
+
+def _damaged(topic: str, partition: int, data: bytes, pos: int, header, position: int,
+             reason: str) -> tuple[CorruptRecordBatch, bool]:
+    """The batch at ``pos`` whose CRC or framing failed, with where reading can go on; and whether that
+    is the batch after it in ``data``. Its header is under the failed check: its lastOffsetDelta and
+    length are not trusted (a flipped delta would jump far ahead), only the next batch if it is intact
+    and ahead; else reading goes on one offset past the damaged batch's first one not yet read."""
+    try:
+        following = validate_batch(data, pos + header.size)
+    except _UNREADABLE:
+        following = None  # none in this response, or not trustworthy
+    follows = following is not None and following.base_offset > header.base_offset
+    next_offset = following.base_offset if follows else max(position, header.base_offset) + 1
+    return CorruptRecordBatch(topic, partition, header.base_offset, header.last_offset, reason, next_offset), follows
 
 
 class Consumer:
@@ -148,9 +187,10 @@ class Consumer:
             c.commit()                         # the positions after what poll returned
             c.committed([("orders", 0)])       # {("orders", 0): offset}, -1 if none
 
-    A batch that cannot be read raises :class:`CorruptRecordBatch` from ``poll`` (after the records
-    before it); ``on_corrupt="skip"`` skips it instead, counted in ``corrupt_batches_skipped`` and
-    logged. ``max_inflated_batch_bytes`` bounds what one compressed batch may inflate to.
+    A batch that cannot be read, or an offset the broker refuses as damaged, raises
+    :class:`CorruptRecordBatch` from ``poll`` (after the records before it); ``on_corrupt="skip"``
+    skips it instead, counted in ``corrupt_batches_skipped`` (a run of refused offsets counts once)
+    and logged. ``max_inflated_batch_bytes`` bounds what one compressed batch may inflate to.
 
     ``auto_offset_reset`` ("earliest", "latest" or "none") is where a partition without a committed
     offset starts, and where a position out of range moves; with "none" the first is a KafkaError and the
@@ -176,7 +216,7 @@ class Consumer:
         self.max_wait_ms, self.min_bytes = max_wait_ms, min_bytes
         self.max_partition_bytes, self.max_bytes = max_partition_bytes, max_bytes
         self.max_inflated_batch_bytes, self.on_corrupt = max_inflated_batch_bytes, on_corrupt
-        self.corrupt_batches_skipped = 0  # batches skipped under on_corrupt="skip"
+        self.corrupt_batches_skipped = 0  # batches (and runs of refused offsets) skipped under on_corrupt="skip"
         self._cluster = Cluster(bootstrap, client_id=client_id, request_timeout_s=request_timeout_ms / 1000)
         self._group = (GroupMember(self._cluster, group_id, session_timeout_ms=session_timeout_ms,
                                    rebalance_timeout_ms=rebalance_timeout_ms,
@@ -187,6 +227,8 @@ class Consumer:
         self._buffer: collections.deque[Message] = collections.deque()
         # A corrupt batch or an offset out of range (auto_offset_reset="none"): raised once the buffer is empty.
         self._failed: dict[TopicPartitionKey, CorruptRecordBatch | OffsetOutOfRange] = {}
+        self._refused: dict[TopicPartitionKey, int] = {}  # first offset of a run the broker refuses, being skipped
+        self._last_skipped: dict[TopicPartitionKey, int] = {}  # base offset of the damaged batch skipped last
 
     # --- assignment ---------------------------------------------------------------------------
 
@@ -214,6 +256,8 @@ class Consumer:
         self._positions = {tp: o for tp, o in self._positions.items() if tp in self._assigned}
         self._buffer = collections.deque(m for m in self._buffer if (m.topic, m.partition) in self._assigned)
         self._failed = {tp: e for tp, e in self._failed.items() if tp in self._assigned}
+        self._refused = {tp: o for tp, o in self._refused.items() if tp in self._assigned}
+        self._last_skipped = {tp: o for tp, o in self._last_skipped.items() if tp in self._assigned}
 
     def seek(self, topic: str, partition: int, offset: int) -> None:
         """Read ``topic``-``partition`` from ``offset`` next (EARLIEST/LATEST: -2/-1 resolve via ListOffsets)."""
@@ -222,6 +266,7 @@ class Consumer:
             raise KafkaError(f"{topic}-{partition} is not assigned to this consumer")
         self._buffer = collections.deque(m for m in self._buffer if (m.topic, m.partition) != tp)
         self._failed.pop(tp, None)
+        self._end_refused_run(tp, self._positions.get(tp))
         self._positions[tp] = self._list_offset(tp, offset) if offset < 0 else offset
 
     def position(self, topic: str, partition: int) -> int | None:
@@ -352,33 +397,63 @@ class Consumer:
                         self._failed[tp] = OffsetOutOfRange(tp[0], tp[1], self._positions[tp])
                         continue
                     log.warning("offset %d out of range for %s: resetting", self._positions[tp], tp)
+                    self._end_refused_run(tp, self._positions[tp])
                     self._positions[tp] = self._list_offset(tp, self.reset)
                 elif p.error_code == ErrorCode.corrupt_message:
                     # The broker found the batch at this offset damaged: a retry gets the same answer (Kafka's
-                    # consumer raises here too), so say so rather than retry forever.
-                    at = self._positions[tp]
-                    raise CorruptRecordBatch(tp[0], tp[1], at, at, "the broker holds a damaged batch here and "
-                                             "refuses to serve it (CORRUPT_MESSAGE)")
+                    # consumer raises here too), so say so rather than retry forever, or skip it.
+                    self._refused_offset(tp)
                 elif p.error_code:
                     raise error_for(p.error_code, f"Fetch({tp[0]}-{tp[1]})")
-                elif p.records:
-                    aborted = [(int(a.producer_id), int(a.first_offset)) for a in (p.aborted_transactions or ())]
-                    read = records_of(tp[0], tp[1], p.records, self._positions[tp], aborted, self.isolation == 1,
-                                      self.max_inflated_batch_bytes)
-                    self._buffer.extend(read.messages)
-                    self._positions[tp] = read.position
-                    if read.corrupt is not None:
-                        self._corrupt_batch(read.corrupt)
+                else:
+                    self._end_refused_run(tp, self._positions[tp])
+                    if p.records:
+                        self._read(tp, p)
 
-    def _corrupt_batch(self, corrupt: CorruptRecordBatch) -> None:
-        """Skip the batch, counted and logged (on_corrupt="skip"), or keep it for poll to raise."""
-        tp = (corrupt.topic, corrupt.partition)
-        if self.on_corrupt == "skip":
+    def _read(self, tp: TopicPartitionKey, p) -> None:
+        """Buffer the messages of one partition's fetched records and move its position past them."""
+        aborted = [(int(a.producer_id), int(a.first_offset)) for a in (p.aborted_transactions or ())]
+        read = records_of(tp[0], tp[1], p.records, self._positions[tp], aborted, self.isolation == 1,
+                          self.max_inflated_batch_bytes, skip_corrupt=self.on_corrupt == "skip")
+        self._buffer.extend(read.messages)
+        self._positions[tp] = read.position
+        if read.corrupt is not None:
+            self._failed[tp] = read.corrupt  # poll raises it
+        for corrupt in read.skipped:
+            self._skipped_batch(tp, corrupt)
+
+    def _skipped_batch(self, tp: TopicPartitionKey, corrupt: CorruptRecordBatch) -> None:
+        """Count and log a batch skipped under on_corrupt="skip", once: a broker trusting the damaged
+        header may send it again ahead of the batches after it."""
+        if self._last_skipped.get(tp) == corrupt.base_offset:
+            return
+        self._last_skipped[tp] = corrupt.base_offset
+        self.corrupt_batches_skipped += 1
+        log.warning("skipped %s; reading on from offset %d (on_corrupt=skip; %d skipped so far)", corrupt,
+                    corrupt.next_offset, self.corrupt_batches_skipped)
+
+    def _refused_offset(self, tp: TopicPartitionKey) -> None:
+        """The broker refused the position as damaged (CORRUPT_MESSAGE): keep it for poll to raise, or
+        (on_corrupt="skip") step one offset on; the broker tells where its damage ends by serving again."""
+        at = self._positions[tp]
+        if self.on_corrupt != "skip":
+            self._failed[tp] = CorruptRecordBatch(tp[0], tp[1], at, at, "the broker holds a damaged batch here "
+                                                   "and refuses to serve it (CORRUPT_MESSAGE)")
+            return
+        if tp not in self._refused:  # logged once per run, not per offset
+            self._refused[tp] = at
             self.corrupt_batches_skipped += 1
-            self._positions[tp] = max(self._positions[tp], corrupt.last_offset + 1)
-            log.warning("skipped %s (on_corrupt=skip; %d skipped so far)", corrupt, self.corrupt_batches_skipped)
-        else:
-            self._failed[tp] = corrupt
+            log.warning("%s-%d: the broker refuses offset %d as damaged (CORRUPT_MESSAGE); skipping offsets until "
+                        "it serves records again (on_corrupt=skip; %d skipped so far)", tp[0], tp[1], at,
+                        self.corrupt_batches_skipped)
+        self._positions[tp] = at + 1
+
+    def _end_refused_run(self, tp: TopicPartitionKey, served_from: int | None) -> None:
+        """The run of refused offsets of ``tp`` (if any) is over: log what was skipped."""
+        first = self._refused.pop(tp, None)
+        if first is not None:
+            log.warning("%s-%d: skipped offsets %d..%d the broker refused as damaged (on_corrupt=skip)",
+                        tp[0], tp[1], first, served_from - 1)
 
     def close(self) -> None:
         """Leave the group (if subscribed) and close every connection; final."""

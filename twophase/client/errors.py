@@ -49,8 +49,12 @@ class PreparedTxnLost(KafkaError):
 
 class CorruptRecordBatch(KafkaError):
     """A fetched batch the consumer cannot read (CORRUPT_MESSAGE): a bad CRC, records that do not parse,
-    or compressed records inflating past ``max_inflated_batch_bytes``. ``topic``, ``partition`` and the
-    batch's offsets ``base_offset``..``last_offset`` say where it is; the consumer's position stays at it.
+    compressed records inflating past ``max_inflated_batch_bytes``, or offsets the broker refuses to
+    serve because it holds them damaged. ``topic``, ``partition`` and ``base_offset``..``last_offset``
+    say where it is (``last_offset`` as the damaged header claims it); the consumer's position stays at
+    it. ``next_offset`` is where reading can go on past it: after ``last_offset`` if the batch's CRC
+    holds; else, not trusting its header, the next intact batch's base offset in the same response,
+    or one offset on.
 
     Example::
 
@@ -58,16 +62,18 @@ class CorruptRecordBatch(KafkaError):
             messages = consumer.poll()
         except CorruptRecordBatch as e:       # or Consumer(on_corrupt="skip"): skipped, counted, logged
             log.error("%s", e)
-            consumer.seek(e.topic, e.partition, e.last_offset + 1)   # accept the loss
+            consumer.seek(e.topic, e.partition, e.next_offset)   # accept the loss; poll again
     """
 
     code = 2
 
-    def __init__(self, topic: str, partition: int, base_offset: int, last_offset: int, reason: str) -> None:
+    def __init__(self, topic: str, partition: int, base_offset: int, last_offset: int, reason: str,
+                 next_offset: int | None = None) -> None:
         super().__init__(f"corrupt record batch in {topic}-{partition} at offsets {base_offset}..{last_offset}: "
                          f"{reason}")
         self.topic, self.partition = topic, partition
         self.base_offset, self.last_offset = base_offset, last_offset
+        self.next_offset = base_offset + 1 if next_offset is None else next_offset
         self.reason = reason
 
 

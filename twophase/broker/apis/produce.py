@@ -14,10 +14,11 @@ request with a transactional id must carry transactional batches (INVALID_RECORD
 of the transaction's current producer id and epoch (INVALID_PRODUCER_EPOCH for a fenced one),
 for a partition added to the open transaction (INVALID_TXN_STATE otherwise): data the
 coordinator does not know about would hold back the last stable offset forever. A batch without a
-transactional id may only carry a producer id InitProducerId issued for idempotence, with its epoch
-(0): UNKNOWN_PRODUCER_ID for an id never issued, INVALID_PRODUCER_ID_MAPPING for a transactional
-id's, INVALID_PRODUCER_EPOCH for another epoch. Producer ids are sequential: without this check a
-client could claim the next one with a high epoch and fence the transactional producer that gets it.
+transactional id may only carry a producer id InitProducerId issued for idempotence:
+UNKNOWN_PRODUCER_ID for an id never issued, INVALID_PRODUCER_ID_MAPPING for a transactional id's.
+Producer ids are sequential: without this check a client could claim the next one with a high epoch
+and fence the transactional producer that gets it. An idempotent id's epoch is not checked: the Java
+producer bumps it itself (KIP-360), and a bump fences only that id's own producer.
 """
 
 from __future__ import annotations

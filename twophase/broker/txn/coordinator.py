@@ -409,12 +409,17 @@ class TransactionCoordinator:
         """At start, after :meth:`recover`: end what partitions hold open that this coordinator does not.
 
         A transaction the log says completed whose marker is missing (a torn tail) gets the logged
-        outcome's marker now: committed data stays committed. One the coordinator does not know (its
-        transaction log was lost) is aborted once the longest transaction timeout has passed, unless
-        an operator ends it first; both are logged as WARNINGs naming partition, producer and offset.
+        outcome's marker now: committed data stays committed. One of a producer id the coordinator
+        has never heard of (its transaction log was lost) is aborted once the longest transaction
+        timeout has passed, unless an operator ends it first; both are logged as WARNINGs naming
+        partition, producer and offset. One of a producer id a known transactional id owns, on a
+        partition its metadata does not hold, is left to the operator (an ERROR says so): its outcome
+        is not recorded any more (say a COMMIT marker lost to damage, then a later transaction of the
+        same producer), and aborting it could drop committed records.
         """
         for txn in found:
-            meta = self._txns.get(self._owners.get(txn.producer_id, ""))
+            owner = self._owners.get(txn.producer_id)
+            meta = self._txns.get(owner) if owner is not None else None
             holds = (meta is not None and meta.txn_producer_id == txn.producer_id
                      and (txn.topic, txn.partition) in meta.partitions)
             if holds and (meta.state is TxnState.ONGOING or meta.state.completing):
@@ -431,6 +436,15 @@ class TransactionCoordinator:
                     log.error("%s-%d: writing the missing marker of producer %d failed; the partition's last "
                               "stable offset stays at %d until a restart: %s",
                               txn.topic, txn.partition, txn.producer_id, txn.start_offset, exc)
+                continue
+            if owner is not None:
+                log.error("%s-%d: open transaction of producer %d epoch %d from offset %d belongs to transactional id "
+                          "%r, whose transaction log does not record its outcome on this partition (a lost marker?): "
+                          "leaving it open, as aborting could drop committed records; once sure it was not committed, an "
+                          "operator can abort it (twophase txns find-hanging / abort --topic %s --partition %d "
+                          "--producer-id %d --producer-epoch %d)", txn.topic, txn.partition, txn.producer_id,
+                          txn.producer_epoch, txn.start_offset, owner, txn.topic, txn.partition, txn.producer_id,
+                          txn.producer_epoch)
                 continue
             deadline = now_ms + self.settings.max_timeout_ms
             log.warning("%s-%d: open transaction of producer %d epoch %d from offset %d is unknown to the transaction "
