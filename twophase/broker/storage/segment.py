@@ -35,7 +35,7 @@ import struct
 import threading
 from array import array
 from bisect import bisect_left, bisect_right
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from twophase.durable import fsync_dir
@@ -168,14 +168,22 @@ class Segment:
         self._checked = CheckedRanges()  # file ranges whose batches passed their CRC check
         self.damage: Damage | None = None  # the first damaged batch a read found
         self._file_fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
-        self.size = os.fstat(self._fd).st_size
+        try:
+            self.size = os.fstat(self._file_fd).st_size
+            if open_files is not None:
+                open_files.used(self)
+        except BaseException:
+            self.close(sync=False)  # not yet returned to anyone: nothing else would release it
+            raise
 
     @property
     def _fd(self) -> int:
         """The log file's descriptor, opened again if it was closed while idle (-1 once the segment is
         closed). No descriptor to spare is KafkaStorageError, not an OSError: nothing failed on disk,
         so the log must not go offline for it."""
-        if self._file_fd < 0 and not self._file_closed:
+        if self._file_closed:
+            return -1  # not counted as used: a closed segment must not enter the open files
+        if self._file_fd < 0:
             try:
                 self._file_fd = os.open(self.path, os.O_RDWR | os.O_APPEND)
             except OSError as exc:
@@ -185,10 +193,6 @@ class Segment:
         if self._open_files is not None:
             self._open_files.used(self)
         return self._file_fd
-
-    @_fd.setter
-    def _fd(self, fd: int) -> None:
-        self._file_fd = fd
 
     def idle(self) -> bool:
         """Whether its files could be closed now without losing anything: open, and nothing unsynced."""
@@ -423,7 +427,7 @@ class Segment:
         return self._detach()
 
     def _detach(self) -> DetachedSync:
-        sync = DetachedSync(self, os.dup(self._fd))
+        sync = DetachedSync(self, os.dup(self._fd), self.txn_index.detach_sync())
         self._dirty = False
         self._detached_sync = True
         return sync
@@ -435,8 +439,8 @@ class Segment:
         self._write_index(self._index_bytes())
 
     def seal_detached(self) -> DetachedSeal:
-        """Like ``seal()``, but the fsyncs (log and transaction index) and the index file are left to a call
-        that may run in any thread.
+        """Like ``seal()``, but the fsyncs (log and transaction index, whose dirtiness goes with them) and the
+        index file are left to a call that may run in any thread.
 
         The index file is written only after those fsyncs, and an older one is removed now: a segment
         without one is CRC-checked on recovery, as the active segment is, so a crash before the call
@@ -702,16 +706,20 @@ class Segment:
 
 
 class DetachedSync:
-    """An fsync of a segment on a duplicate of its descriptor: call it once, in any thread, or discard it."""
+    """An fsync of a segment on a duplicate of its descriptor, and of its transaction index if that was
+    dirty (``index_sync``): call it once, in any thread, or discard it."""
 
-    def __init__(self, segment: Segment, fd: int) -> None:
+    def __init__(self, segment: Segment, fd: int, index_sync: Callable[[], None] | None) -> None:
         self._segment = segment
         self._fd = fd
+        self._index_sync = index_sync
 
     def __call__(self) -> None:
         try:
             self._segment._sync(self._fd)
             self._segment._detached_sync = False  # at most one is handed out per segment at a time
+            if self._index_sync is not None:
+                self._index_sync()
         finally:
             self.discard()
 
@@ -732,8 +740,7 @@ class DetachedSeal:
         self._index = index
 
     def __call__(self) -> None:
-        self._sync()
-        self._segment.txn_index.sync_file()
+        self._sync()  # the log, then the transaction index
         self._segment._write_index(self._index)
 
     def discard(self) -> None:

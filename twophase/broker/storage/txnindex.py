@@ -35,6 +35,7 @@ import os
 import struct
 from array import array
 from bisect import bisect_left
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import crc32c
@@ -78,7 +79,8 @@ class TransactionIndex:
         self._lso = array("q")
         self._crc = 0  # CRC-32C of the entries' bytes, for the seal
         self._fd = -1
-        self._dirty = False
+        self._dirty = False  # written since the last fsync started
+        self._detached_sync = False  # an fsync was handed to another thread (detach_sync), not yet succeeded
         self._file_matches = False  # whether the file holds exactly the entries in memory and their seal
 
     @classmethod
@@ -148,8 +150,8 @@ class TransactionIndex:
 
     @property
     def dirty(self) -> bool:
-        """Whether entries were appended since the last fsync."""
-        return self._dirty
+        """Whether something written to the file may not be fsynced yet."""
+        return self._dirty or self._detached_sync
 
     @property
     def last_marker(self) -> int:
@@ -190,7 +192,7 @@ class TransactionIndex:
 
     def seal(self, end_offset: int, *, sync: bool = True) -> None:
         """The segment ends at ``end_offset`` (it is sealed or closed): say so in the seal, fsync (with
-        ``sync``; else see ``sync_file``) and release the file."""
+        ``sync``; else it stays dirty, for ``detach_sync`` or ``flush``) and release the file."""
         try:
             if self.trusted_until != end_offset or not self._file_matches:
                 self.trusted_until = end_offset
@@ -198,8 +200,23 @@ class TransactionIndex:
         finally:
             self.close(sync=sync)
 
-    def sync_file(self) -> None:
-        """fdatasync the file through a descriptor of its own (after ``seal(sync=False)``; any thread)."""
+    def detach_sync(self) -> Callable[[], None] | None:
+        """An fsync of everything written so far, to call once in any thread; None if nothing is unsynced.
+
+        It opens the file on a descriptor of its own, so closing the index meanwhile does no harm. Until
+        it has succeeded, ``flush()`` fsyncs again rather than trust it.
+        """
+        if not self._dirty:
+            return None
+        self._dirty = False
+        self._detached_sync = True
+        return self._run_detached_sync
+
+    def _run_detached_sync(self) -> None:
+        self._sync_by_path()
+        self._detached_sync = False  # at most one is handed out at a time (as for a segment's log)
+
+    def _sync_by_path(self) -> None:
         fd = os.open(self.path, os.O_RDONLY)
         try:
             _fdatasync(fd)
@@ -224,10 +241,13 @@ class TransactionIndex:
         self._file_matches = True
 
     def flush(self) -> None:
-        """fdatasync the entries appended since the last flush, if any."""
-        if self._dirty:
-            _fdatasync(self._fd)
-            self._dirty = False
+        """fdatasync what was written since the last fsync (again if a detached one has not succeeded)."""
+        if self._dirty or self._detached_sync:
+            if self._fd >= 0:
+                _fdatasync(self._fd)
+            else:  # closed unsynced by seal(sync=False), its detached fsync not run yet
+                self._sync_by_path()
+            self._dirty = self._detached_sync = False
 
     def close(self, *, sync: bool = True) -> None:
         """Fsync (with ``sync``) and release the file; it is released even if the fsync fails."""
