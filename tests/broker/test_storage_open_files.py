@@ -132,3 +132,24 @@ def test_segments_rolled_under_an_fsync_interval_close_once_their_seal_ran(tmp_p
     finally:
         for plog in logs:
             plog.close()
+
+
+@pytest.mark.parametrize("flush", ["always", 1000])
+def test_a_segment_with_an_aborted_transaction_is_idle_once_fsynced(tmp_path, flush):
+    """The ABORT marker's fsync covers the transaction index entry it adds: the least recently used file
+    can then be closed without an fsync on the event loop (before, a segment with an abort never was idle)."""
+    files = OpenFiles(1)
+    plog = PartitionLog(str(tmp_path / "p0"), LogConfig(flush=flush), open_files=files)
+    other = PartitionLog(str(tmp_path / "p1"), LogConfig(flush=flush), open_files=files)
+    try:
+        plog.append(batch([b"a"], producer_id=1, producer_epoch=0, base_sequence=0, transactional=True), 0)
+        plog.append_marker(1, 0, commit=False, coordinator_epoch=0, now_ms=0)
+        active = plog.segments[-1]
+        assert active.txn_index.entries() and active.idle()
+        other.read(0, 1 << 20)  # another file used: this idle one is closed to keep the cap
+        assert segment_files_open(str(tmp_path)) == 1
+        assert plog.aborted_transactions(0, 2) == [(1, 0)]
+    finally:
+        plog.close()
+        other.close()
+

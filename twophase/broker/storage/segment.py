@@ -207,7 +207,6 @@ class Segment:
                 return  # its log is going offline for that error: nothing to close it for
             try:
                 self.flush()
-                self.txn_index.flush()
             except OSError as exc:
                 log.warning("%s: fsync before closing an idle file failed, kept open: %s", self.path, exc)
                 return
@@ -410,19 +409,22 @@ class Segment:
                 raise
 
     def flush(self) -> None:
-        """fsync what was appended since the last sync (again if a detached sync has not succeeded); raises OSError."""
+        """fsync what was appended since the last sync (again if a detached sync has not succeeded), and the
+        transaction index's new entries, so the segment is idle after; raises OSError."""
         if self._dirty or self._detached_sync:
             self._sync()
             self._dirty = self._detached_sync = False
+        self.txn_index.flush()
 
     def detach_flush(self) -> DetachedSync | None:
-        """An fsync of everything appended so far, to run in another thread; None if nothing is unsynced.
+        """An fsync of everything appended so far (transaction index included), to run in another thread;
+        None if nothing is unsynced.
 
         It works on a duplicate of the descriptor, so closing or deleting the segment meanwhile does no
         harm. Until it has succeeded, ``flush()`` (so ``seal()`` and ``close()``) fsyncs again rather
         than trust it (waiting for it if it is running).
         """
-        if not self._dirty:
+        if not self._dirty:  # an index entry is written only with the marker appended to the log
             return None
         return self._detach()
 
