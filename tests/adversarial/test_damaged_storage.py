@@ -282,3 +282,32 @@ def test_a_damaged_segment_whose_transaction_index_is_gone_is_never_sealed_as_co
         assert {first for first, marker in aborted if marker < damaged} <= found
         assert found <= {first for first, _ in aborted if first < damaged}
         plog.close()
+
+
+@pytest.mark.parametrize("where", sorted(FLIPS))
+def test_a_flipped_byte_in_the_active_segment_deletes_no_acknowledged_batch(tmp_path, where, caplog):
+    """Review finding 5: a flipped byte in the middle of the active segment is damage, not a torn tail.
+    Recovery keeps every batch after it (the file is not cut, the log end offset stays), serves the batches
+    before it, refuses its offset with CORRUPT_MESSAGE, and appends go to a clean segment that is served.
+    Before, recovery truncated the segment at the flipped batch, deleting acknowledged batches."""
+    directory = str(tmp_path / "t-0")
+    config = LogConfig(segment_bytes=1 << 20)
+    plog = PartitionLog(directory, config)
+    for i in range(20):
+        plog.append(batch([b"v%03d-%d" % (i, j) for j in range(3)]), now_ms=0)
+    end, size = plog.log_end_offset, plog.segments[-1].size
+    plog.close()
+    damaged = flip_in_closed_segment(directory, where, segment=0)  # the only, active, segment
+
+    caplog.set_level(logging.ERROR, logger="twophase.broker.storage")
+    plog = PartitionLog(directory, config)
+    try:
+        assert plog.log_end_offset == end and os.path.getsize(plog.segments[-1].path) == size
+        offsets, refused = read_until_refused(plog, 1 << 20)
+        assert offsets == list(range(damaged)) and refused == damaged
+        assert any(f"damaged batch at offset {damaged} " in r.getMessage() for r in caplog.records)
+        assert plog.append(batch([b"after"]), now_ms=0).base_offset == end
+        data, _ = plog.read_range(end, 1 << 20)
+        assert batch_offsets(data) == [(end, end)]
+    finally:
+        plog.close()

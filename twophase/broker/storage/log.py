@@ -308,8 +308,10 @@ class PartitionLog:
             return prepared.duplicate
         try:
             active = self._segments[-1]
+            # A damaged active segment is not served from its damage on: new batches go to a clean one.
             if not active.is_empty and (
                 active.size + len(view) > self.config.segment_bytes or next_offset - 1 - active.base_offset > INT32_MAX
+                or active.damage is not None
             ):
                 self._roll()
                 self.enforce_retention(now_ms)

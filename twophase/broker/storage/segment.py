@@ -42,6 +42,7 @@ from twophase.durable import fsync_dir
 from twophase.wire.errors import CorruptRecordError, KafkaStorageError
 from twophase.wire.records import (
     HEADER_SIZE,
+    INT32_MAX,
     LOG_OVERHEAD,
     MAGIC,
     BatchHeader,
@@ -239,7 +240,8 @@ class Segment:
         """Open an existing segment; ``recover`` CRC-checks every batch (for the possibly torn active segment).
 
         Otherwise the index is trusted if consistent and only the bytes after its last entry are
-        walked. Either way a damaged tail is truncated and logged.
+        walked. A bad batch is logged; with ``recover`` it is truncated if it is a torn tail (nothing
+        intact follows it), else (and always without ``recover``) the segment is marked damaged there.
         """
         seg = cls(directory, base_offset, index_interval_bytes, open_files)
         try:
@@ -287,8 +289,10 @@ class Segment:
         return len(entries)
 
     def _rescan(self, kept: int, *, validate: bool) -> None:
-        """Walk the log from index entry ``kept - 1`` (or the start), re-deriving state; truncate a bad tail
-        (``validate``: the possibly torn active segment), or mark a sealed segment damaged there."""
+        """Walk the log from index entry ``kept - 1`` (or the start), re-deriving state; truncate a torn tail
+        (``validate``: the possibly torn active segment), or mark the segment damaged there: a sealed one
+        always, the active one when intact batches follow the bad one to the end of the file (a crash
+        tears only the end; acknowledged batches after a flipped byte are kept, and not served)."""
         if kept:
             # Resume at the last trusted entry; dropping it and forcing the interval re-adds it.
             start = self._positions[kept - 1]
@@ -305,19 +309,17 @@ class Segment:
         file_size = self.size
         self.size = start
         try:
-            for pos, header in self._walk(start, validate=validate, chunk=_RECOVERY_CHUNK):
-                # baseOffset lies outside the CRC; this log never leaves gaps, so a mismatch is damage.
-                if header.base_offset != self.next_offset or header.last_offset_delta < 0:
-                    raise CorruptRecordError(
-                        f"batch offset {header.base_offset} (+{header.last_offset_delta}) "
-                        f"does not follow {self.next_offset}", pos)
-                self._track(pos, header)
-                self.size = pos + header.size
+            self._track_from(start, validate=validate)
         except CorruptRecordError as exc:
-            if not validate:
+            at = self.size if exc.position is None else exc.position
+            resume = self._intact_run_after(at, file_size) if validate else None
+            if not validate or resume is not None:
                 # A sealed segment was fsynced before its index was written: no crash tears it, so this is
                 # damage. Its bytes are kept (they may be repairable) and not served.
-                self._mark_damaged(self.size if exc.position is None else exc.position, self.next_offset, exc.reason)
+                self._mark_damaged(at, self.next_offset, exc.reason)
+                if resume is not None:  # the offsets up to the end stay taken: appends go after them
+                    self.next_offset = _PREFIX.unpack(os.pread(self._fd, LOG_OVERHEAD, resume))[0]
+                    self._track_from(resume, validate=True)
                 self.size = file_size
                 return
             log.warning(
@@ -326,6 +328,58 @@ class Segment:
         if self.size < file_size:
             os.ftruncate(self._fd, self.size)
             self._sync()
+
+    def _track_from(self, start: int, *, validate: bool) -> None:
+        """Walk the batches from ``start`` to the end of the file into the index and offsets (see ``_rescan``)."""
+        for pos, header in self._walk(start, validate=validate, chunk=_RECOVERY_CHUNK):
+            # baseOffset lies outside the CRC; this log never leaves gaps, so a mismatch is damage.
+            if header.base_offset != self.next_offset or header.last_offset_delta < 0:
+                raise CorruptRecordError(
+                    f"batch offset {header.base_offset} (+{header.last_offset_delta}) "
+                    f"does not follow {self.next_offset}", pos)
+            self._track(pos, header)
+            self.size = pos + header.size
+
+    def _intact_run_after(self, at: int, end: int) -> int | None:
+        """The position after ``at`` (a bad batch) from which CRC-valid batches with consecutive offsets, from
+        ``next_offset`` on, run exactly to ``end``; None if there is none (a torn tail).
+
+        The bad batch's own length is tried first (a flipped byte elsewhere leaves it intact); else every
+        later position whose magic byte and length fit is tried.
+        """
+        prefix = os.pread(self._fd, LOG_OVERHEAD, at)
+        if len(prefix) == LOG_OVERHEAD:
+            own_end = at + LOG_OVERHEAD + _PREFIX.unpack(prefix)[1]
+            if at < own_end < end and self._runs_to(own_end, end):
+                return own_end
+        magic = bytes([MAGIC])
+        magic_at = LOG_OVERHEAD + 4  # after partitionLeaderEpoch
+        window_start = at + 1
+        while window_start + HEADER_SIZE <= end:
+            window = os.pread(self._fd, _RECOVERY_CHUNK + HEADER_SIZE, window_start)
+            found = window.find(magic, magic_at)
+            while found >= 0 and found - magic_at + HEADER_SIZE <= len(window):
+                pos = window_start + found - magic_at
+                base, length = _PREFIX.unpack_from(window, found - magic_at)
+                if (0 <= base - self.next_offset <= INT32_MAX and HEADER_SIZE - LOG_OVERHEAD <= length
+                        and pos + LOG_OVERHEAD + length <= end and self._runs_to(pos, end)):
+                    return pos
+                found = window.find(magic, found + 1)
+            window_start += _RECOVERY_CHUNK
+        return None
+
+    def _runs_to(self, pos: int, end: int) -> bool:
+        """Whether CRC-valid batches with consecutive offsets (from ``next_offset`` on) run from ``pos`` to ``end``."""
+        expected = None
+        try:
+            for _, header in self._walk(pos, validate=True, chunk=_RECOVERY_CHUNK):
+                if header.base_offset < self.next_offset or header.last_offset_delta < 0 or (
+                        expected is not None and header.base_offset != expected):
+                    return False
+                expected = header.last_offset + 1
+        except CorruptRecordError:
+            return False
+        return expected is not None
 
     def _walk(self, pos: int, *, validate: bool, chunk: int) -> Iterator[tuple[int, BatchHeader]]:
         """Yield (position, header) from ``pos`` to the end of the file, reading ``chunk`` bytes at a time."""
@@ -437,7 +491,7 @@ class Segment:
     def seal(self) -> None:
         """Make the segment durable before it stops being the active one: fsync the log and both indexes."""
         self.flush()
-        self.txn_index.seal(self.next_offset)  # fsynced; reopened if the segment is appended to again
+        self._seal_txn_index(sync=True)
         self._write_index(self._index_bytes())
 
     def seal_detached(self) -> DetachedSeal:
@@ -448,7 +502,7 @@ class Segment:
         without one is CRC-checked on recovery, as the active segment is, so a crash before the call
         ran loses nothing that was synced and keeps no torn batch.
         """
-        self.txn_index.seal(self.next_offset, sync=False)
+        self._seal_txn_index(sync=False)
         stale = index_path(self.directory, self.base_offset)  # from a close() before a restart
         if os.path.exists(stale):
             os.unlink(stale)
@@ -456,6 +510,12 @@ class Segment:
         # Even if nothing is dirty: a periodic fsync may still be running, and the index must not be
         # written before it finished (the fsync on the duplicate waits for it).
         return DetachedSeal(self, self._detach(), self._index_bytes())
+
+    def _seal_txn_index(self, *, sync: bool) -> None:
+        if self.damage is None:
+            self.txn_index.seal(self.next_offset, sync=sync)  # reopened if the segment is appended to again
+        else:  # what lies past the damage was not re-derived: its seal claims no more than recovery gave it
+            self.txn_index.close(sync=sync)
 
     def _index_bytes(self) -> bytes:
         return b"".join(_ENTRY.pack(*e) for e in zip(self._rel_offsets, self._positions, self._ts_before))
@@ -481,10 +541,10 @@ class Segment:
                 if self._open_files is not None:
                     self._open_files.closed(self)
             finally:
-                if sync and self.damage is None:
-                    self.txn_index.seal(self.next_offset)
-                else:  # a damaged segment's index keeps the seal recovery gave it: it cannot vouch for more
-                    self.txn_index.close(sync=sync)
+                if sync:
+                    self._seal_txn_index(sync=True)
+                else:
+                    self.txn_index.close(sync=False)
 
     def delete(self) -> None:
         """Close without syncing and remove the log, offset index and transaction index files."""
