@@ -51,7 +51,7 @@ from twophase.wire.records import (
     validate_batch,
 )
 
-from .errors import DiskFullError
+from .errors import DiskFullError, is_disk_full
 from .open_files import OpenFiles
 from .txnindex import TransactionIndex, txn_index_path
 
@@ -229,8 +229,13 @@ class Segment:
             if seg.size:
                 raise FileExistsError(f"segment {seg.path} already holds data")
             seg.txn_index = TransactionIndex.create(directory, base_offset)
-        except BaseException:
+        except BaseException as exc:
             seg.close(sync=False)  # say EMFILE for the index: the log's descriptor must not leak
+            if not isinstance(exc, FileExistsError):
+                seg.txn_index.delete()  # empty: its files would only stand in the way of the next try
+                os.unlink(seg.path)
+            if is_disk_full(exc):
+                raise DiskFullError(exc.errno, f"{seg.path}: no space for a new segment: {exc.strerror}") from exc
             raise
         return seg
 
@@ -443,7 +448,7 @@ class Segment:
         except BaseException as exc:
             # Leave no partial batch behind: the caller reports the failure and state stays consistent.
             os.ftruncate(self._fd, start)
-            if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            if is_disk_full(exc):
                 raise DiskFullError(exc.errno, f"{self.path}: {exc.strerror}") from exc
             raise
         for pos, header in headers:
@@ -521,10 +526,20 @@ class Segment:
         return b"".join(_ENTRY.pack(*e) for e in zip(self._rel_offsets, self._positions, self._ts_before))
 
     def _write_index(self, raw: bytes) -> None:
-        with open(index_path(self.directory, self.base_offset), "wb") as f:
-            f.write(raw)
-            f.flush()
-            os.fsync(f.fileno())
+        """Write the offset index file. Without space for it the segment goes on without one (recovery
+        CRC-checks such a segment and writes it then): a full disk must not take the log offline."""
+        path = index_path(self.directory, self.base_offset)
+        try:
+            with open(path, "wb") as f:
+                f.write(raw)
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as exc:
+            if not is_disk_full(exc):
+                raise
+            os.unlink(path)  # a cut index would be trusted as far as it is consistent: none at all instead
+            log.warning("%s: no space for its index file, left without one (recovery rebuilds it): %s",
+                        self.path, exc)
 
     def close(self, *, sync: bool = True) -> None:
         """Release the files (after an fsync with ``sync``). The descriptors are closed even if that fsync

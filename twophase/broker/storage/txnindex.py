@@ -30,6 +30,7 @@ Example::
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import struct
@@ -190,6 +191,25 @@ class TransactionIndex:
         self._crc = crc
         self.trusted_until = txn.last_offset + 1
 
+    def drop_last(self, count: int, *, crc: int, trusted_until: int) -> None:
+        """Undo the last ``count`` appends (their markers were not written), back to the CRC and
+        ``trusted_until`` they found. The seal goes back where it was: that needs no new space."""
+        if not count and self._file_matches:
+            return  # nothing was written
+        for column in (self._producer_ids, self._first, self._last, self._lso):
+            del column[-count:]
+        self._crc = crc
+        self.trusted_until = trusted_until
+        try:
+            self._write(self._seal_record())
+        except OSError as exc:  # the next write puts the seal back; until then a restart rebuilds the file
+            log.warning("%s: putting its seal back failed, rewritten on the next write: %s", self.path, exc)
+
+    @property
+    def checkpoint(self) -> tuple[int, int]:
+        """(CRC, trusted_until) now: what ``drop_last`` needs to undo the appends that follow."""
+        return self._crc, self.trusted_until
+
     def seal(self, end_offset: int, *, sync: bool = True) -> None:
         """The segment ends at ``end_offset`` (it is sealed or closed): say so in the seal, fsync (with
         ``sync``; else it stays dirty, for ``detach_sync`` or ``flush``) and release the file."""
@@ -272,8 +292,10 @@ class TransactionIndex:
         if self._fd < 0:
             self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o644)
         at = len(self) * ENTRY.size
+        self._file_matches = False  # until the write is whole
         if os.pwrite(self._fd, data, at) != len(data):
-            raise OSError(f"short write to {self.path}")
+            # A regular file takes fewer bytes than given only when the disk (or quota) is full.
+            raise OSError(errno.ENOSPC, f"short write to {self.path}")
         os.ftruncate(self._fd, at + len(data))  # nothing of a longer file may follow the seal
         self._dirty = True
         self._file_matches = True
