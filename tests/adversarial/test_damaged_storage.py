@@ -311,3 +311,40 @@ def test_a_flipped_byte_in_the_active_segment_deletes_no_acknowledged_batch(tmp_
         assert batch_offsets(data) == [(end, end)]
     finally:
         plog.close()
+
+
+@pytest.mark.parametrize("index_interval", [0, 4096], ids=["indexed", "unindexed"])
+@pytest.mark.parametrize("where", ["record", "crc"])
+def test_a_batch_failing_only_its_crc_is_refused_alone_and_the_batches_after_it_are_served(
+        tmp_path, where, index_interval, caplog):
+    """Review finding 3 (broker part): when only a batch's CRC fails and its framing holds (the next batch
+    starts at its end with the offset after its last), only its offsets answer CORRUPT_MESSAGE; a consumer
+    that skips them reads every later batch of the segment. Before, every offset from it to the end of its
+    segment was refused, so skipping one offset per fetch crawled through the whole segment."""
+    directory = str(tmp_path / "t-0")
+    config = LogConfig(segment_bytes=1024, index_interval_bytes=index_interval)
+    plog = PartitionLog(directory, config)
+    for i in range(60):
+        plog.append(batch([b"v%03d-%d" % (i, j) for j in range(3)]), now_ms=0)
+    plog.close()
+    damaged = flip_in_closed_segment(directory, where)
+
+    caplog.set_level(logging.ERROR, logger="twophase.broker.storage")
+    plog = PartitionLog(directory, config)
+    try:
+        for max_bytes in (1, 300, 1 << 20):
+            offsets, refused = read_until_refused(plog, max_bytes)
+            assert offsets == list(range(damaged)) and refused == damaged
+        for offset in range(damaged, damaged + 3):  # the damaged batch's three records
+            with pytest.raises(CorruptRecordError, match=f"offset {damaged + 3} on is served"):
+                plog.read_range(offset, 1 << 20)
+        # A consumer skipping the batch reads on to the end of the log; nothing is returned twice.
+        offsets, end = [], damaged + 3
+        while end < plog.high_watermark:
+            data, end = plog.read_range(end, 300)
+            offsets.extend(o for base, last in batch_offsets(data) for o in range(base, last + 1))
+        assert offsets == list(range(damaged + 3, plog.high_watermark))
+        assert any(f"damaged batch at offset {damaged} (offsets {damaged}-{damaged + 2}," in r.getMessage()
+                   for r in caplog.records)
+    finally:
+        plog.close()

@@ -11,10 +11,12 @@ inconsistent index from the log itself.
 Reads CRC-check what they serve, once: a closed segment opened without recovery (its batches were
 checked when written, but a disk can flip a byte since) checks each batch the first time it is read
 and remembers the checked file ranges, so later reads of them cost nothing; the active segment is
-checked on append (and fully on recovery). The first damaged batch found is logged as an ERROR and
-marks the segment damaged from there to its end: reads return the batches before it and raise
-CorruptRecordError (CORRUPT_MESSAGE) for any offset from it on, rather than serve bytes that fail
-their CRC or offsets that do not follow on.
+checked on append (and fully on recovery). A damaged batch found is logged as an ERROR. If only its
+CRC fails and its framing holds (the next batch starts at its end with the offset after its last),
+reads raise CorruptRecordError (CORRUPT_MESSAGE) for its offsets alone and serve the batches after
+it (``bad_batches``). Otherwise it marks the segment damaged from there to its end (``damage``):
+reads return the batches before it and raise CorruptRecordError for any offset from it on, rather
+than serve bytes that fail their CRC or offsets that do not follow on.
 
 Example::
 
@@ -97,6 +99,17 @@ class Damage:
     reason: str
 
 
+@dataclass(frozen=True)
+class BadBatch:
+    """A batch that failed its CRC check but whose framing holds: file positions [position, end_position)
+    and offsets [offset, end_offset), both bounded by the batch that follows it."""
+    position: int
+    end_position: int
+    offset: int
+    end_offset: int
+    reason: str
+
+
 class CheckedRanges:
     """Disjoint, sorted file ranges [start, end) whose batches passed their CRC check.
 
@@ -167,7 +180,8 @@ class Segment:
         self._sync_error: OSError | None = None
         self.txn_index = TransactionIndex(txn_index_path(directory, base_offset), base_offset)
         self._checked = CheckedRanges()  # file ranges whose batches passed their CRC check
-        self.damage: Damage | None = None  # the first damaged batch a read found
+        self.damage: Damage | None = None  # the first damaged batch a read found (without intact framing)
+        self.bad_batches: dict[int, BadBatch] = {}  # by file position: damaged batches skipped, see BadBatch
         self._file_fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
         try:
             self.size = os.fstat(self._file_fd).st_size
@@ -614,9 +628,11 @@ class Segment:
             for pos, header in self._walk(pos, validate=False, chunk=_LOOKUP_CHUNK):
                 if header.base_offset != expected:
                     raise CorruptRecordError(f"batch offset {header.base_offset} does not follow {expected}")
-                if header.last_offset >= offset:
+                bad = self.bad_batches.get(pos)
+                end_offset = header.last_offset + 1 if bad is None else bad.end_offset  # its delta failed the CRC
+                if end_offset > offset:
                     return pos, expected
-                expected = header.last_offset + 1
+                expected = end_offset
         except CorruptRecordError as exc:
             self._mark_damaged(pos if exc.position is None else exc.position, expected, exc.reason)
             self._refuse_damaged(offset)
@@ -629,10 +645,42 @@ class Segment:
         log.error("%s: damaged batch at offset %d (file position %d): %s; it and the rest of the segment are "
                   "not served", self.path, offset, position, reason)
 
+    def _mark_bad_batch(self, position: int, offset: int, reason: str) -> bool:
+        """Record the batch at ``position`` (expected to start at ``offset``), which failed its CRC check, as a
+        BadBatch if its framing holds; False if it does not (nothing after it can be trusted then)."""
+        head = os.pread(self._fd, HEADER_SIZE, position)
+        if len(head) < HEADER_SIZE:
+            return False
+        header = parse_header(head)
+        end = position + header.size
+        if (header.base_offset != offset or header.magic != MAGIC or header.last_offset_delta < 0
+                or not position + HEADER_SIZE <= end < self.size):
+            return False  # the last batch of the segment has no follower to vouch for its length
+        follower = os.pread(self._fd, HEADER_SIZE, end)
+        if len(follower) < HEADER_SIZE:
+            return False
+        following = parse_header(follower)
+        if (following.magic != MAGIC or following.base_offset != header.last_offset + 1
+                or end + following.size > self.size):
+            return False
+        self.bad_batches[position] = BadBatch(position, end, offset, following.base_offset, reason)
+        log.error("%s: damaged batch at offset %d (offsets %d-%d, file position %d): %s; it is not served, the "
+                  "batches after it are", self.path, offset, offset, following.base_offset - 1, position, reason)
+        return True
+
+    def _first_bad_from(self, position: int) -> BadBatch | None:
+        return min((b for b in self.bad_batches.values() if b.position >= position),
+                   key=lambda b: b.position, default=None)
+
     def _refuse_damaged(self, offset: int) -> None:
         if self.damage is not None and offset >= self.damage.offset:
             raise CorruptRecordError(f"offset {offset} of {self.path} is in its damaged part, from offset "
                                      f"{self.damage.offset}: {self.damage.reason}")
+        for bad in self.bad_batches.values():
+            if bad.offset <= offset < bad.end_offset:
+                raise CorruptRecordError(
+                    f"offset {offset} of {self.path} is in a damaged batch (offsets {bad.offset}-"
+                    f"{bad.end_offset - 1}): {bad.reason}; offset {bad.end_offset} on is served")
 
     def iter_headers(self, from_offset: int) -> Iterator[BatchHeader]:
         """Headers of the batches from the one holding ``from_offset`` to the end, or to the first damaged one
@@ -650,6 +698,10 @@ class Segment:
                     return
                 if header.base_offset != expected:
                     raise CorruptRecordError(f"batch offset {header.base_offset} does not follow {expected}")
+                bad = self.bad_batches.get(pos)
+                if bad is not None:  # its header failed the CRC: not to be trusted
+                    expected = bad.end_offset
+                    continue
                 yield header
                 expected = header.last_offset + 1
         except CorruptRecordError as exc:
@@ -679,26 +731,29 @@ class Segment:
         data, complete, end_offset = self._read_batches(pos, max_bytes, upper_offset, min_one=min_one)
         if not data:
             return data, complete, offset
-        good = self._check(pos, base, data)
+        good, cut_offset = self._check(pos, base, data)
         if good < len(data):
             self._refuse_damaged(offset)  # the batch asked for is the damaged one
-            return data[:good], False, self.damage.offset
-        if self.damage is not None and end_offset >= self.damage.offset:
-            complete = False  # stopped by the damage, not by the segment's end
+            return data[:good], False, cut_offset
         return data, complete, end_offset
 
     def _read_batches(self, pos: int, max_bytes: int, upper_offset: int | None, *, min_one: bool
                       ) -> tuple[bytes, bool, int]:
-        """read_chunk's bytes from the batch at ``pos``, unchecked, up to the damage if any."""
-        end, end_offset = self.size, self.next_offset
+        """read_chunk's bytes from the batch at ``pos``, unchecked, up to the damage or a bad batch if any
+        (not complete then: stopped by it, not by the segment's end)."""
+        end, end_offset, whole = self.size, self.next_offset, True
         if self.damage is not None:
-            end, end_offset = self.damage.position, self.damage.offset
+            end, end_offset, whole = self.damage.position, self.damage.offset, False
+        bad = self._first_bad_from(pos)
+        if bad is not None and bad.position < end:
+            end, end_offset, whole = bad.position, bad.offset, False
         if upper_offset is not None and upper_offset < end_offset:
             end, end_offset = self._first_batch_from(upper_offset)
+            whole = True  # stopped by the upper offset, which lies before any damage
             if end <= pos:
                 return b"", True, end_offset
         if end - pos <= max_bytes:
-            return os.pread(self._fd, end - pos, pos), True, end_offset
+            return os.pread(self._fd, end - pos, pos), whole, end_offset
         cut, cut_offset = self._last_boundary_within(pos, pos + max_bytes)
         if cut > pos:
             return os.pread(self._fd, cut - pos, pos), False, cut_offset
@@ -708,11 +763,12 @@ class Segment:
         # kept within the file, and the check finds the batch damaged.
         size = LOG_OVERHEAD + _PREFIX.unpack(os.pread(self._fd, LOG_OVERHEAD, pos))[1]
         data = os.pread(self._fd, max(HEADER_SIZE, min(size, self.size - pos)), pos)
-        return data, pos + size >= end, _next_offset(data, 0)
+        return data, whole and pos + size >= end, _next_offset(data, 0)
 
-    def _check(self, pos: int, base: int, data: bytes) -> int:
+    def _check(self, pos: int, base: int, data: bytes) -> tuple[int, int]:
         """How many leading bytes of ``data`` (read at ``pos``, starting with the batch with base offset
-        ``base``) hold intact batches: CRC-checks those not checked before and marks the first damaged one."""
+        ``base``) hold intact batches, and the offset after them: CRC-checks those not checked before and
+        marks the first damaged one (a BadBatch if only its CRC fails, else the segment's damage)."""
         at, expected, end = pos, base, pos + len(data)
         while at < end:
             checked_end = self._checked.end_of(at)
@@ -723,12 +779,13 @@ class Segment:
                 if header.base_offset != expected:
                     raise CorruptRecordError(f"batch offset {header.base_offset} does not follow {expected}")
             except CorruptRecordError as exc:
-                self._mark_damaged(at, expected, exc.reason)
-                return at - pos
+                if at not in self.bad_batches and not self._mark_bad_batch(at, expected, exc.reason):
+                    self._mark_damaged(at, expected, exc.reason)
+                return at - pos, expected
             self._checked.add(at, at + header.size)
             expected = header.last_offset + 1
             at += header.size
-        return len(data)
+        return len(data), -1  # the caller knows the offset after the whole of ``data``
 
     def _first_batch_from(self, offset: int) -> tuple[int, int]:
         """(file position, base offset) of the first batch whose base offset is >= ``offset`` (< next_offset)."""
