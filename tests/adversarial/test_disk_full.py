@@ -19,9 +19,10 @@ import pytest
 from confluent_kafka import Producer as ConfluentProducer
 
 from tests.adversarial.reading import END, read_until_end
-from tests.broker.batches import batch
+from tests.broker.batches import batch, decode
 from tests.broker.conftest import WireClient, only_partition, produce_request
 from tests.waiting import wait_until
+from twophase.broker.storage import LogConfig, PartitionLog
 from twophase.broker.storage import segment as segment_module
 from twophase.client import Admin
 
@@ -159,3 +160,33 @@ def test_a_full_disk_at_a_segment_roll_only_refuses_the_append(small_disk, broke
     assert "offline" not in caplog.text
     assert len([n for n in os.listdir(directory) if n.endswith(".log")]) == 2
     assert read_until_end(broker.bootstrap, topic) == [b"first".ljust(VALUE_BYTES, b".")]
+
+
+def test_no_space_for_an_offset_index_file_leaves_the_segment_without_one(tmp_path, monkeypatch, caplog):
+    """Review finding 7: the flusher's seal of a rolled segment finds no space for its index file: the
+    segment goes on without one (a WARNING; the next start CRC-checks and indexes it) instead of the log
+    going offline."""
+    config = LogConfig(flush=1000, segment_bytes=1024)
+    plog = PartitionLog(str(tmp_path / "t-0"), config)
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        if os.readlink(f"/proc/self/fd/{fd}").endswith(".index"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    while len(plog.segments) < 3:
+        plog.append(batch([b"x" * 300]), now_ms=0)
+    plog.flush_due(0)()  # the flusher: seals of the rolled segments
+    monkeypatch.undo()
+    assert not plog.offline and "no space for its index file" in caplog.text
+    assert not [n for n in os.listdir(plog.directory) if n.endswith(".index")]
+    written = len(decode(plog.read(0, 1 << 20)))
+    end = plog.log_end_offset
+    plog.close()
+    reopened = PartitionLog(plog.directory, config)
+    try:
+        assert reopened.log_end_offset == end and len(decode(reopened.read(0, 1 << 20))) == written
+    finally:
+        reopened.close()
