@@ -288,7 +288,8 @@ def test_a_damaged_segment_whose_transaction_index_is_gone_is_never_sealed_as_co
 def test_a_flipped_byte_in_the_active_segment_deletes_no_acknowledged_batch(tmp_path, where, caplog):
     """Review finding 5: a flipped byte in the middle of the active segment is damage, not a torn tail.
     Recovery keeps every batch after it (the file is not cut, the log end offset stays), serves the batches
-    before it, refuses its offset with CORRUPT_MESSAGE, and appends go to a clean segment that is served.
+    before it, refuses its offset with CORRUPT_MESSAGE (and the batches after it are served if only its CRC
+    fails), and new appends are served.
     Before, recovery truncated the segment at the flipped batch, deleting acknowledged batches."""
     directory = str(tmp_path / "t-0")
     config = LogConfig(segment_bytes=1 << 20)
@@ -306,6 +307,9 @@ def test_a_flipped_byte_in_the_active_segment_deletes_no_acknowledged_batch(tmp_
         offsets, refused = read_until_refused(plog, 1 << 20)
         assert offsets == list(range(damaged)) and refused == damaged
         assert any(f"damaged batch at offset {damaged} " in r.getMessage() for r in caplog.records)
+        if where in ("record", "crc"):  # its framing holds: it alone is refused (finding 3)
+            data, _ = plog.read_range(damaged + 3, 1 << 20)
+            assert batch_offsets(data) == [(o, o + 2) for o in range(damaged + 3, end, 3)]
         assert plog.append(batch([b"after"]), now_ms=0).base_offset == end
         data, _ = plog.read_range(end, 1 << 20)
         assert batch_offsets(data) == [(end, end)]

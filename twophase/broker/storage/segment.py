@@ -334,12 +334,15 @@ class Segment:
             resume = self._intact_run_after(at, file_size) if validate else None
             if not validate or resume is not None:
                 # A sealed segment was fsynced before its index was written: no crash tears it, so this is
-                # damage. Its bytes are kept (they may be repairable) and not served.
-                self._mark_damaged(at, self.next_offset, exc.reason)
+                # damage. Its bytes are kept (they may be repairable) and not served: the bad batch alone
+                # if the intact run starts right at its end, else everything from it on.
+                expected, self.size = self.next_offset, file_size
+                alone = resume is not None and resume == self._framed_end(at)
+                if not (alone and self._mark_bad_batch(at, expected, exc.reason)):
+                    self._mark_damaged(at, expected, exc.reason)
                 if resume is not None:  # the offsets up to the end stay taken: appends go after them
                     self.next_offset = _PREFIX.unpack(os.pread(self._fd, LOG_OVERHEAD, resume))[0]
                     self._track_from(resume, validate=True)
-                self.size = file_size
                 return
             log.warning(
                 "%s: truncating corrupt or torn tail at offset %d (file position %d): dropping %d bytes: %s",
@@ -366,11 +369,9 @@ class Segment:
         The bad batch's own length is tried first (a flipped byte elsewhere leaves it intact); else every
         later position whose magic byte and length fit is tried.
         """
-        prefix = os.pread(self._fd, LOG_OVERHEAD, at)
-        if len(prefix) == LOG_OVERHEAD:
-            own_end = at + LOG_OVERHEAD + _PREFIX.unpack(prefix)[1]
-            if at < own_end < end and self._runs_to(own_end, end):
-                return own_end
+        own_end = self._framed_end(at)
+        if own_end is not None and at < own_end < end and self._runs_to(own_end, end):
+            return own_end
         magic = bytes([MAGIC])
         magic_at = LOG_OVERHEAD + 4  # after partitionLeaderEpoch
         window_start = at + 1
@@ -386,6 +387,11 @@ class Segment:
                 found = window.find(magic, found + 1)
             window_start += _RECOVERY_CHUNK
         return None
+
+    def _framed_end(self, pos: int) -> int | None:
+        """Where the batch at ``pos`` ends by its length field (None if the file ends before that field)."""
+        prefix = os.pread(self._fd, LOG_OVERHEAD, pos)
+        return pos + LOG_OVERHEAD + _PREFIX.unpack(prefix)[1] if len(prefix) == LOG_OVERHEAD else None
 
     def _runs_to(self, pos: int, end: int) -> bool:
         """Whether CRC-valid batches with consecutive offsets (from ``next_offset`` on) run from ``pos`` to ``end``."""
