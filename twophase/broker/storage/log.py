@@ -197,7 +197,8 @@ class PartitionLog:
             if aborted is not None and segment.base_offset not in kept:
                 segment.txn_index.append(aborted)
             replayed += 1
-        skipped = [s.base_offset for s in self._segments if s.damage is not None and s.next_offset > start]
+        skipped = [s.base_offset for s in self._segments
+                   if (s.damage is not None or s.bad_batches) and s.next_offset > start]
         if skipped:
             log.error("%s: the replay from offset %d skipped the damaged part of segment(s) %s: producer state "
                       "(sequences, open transactions) may miss what it held", self.directory, start, skipped)
