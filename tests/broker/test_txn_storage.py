@@ -539,6 +539,9 @@ def test_no_space_for_an_abort_index_entry_refuses_the_marker_and_keeps_the_log_
     marker (KAFKA_STORAGE_ERROR, disk full) with nothing written; before, the log went offline with the
     marker written and its entry missing."""
     log = PartitionLog(str(tmp_path / "t-0"))
+    log.append(batch([b"x"], producer_id=2, producer_epoch=0, base_sequence=0, transactional=True), 0)
+    log.append_marker(2, 0, commit=False, coordinator_epoch=0, now_ms=0)
+    before = log.segments[-1].txn_index.entries()
     log.append(batch([b"a"], producer_id=1, producer_epoch=0, base_sequence=0, transactional=True), 0)
     full = True
     real_pwrite = os.pwrite
@@ -552,15 +555,15 @@ def test_no_space_for_an_abort_index_entry_refuses_the_marker_and_keeps_the_log_
     monkeypatch.setattr(os, "pwrite", pwrite)
     with pytest.raises(KafkaStorageError, match="disk full"):
         log.append_marker(1, 0, commit=False, coordinator_epoch=0, now_ms=0)
-    assert not log.offline and log.log_end_offset == 1 and log.has_open_transaction(1)
-    assert log.segments[-1].txn_index.entries() == []
+    assert not log.offline and log.log_end_offset == 3 and log.has_open_transaction(1)
+    assert log.segments[-1].txn_index.entries() == before  # the earlier entry kept, the new one undone
     full = False
-    assert log.append_marker(1, 0, commit=False, coordinator_epoch=0, now_ms=0) == 1
-    assert log.aborted_transactions(0, 2) == [(1, 0)]
+    assert log.append_marker(1, 0, commit=False, coordinator_epoch=0, now_ms=0) == 3
+    assert log.aborted_transactions(0, 4) == [(2, 0), (1, 2)]
     log.close()
     monkeypatch.undo()
     caplog.set_level(logging.WARNING)
     reopened = PartitionLog(log.directory)
     assert "rebuilt" not in caplog.text  # the file matches its seal
-    assert reopened.aborted_transactions(0, 2) == [(1, 0)]
+    assert reopened.aborted_transactions(0, 4) == [(2, 0), (1, 2)]
     reopened.close()

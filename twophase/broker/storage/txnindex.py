@@ -196,8 +196,9 @@ class TransactionIndex:
         ``trusted_until`` they found. The seal goes back where it was: that needs no new space."""
         if not count and self._file_matches:
             return  # nothing was written
-        for column in (self._producer_ids, self._first, self._last, self._lso):
-            del column[-count:]
+        if count:
+            for column in (self._producer_ids, self._first, self._last, self._lso):
+                del column[-count:]
         self._crc = crc
         self.trusted_until = trusted_until
         try:
