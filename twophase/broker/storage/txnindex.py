@@ -15,8 +15,8 @@ flipped or unsealed file (one from before seals) does not match its seal: ``load
 trusting nothing, and the partition log rebuilds it by replaying the log. Without the seal an empty
 file would pass for "no aborted transactions here", and read_committed readers would see aborted data.
 
-Entries are appended when a marker is written and fsynced when the segment is sealed or closed; the
-partition log re-derives entries after its newest producer snapshot by replaying the log, so a torn or
+Entries are appended just before their ABORT marker is written and fsynced with it (the segment's
+flush, or a detached fsync of it); the partition log re-derives entries after its newest producer snapshot by replaying the log, so a torn or
 missing tail is repaired on open (``load`` reports how far the file can be trusted).
 
 Example::
