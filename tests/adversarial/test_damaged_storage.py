@@ -324,3 +324,73 @@ def test_a_damaged_segment_whose_transaction_index_is_gone_is_never_sealed_as_co
         assert {first for first, marker in aborted if marker < damaged} <= found
         assert found <= {first for first, _ in aborted if first < damaged}
         plog.close()
+
+
+@pytest.mark.parametrize("where", sorted(FLIPS))
+def test_a_flipped_byte_in_the_active_segment_deletes_no_acknowledged_batch(tmp_path, where, caplog):
+    """Review finding 5: a flipped byte in the middle of the active segment is damage, not a torn tail.
+    Recovery keeps every batch after it (the file is not cut, the log end offset stays), serves the batches
+    before it, refuses its offset with CORRUPT_MESSAGE (and the batches after it are served if only its CRC
+    fails), and new appends are served.
+    Before, recovery truncated the segment at the flipped batch, deleting acknowledged batches."""
+    directory = str(tmp_path / "t-0")
+    config = LogConfig(segment_bytes=1 << 20)
+    plog = PartitionLog(directory, config)
+    for i in range(20):
+        plog.append(batch([b"v%03d-%d" % (i, j) for j in range(3)]), now_ms=0)
+    end, size = plog.log_end_offset, plog.segments[-1].size
+    plog.close()
+    damaged = flip_in_closed_segment(directory, where, segment=0)  # the only, active, segment
+
+    caplog.set_level(logging.ERROR, logger="twophase.broker.storage")
+    plog = PartitionLog(directory, config)
+    try:
+        assert plog.log_end_offset == end and os.path.getsize(plog.segments[-1].path) == size
+        offsets, refused = read_until_refused(plog, 1 << 20)
+        assert offsets == list(range(damaged)) and refused == damaged
+        assert any(f"damaged batch at offset {damaged} " in r.getMessage() for r in caplog.records)
+        if where in ("record", "crc"):  # its framing holds: it alone is refused (finding 3)
+            data, _ = plog.read_range(damaged + 3, 1 << 20)
+            assert batch_offsets(data) == [(o, o + 2) for o in range(damaged + 3, end, 3)]
+        assert plog.append(batch([b"after"]), now_ms=0).base_offset == end
+        data, _ = plog.read_range(end, 1 << 20)
+        assert batch_offsets(data) == [(end, end)]
+    finally:
+        plog.close()
+
+
+@pytest.mark.parametrize("index_interval", [0, 4096], ids=["indexed", "unindexed"])
+@pytest.mark.parametrize("where", ["record", "crc"])
+def test_a_batch_failing_only_its_crc_is_refused_alone_and_the_batches_after_it_are_served(
+        tmp_path, where, index_interval, caplog):
+    """Review finding 3 (broker part): when only a batch's CRC fails and its framing holds (the next batch
+    starts at its end with the offset after its last), only its offsets answer CORRUPT_MESSAGE; a consumer
+    that skips them reads every later batch of the segment. Before, every offset from it to the end of its
+    segment was refused, so skipping one offset per fetch crawled through the whole segment."""
+    directory = str(tmp_path / "t-0")
+    config = LogConfig(segment_bytes=1024, index_interval_bytes=index_interval)
+    plog = PartitionLog(directory, config)
+    for i in range(60):
+        plog.append(batch([b"v%03d-%d" % (i, j) for j in range(3)]), now_ms=0)
+    plog.close()
+    damaged = flip_in_closed_segment(directory, where)
+
+    caplog.set_level(logging.ERROR, logger="twophase.broker.storage")
+    plog = PartitionLog(directory, config)
+    try:
+        for max_bytes in (1, 300, 1 << 20):
+            offsets, refused = read_until_refused(plog, max_bytes)
+            assert offsets == list(range(damaged)) and refused == damaged
+        for offset in range(damaged, damaged + 3):  # the damaged batch's three records
+            with pytest.raises(CorruptRecordError, match=f"offset {damaged + 3} on is served"):
+                plog.read_range(offset, 1 << 20)
+        # A consumer skipping the batch reads on to the end of the log; nothing is returned twice.
+        offsets, end = [], damaged + 3
+        while end < plog.high_watermark:
+            data, end = plog.read_range(end, 300)
+            offsets.extend(o for base, last in batch_offsets(data) for o in range(base, last + 1))
+        assert offsets == list(range(damaged + 3, plog.high_watermark))
+        assert any(f"damaged batch at offset {damaged} (offsets {damaged}-{damaged + 2}," in r.getMessage()
+                   for r in caplog.records)
+    finally:
+        plog.close()

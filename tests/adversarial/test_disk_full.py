@@ -12,15 +12,17 @@ import errno
 import logging
 import os
 import subprocess
+import time
 from collections.abc import Iterator
 
 import pytest
 from confluent_kafka import Producer as ConfluentProducer
 
 from tests.adversarial.reading import END, read_until_end
-from tests.broker.batches import batch
+from tests.broker.batches import batch, decode
 from tests.broker.conftest import WireClient, only_partition, produce_request
 from tests.waiting import wait_until
+from twophase.broker.storage import LogConfig, PartitionLog
 from twophase.broker.storage import segment as segment_module
 from twophase.client import Admin
 
@@ -131,3 +133,60 @@ def test_a_partition_offline_after_a_failed_fsync_comes_back_without_a_restart(
     reopened = broker.logs.partition(topic, 0)
     assert reopened._open_files is broker.logs._open_files  # its segment files count against the broker's cap
     assert read_until_end(broker.bootstrap, topic) == [b"acked", b"after"]
+
+
+@pytest.mark.parametrize("flush", ["always", "1000"])
+def test_a_full_disk_at_a_segment_roll_only_refuses_the_append(small_disk, broker_factory, topic, caplog, flush):
+    """Review finding 7: an append that must roll a segment when the disk is full (no space for the new
+    segment's files, its transaction index, the old one's index or the producer snapshot) is refused with
+    KAFKA_STORAGE_ERROR and undone; the partition stays online (before, it went offline), and the next
+    append after space returns succeeds at once and rolls."""
+    caplog.set_level(logging.INFO, logger="twophase.broker")
+    broker = broker_factory(data_dir=os.path.join(small_disk, "data"))
+    with Admin(broker.bootstrap) as admin:
+        admin.create_topics({topic: 1}, configs={"segment.bytes": "1024", "flush.ms": flush})
+    directory = os.path.join(small_disk, "data", f"{topic}-0")
+    now = int(time.time() * 1000)  # retention must not take the first segment once rolled
+    with WireClient(broker.port) as wire:
+        first = batch([b"first".ljust(VALUE_BYTES, b".")], timestamp=now)
+        assert only_partition(wire.request(produce_request(topic, first))).error_code == 0
+        filler = fill(small_disk)
+        refused = batch([b"refused".ljust(VALUE_BYTES, b".")], timestamp=now)  # larger than a segment: rolls first
+        assert only_partition(wire.request(produce_request(topic, refused))).error_code == KAFKA_STORAGE_ERROR
+        assert len([n for n in os.listdir(directory) if n.endswith(".log")]) == 1  # the new segment undone
+        os.unlink(filler)
+        answer = only_partition(wire.request(produce_request(topic, batch([END], timestamp=now))))
+        assert answer.error_code == 0  # at once: the partition never went offline
+    assert "offline" not in caplog.text
+    assert len([n for n in os.listdir(directory) if n.endswith(".log")]) == 2
+    assert read_until_end(broker.bootstrap, topic) == [b"first".ljust(VALUE_BYTES, b".")]
+
+
+def test_no_space_for_an_offset_index_file_leaves_the_segment_without_one(tmp_path, monkeypatch, caplog):
+    """Review finding 7: the flusher's seal of a rolled segment finds no space for its index file: the
+    segment goes on without one (a WARNING; the next start CRC-checks and indexes it) instead of the log
+    going offline."""
+    config = LogConfig(flush=1000, segment_bytes=1024)
+    plog = PartitionLog(str(tmp_path / "t-0"), config)
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        if os.readlink(f"/proc/self/fd/{fd}").endswith(".index"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    while len(plog.segments) < 3:
+        plog.append(batch([b"x" * 300]), now_ms=0)
+    plog.flush_due(0)()  # the flusher: seals of the rolled segments
+    monkeypatch.undo()
+    assert not plog.offline and "no space for its index file" in caplog.text
+    assert not [n for n in os.listdir(plog.directory) if n.endswith(".index")]
+    written = len(decode(plog.read(0, 1 << 20)))
+    end = plog.log_end_offset
+    plog.close()
+    reopened = PartitionLog(plog.directory, config)
+    try:
+        assert reopened.log_end_offset == end and len(decode(reopened.read(0, 1 << 20))) == written
+    finally:
+        reopened.close()

@@ -310,18 +310,38 @@ def test_garbage_tail_truncated_on_reopen(tmp_path, caplog):
     assert "dropping 500 bytes" in caplog.text
 
 
-def test_corrupt_batch_in_active_segment_truncates_from_there(tmp_path):
+@pytest.mark.parametrize("where", ["records", "length"])
+def test_a_damaged_batch_in_the_middle_of_the_active_segment_keeps_the_batches_after_it(tmp_path, where):
+    """A flipped byte is not a torn tail: the acknowledged batches after it are kept and their offsets stay
+    taken. Only the damaged batch is refused if its framing holds (records), else everything from it on
+    (length), and new batches then go to a clean segment. Before, recovery truncated the segment at the
+    damaged batch."""
     path = str(tmp_path / "t-0")
     log = PartitionLog(path)
-    fill(log, 5)
+    written = fill(log, 5)
     positions = [pos for pos, _ in iter_batches(log.read(0, 1 << 20))]
     log.close()
+    size = os.path.getsize(log.segments[-1].path)
     with open(log.segments[-1].path, "r+b") as f:
-        f.seek(positions[3] + 70)  # inside batch 3's records: CRC mismatch
+        # inside batch 3's records (CRC mismatch), or its length (its framing broken too)
+        f.seek(positions[3] + (70 if where == "records" else 10))
         f.write(b"\x00\xff")
     reopened = PartitionLog(path)
-    assert reopened.high_watermark == 9
-    assert reopened.append(batch([b"a"]), 0).base_offset == 9
+    try:
+        assert os.path.getsize(reopened.segments[-1].path) == size and reopened.log_end_offset == 15
+        assert [v for _, _, _, v in decode(reopened.read(0, 1 << 20))] == written[:9]
+        with pytest.raises(CorruptRecordError):
+            reopened.read(9, 1 << 20)
+        if where == "records":
+            assert [v for _, _, _, v in decode(reopened.read(12, 1 << 20))] == written[12:]
+        else:
+            with pytest.raises(CorruptRecordError):
+                reopened.read(12, 1 << 20)
+        assert reopened.append(batch([b"a"]), 0).base_offset == 15
+        assert len(reopened.segments) == (1 if where == "records" else 2)
+        assert [v for _, _, _, v in decode(reopened.read(15, 1 << 20))] == [b"a"]
+    finally:
+        reopened.close()
 
 
 def test_recovery_after_crash_keeps_all_segments(tmp_path):

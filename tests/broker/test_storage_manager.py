@@ -9,7 +9,14 @@ import uuid
 
 import pytest
 
-from twophase.broker.storage import DataDirLockedError, LogConfig, LogManager, TopicInfo, run_flushes
+from twophase.broker.storage import (
+    DataDirLockedError,
+    LogConfig,
+    LogManager,
+    TopicInfo,
+    run_flushes,
+)
+from twophase.broker.storage import manager as manager_module
 from twophase.broker.storage.manager import DELETING_MARKER
 from twophase.wire.errors import (
     InvalidConfigError,
@@ -228,3 +235,63 @@ def test_default_config():
     assert config.with_overrides({"flush.ms": "50"}).flush == 50
     with pytest.raises(InvalidConfigError):
         LogConfig(flush="sometimes")
+
+
+class Crash(BaseException):
+    """The process dying at this point: no except-clause of the code runs (only finally-clauses)."""
+
+
+@pytest.mark.parametrize("crash_at", ["first mark", "second mark", "topics.json save"])
+def test_a_crash_early_in_a_topic_delete_never_brings_the_topic_back_renamed(data_dir, monkeypatch, crash_at):
+    """Before topics.json drops the topic the delete has not happened: the topic stays as it was (same id,
+    configs, records). Before, a crash between that save and the first delete mark recovered the topic
+    at the next start with a new id and default configs."""
+    manager = LogManager(data_dir)
+    created = manager.create_topic("t", 2, {"retention.ms": "1000000"})
+    for p in range(2):
+        manager.partition("t", p).append(batch([b"old"]), 0)
+    marks = []
+    real_mark = manager_module._mark_for_deletion
+
+    def mark(directory: str) -> None:
+        marks.append(directory)
+        if (crash_at, len(marks)) in (("first mark", 1), ("second mark", 2)):
+            raise Crash()
+        real_mark(directory)
+
+    monkeypatch.setattr(manager_module, "_mark_for_deletion", mark)
+    if crash_at == "topics.json save":
+        monkeypatch.setattr(manager, "_save_metadata", lambda topics: (_ for _ in ()).throw(Crash()))
+    with pytest.raises(Crash):
+        manager.delete_topic("t")
+    manager.close()
+    monkeypatch.undo()
+
+    reopened = LogManager(data_dir)
+    try:
+        assert reopened.topics() == {"t": created}
+        for p in range(2):
+            assert [v for *_, v in decode(reopened.partition("t", p).read(0, 1 << 20))] == [b"old"]
+            assert DELETING_MARKER not in os.listdir(os.path.join(data_dir, f"t-{p}"))
+    finally:
+        reopened.close()
+
+
+def test_a_failed_topics_json_save_leaves_the_topic_and_no_delete_marks(data_dir, monkeypatch):
+    manager = LogManager(data_dir)
+    manager.create_topic("t", 1)
+    manager.partition("t", 0).append(batch([b"old"]), 0)
+
+    def full(topics):
+        raise OSError(errno.ENOSPC, "No space left on device")  # before topics.json was replaced
+
+    monkeypatch.setattr(manager, "_save_metadata", full)
+    with pytest.raises(OSError):
+        manager.delete_topic("t")
+    monkeypatch.undo()
+    assert "t" in manager.topics() and manager.partition("t", 0).high_watermark == 1
+    assert DELETING_MARKER not in os.listdir(os.path.join(data_dir, "t-0"))
+    manager.close()
+    reopened = LogManager(data_dir)
+    assert "t" in reopened.topics()
+    reopened.close()

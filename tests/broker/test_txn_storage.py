@@ -7,6 +7,8 @@ must see exactly the committed and non-transactional records.
 
 from __future__ import annotations
 
+import errno
+import logging
 import os
 import random
 import shutil
@@ -26,6 +28,7 @@ from twophase.wire.errors import (
     InvalidProducerEpochError,
     InvalidRecordError,
     InvalidTxnStateError,
+    KafkaStorageError,
     OutOfOrderSequenceError,
     TransactionCoordinatorFencedError,
 )
@@ -528,4 +531,39 @@ def test_index_entries_beyond_a_truncated_log_are_dropped(tmp_path, caplog):
     assert [t.last_offset for t in _brute_force_aborted(reopened)] == [1]
     assert reopened.has_open_transaction(1) and reopened.last_stable_offset == marker - 1
     assert "beyond the log end" in caplog.text and "replaying the whole log" not in caplog.text
+    reopened.close()
+
+
+def test_no_space_for_an_abort_index_entry_refuses_the_marker_and_keeps_the_log_online(tmp_path, monkeypatch, caplog):
+    """Review finding 7: the index entry is written before the ABORT marker, so no space for it refuses the
+    marker (KAFKA_STORAGE_ERROR, disk full) with nothing written; before, the log went offline with the
+    marker written and its entry missing."""
+    log = PartitionLog(str(tmp_path / "t-0"))
+    log.append(batch([b"x"], producer_id=2, producer_epoch=0, base_sequence=0, transactional=True), 0)
+    log.append_marker(2, 0, commit=False, coordinator_epoch=0, now_ms=0)
+    before = log.segments[-1].txn_index.entries()
+    log.append(batch([b"a"], producer_id=1, producer_epoch=0, base_sequence=0, transactional=True), 0)
+    full = True
+    real_pwrite = os.pwrite
+
+    def pwrite(fd: int, data: bytes, offset: int) -> int:
+        if full:
+            real_pwrite(fd, data[:10], offset)  # part of it, as a full disk may take
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", pwrite)
+    with pytest.raises(KafkaStorageError, match="disk full"):
+        log.append_marker(1, 0, commit=False, coordinator_epoch=0, now_ms=0)
+    assert not log.offline and log.log_end_offset == 3 and log.has_open_transaction(1)
+    assert log.segments[-1].txn_index.entries() == before  # the earlier entry kept, the new one undone
+    full = False
+    assert log.append_marker(1, 0, commit=False, coordinator_epoch=0, now_ms=0) == 3
+    assert log.aborted_transactions(0, 4) == [(2, 0), (1, 2)]
+    log.close()
+    monkeypatch.undo()
+    caplog.set_level(logging.WARNING)
+    reopened = PartitionLog(log.directory)
+    assert "rebuilt" not in caplog.text  # the file matches its seal
+    assert reopened.aborted_transactions(0, 4) == [(2, 0), (1, 2)]
     reopened.close()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+
 
 class DataDirLockedError(RuntimeError):
     """Another process (or LogManager) already holds the data directory."""
@@ -10,6 +12,11 @@ class DataDirLockedError(RuntimeError):
 class DiskFullError(OSError):
     """An append found no space (ENOSPC, EDQUOT, or a short write) and was undone: the segment holds exactly
     what it held before, so the log stays usable and the next append tries again."""
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """Whether ``exc`` says the disk (or the quota) has no space left."""
+    return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
 
 
 class MetadataFileError(ValueError):

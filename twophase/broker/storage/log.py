@@ -59,12 +59,13 @@ from twophase.wire.records import (
 )
 
 from .config import LogConfig
-from .errors import DiskFullError
+from .errors import DiskFullError, is_disk_full
 from .open_files import OpenFiles
 from .producers import ProducerStateManager
 from .results import AppendResult, TimestampOffset
 from .segment import DetachedSeal, Segment, index_path
 from .txnindex import SUFFIX as TXN_INDEX_SUFFIX
+from .txnindex import AbortedTxn
 
 log = logging.getLogger(__name__)
 
@@ -196,7 +197,8 @@ class PartitionLog:
             if aborted is not None and segment.base_offset not in kept:
                 segment.txn_index.append(aborted)
             replayed += 1
-        skipped = [s.base_offset for s in self._segments if s.damage is not None and s.next_offset > start]
+        skipped = [s.base_offset for s in self._segments
+                   if (s.damage is not None or s.bad_batches) and s.next_offset > start]
         if skipped:
             log.error("%s: the replay from offset %d skipped the damaged part of segment(s) %s: producer state "
                       "(sequences, open transactions) may miss what it held", self.directory, start, skipped)
@@ -308,15 +310,14 @@ class PartitionLog:
             return prepared.duplicate
         try:
             active = self._segments[-1]
+            # A damaged active segment is not served from its damage on: new batches go to a clean one.
             if not active.is_empty and (
                 active.size + len(view) > self.config.segment_bytes or next_offset - 1 - active.base_offset > INT32_MAX
+                or active.damage is not None
             ):
                 self._roll()
                 self.enforce_retention(now_ms)
-            self._segments[-1].append(view, assigned)
-            for txn in prepared.aborted:
-                self._segments[-1].txn_index.append(txn)
-                self._last_abort_marker = txn.last_offset
+            self._append_with_markers(view, assigned, prepared.aborted)
             if self.config.flush == "always" and not defer_fsync:
                 self._segments[-1].flush()
                 self._durable_end = next_offset
@@ -336,6 +337,30 @@ class PartitionLog:
             self._disk_full = False
         self.producers.commit(prepared)
         return AppendResult(assigned[0][1].base_offset, next_offset - 1)
+
+    def _append_with_markers(self, view: memoryview, assigned: list[tuple[int, BatchHeader]],
+                             aborted: list[AbortedTxn]) -> None:
+        """Append the batches to the active segment, and the aborted transactions their ABORT markers end to
+        its transaction index: the index first, so that no space for it refuses the append (DiskFullError)
+        before the markers are written; the entries are undone if the batches cannot be written."""
+        active = self._segments[-1]
+        index = active.txn_index
+        crc, trusted_until = index.checkpoint
+        try:
+            for i, txn in enumerate(aborted):
+                index.append(txn)
+        except OSError as exc:
+            index.drop_last(i, crc=crc, trusted_until=trusted_until)
+            if is_disk_full(exc):
+                raise DiskFullError(exc.errno, f"{index.path}: {exc.strerror}") from exc
+            raise
+        try:
+            active.append(view, assigned)
+        except BaseException:
+            index.drop_last(len(aborted), crc=crc, trusted_until=trusted_until)
+            raise
+        if aborted:
+            self._last_abort_marker = aborted[-1].last_offset
 
     def append_marker(
         self, producer_id: int, producer_epoch: int, commit: bool, coordinator_epoch: int, now_ms: int
@@ -358,19 +383,35 @@ class PartitionLog:
         return offset
 
     def _roll(self) -> None:
+        """Start a new active segment. Its files are created first, and no space for them, or for sealing the
+        old one, raises DiskFullError with the new one removed: the old one stays active, as it was."""
         old = self._segments[-1]
+        segment = Segment.create(self.directory, old.next_offset, self.config.index_interval_bytes,
+                                 self._open_files)
+        try:
+            self._seal_rolled(old)
+        except BaseException as exc:
+            if not is_disk_full(exc):
+                segment.close(sync=False)  # the log goes offline; recovery finds the empty segment
+                raise
+            segment.delete()
+            raise DiskFullError(exc.errno, f"{old.path}: no space to seal it: {exc.strerror}") from exc
+        self._segments.append(segment)
+        log.info("%s: rolled new segment at offset %d", self.directory, segment.base_offset)
+
+    def _seal_rolled(self, old: Segment) -> None:
         seal = None
         if self.config.flush != "always":
             try:
                 seal = old.seal_detached()
             except OSError as exc:  # no descriptor to spare for the flusher: seal it here
+                if is_disk_full(exc):
+                    raise
                 log.warning("%s: %s; sealing on the caller's thread", self.directory, exc)
         if seal is None:
             old.seal()
             self._durable_end = old.next_offset
             self.producers.write_snapshot(old.next_offset)
-            segment = Segment.create(self.directory, old.next_offset, self.config.index_interval_bytes,
-                                     self._open_files)
             fsync_dir(self.directory)
         else:
             # Up to a flush interval of data is unsynced, and with it pending, the fsyncs of a roll (the
@@ -380,11 +421,7 @@ class PartitionLog:
                                   self.producers.snapshot_writer(old.next_offset))
             self._pending_seals.append(roll_seal)
             self._unfinished_seals[old.base_offset] = roll_seal
-            segment = Segment.create(self.directory, old.next_offset, self.config.index_interval_bytes,
-                                     self._open_files)
             self._directory_unsynced = True
-        self._segments.append(segment)
-        log.info("%s: rolled new segment at offset %d", self.directory, segment.base_offset)
 
     def roll(self) -> None:
         """Start a new segment now (no-op when the active segment is empty)."""
@@ -539,7 +576,11 @@ class PartitionLog:
                 if len(self._segments) == 1:
                     if self._segments[0].is_empty:
                         break
-                    self._roll()  # the active segment expired too: keep an empty one at the log end
+                    try:
+                        self._roll()  # the active segment expired too: keep an empty one at the log end
+                    except DiskFullError as exc:
+                        log.warning("%s: retention postponed, no space to roll: %s", self.directory, exc)
+                        break
                 self._delete_oldest("retention.ms")
                 deleted += 1
         retention_bytes = self.config.retention_bytes

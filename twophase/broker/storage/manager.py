@@ -44,7 +44,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .config import LogConfig, normalize_overrides
 from twophase.durable import atomic_write, fsync_dir
 from twophase.wire.errors import (
     InvalidPartitionsError,
@@ -54,6 +53,8 @@ from twophase.wire.errors import (
     TopicAlreadyExistsError,
     UnknownTopicOrPartitionError,
 )
+
+from .config import LogConfig, normalize_overrides
 from .errors import DataDirLockedError, MetadataFileError
 from .log import PartitionLog
 from .open_files import OpenFiles
@@ -122,6 +123,14 @@ def _mark_for_deletion(directory: str) -> None:
     fsync_dir(directory)
 
 
+def _unmark_for_deletion(directory: str) -> None:
+    try:
+        os.unlink(os.path.join(directory, DELETING_MARKER))
+    except FileNotFoundError:
+        return
+    fsync_dir(directory)
+
+
 def _lock_directory(data_dir: str) -> int:
     """An exclusive flock on ``data_dir`` itself, held by the returned descriptor.
 
@@ -171,6 +180,7 @@ class LogManager:
         self._logs: dict[tuple[str, int], PartitionLog] = {}
         try:
             self._topics: dict[str, TopicInfo] = self._load_metadata()
+            self._unmark_listed_topics()
             self._finish_deletes()
             self._recover_unlisted_topics()
             self._warn_orphans()
@@ -231,6 +241,17 @@ class LogManager:
         """Partition directories that are not a partition of a topic in ``topics.json``."""
         return [(entry, topic, p) for entry, topic, p in self._partition_dirs()
                 if topic not in self._topics or p >= self._topics[topic].partitions]
+
+    def _unmark_listed_topics(self) -> None:
+        """Remove the delete marks a crash left in directories of a topic ``topics.json`` still names (the
+        delete never reached its commit point, see ``delete_topic``): the topic stays."""
+        for entry, topic, p in self._partition_dirs():
+            directory = os.path.join(self.data_dir, entry)
+            info = self._topics.get(topic)
+            if info is not None and p < info.partitions and _being_deleted(directory):
+                log.warning("%s: a delete of topic %r was cut short before %s dropped it: the topic is kept",
+                            directory, topic, METADATA_FILE)
+                _unmark_for_deletion(directory)
 
     def _finish_deletes(self) -> None:
         """Remove what a delete cut short by a crash left: every unlisted directory of a topic with a marked one.
@@ -411,17 +432,32 @@ class LogManager:
             log.warning("%s: restoring %s after a failed create: %s", self.data_dir, METADATA_FILE, exc)
 
     def delete_topic(self, name: str) -> None:
-        """Drop the topic from ``topics.json``, then remove its files; raises UnknownTopicOrPartitionError."""
+        """Mark the topic's directories, drop it from ``topics.json``, then remove its files; raises
+        UnknownTopicOrPartitionError.
+
+        Saving ``topics.json`` is the delete's commit point. A crash before it leaves a listed topic with
+        marked directories: the next start keeps it and removes the marks (``_unmark_listed_topics``). A
+        crash after it leaves marked directories no topic names: the next start finishes the delete
+        (``_finish_deletes``) instead of recovering the topic.
+        """
         info = self._topics.get(name)
         if info is None:
             raise UnknownTopicOrPartitionError(f"unknown topic {name!r}")
         remaining = {k: v for k, v in self._topics.items() if k != name}
-        self._save_metadata(remaining)
+        directories = [self._dir(name, p) for p in range(info.partitions)]
+        try:
+            for directory in directories:
+                _mark_for_deletion(directory)
+            self._save_metadata(remaining)
+        except Exception:
+            if name in self._load_metadata():  # not dropped: the topic stays, and must not be deleted at start
+                for directory in directories:
+                    _unmark_for_deletion(directory)
+                raise
+            # The new topics.json is in place (its directory fsync failed): the delete went through.
+            log.warning("%s: the fsync of %s failed after it dropped topic %r: deleting it", self.data_dir,
+                        METADATA_FILE, name, exc_info=True)
         self._topics = remaining
-        # Marked (after topics.json no longer names them, before any file goes): a crash from here on is
-        # finished at the next start instead of bringing part of the topic back.
-        for p in range(info.partitions):
-            _mark_for_deletion(self._dir(name, p))
         for p in range(info.partitions):
             partition_log = self._logs.pop((name, p), None)
             if partition_log is not None:

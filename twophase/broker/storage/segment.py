@@ -11,10 +11,12 @@ inconsistent index from the log itself.
 Reads CRC-check what they serve, once: a closed segment opened without recovery (its batches were
 checked when written, but a disk can flip a byte since) checks each batch the first time it is read
 and remembers the checked file ranges, so later reads of them cost nothing; the active segment is
-checked on append (and fully on recovery). The first damaged batch found is logged as an ERROR and
-marks the segment damaged from there to its end: reads return the batches before it and raise
-CorruptRecordError (CORRUPT_MESSAGE) for any offset from it on, rather than serve bytes that fail
-their CRC or offsets that do not follow on.
+checked on append (and fully on recovery). A damaged batch found is logged as an ERROR. If only its
+CRC fails and its framing holds (the next batch starts at its end with the offset after its last),
+reads raise CorruptRecordError (CORRUPT_MESSAGE) for its offsets alone and serve the batches after
+it (``bad_batches``). Otherwise it marks the segment damaged from there to its end (``damage``):
+reads return the batches before it and raise CorruptRecordError for any offset from it on, rather
+than serve bytes that fail their CRC or offsets that do not follow on.
 
 Example::
 
@@ -35,13 +37,14 @@ import struct
 import threading
 from array import array
 from bisect import bisect_left, bisect_right
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from twophase.durable import fsync_dir
 from twophase.wire.errors import CorruptRecordError, KafkaStorageError
 from twophase.wire.records import (
     HEADER_SIZE,
+    INT32_MAX,
     LOG_OVERHEAD,
     MAGIC,
     BatchHeader,
@@ -50,7 +53,7 @@ from twophase.wire.records import (
     validate_batch,
 )
 
-from .errors import DiskFullError
+from .errors import DiskFullError, is_disk_full
 from .open_files import OpenFiles
 from .txnindex import TransactionIndex, txn_index_path
 
@@ -93,6 +96,17 @@ class Damage:
     """The first damaged batch found in a segment: its file position, its offset and what is wrong."""
     position: int
     offset: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class BadBatch:
+    """A batch that failed its CRC check but whose framing holds: file positions [position, end_position)
+    and offsets [offset, end_offset), both bounded by the batch that follows it."""
+    position: int
+    end_position: int
+    offset: int
+    end_offset: int
     reason: str
 
 
@@ -166,16 +180,25 @@ class Segment:
         self._sync_error: OSError | None = None
         self.txn_index = TransactionIndex(txn_index_path(directory, base_offset), base_offset)
         self._checked = CheckedRanges()  # file ranges whose batches passed their CRC check
-        self.damage: Damage | None = None  # the first damaged batch a read found
+        self.damage: Damage | None = None  # the first damaged batch a read found (without intact framing)
+        self.bad_batches: dict[int, BadBatch] = {}  # by file position: damaged batches skipped, see BadBatch
         self._file_fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
-        self.size = os.fstat(self._fd).st_size
+        try:
+            self.size = os.fstat(self._file_fd).st_size
+            if open_files is not None:
+                open_files.used(self)
+        except BaseException:
+            self.close(sync=False)  # not yet returned to anyone: nothing else would release it
+            raise
 
     @property
     def _fd(self) -> int:
         """The log file's descriptor, opened again if it was closed while idle (-1 once the segment is
         closed). No descriptor to spare is KafkaStorageError, not an OSError: nothing failed on disk,
         so the log must not go offline for it."""
-        if self._file_fd < 0 and not self._file_closed:
+        if self._file_closed:
+            return -1  # not counted as used: a closed segment must not enter the open files
+        if self._file_fd < 0:
             try:
                 self._file_fd = os.open(self.path, os.O_RDWR | os.O_APPEND)
             except OSError as exc:
@@ -185,10 +208,6 @@ class Segment:
         if self._open_files is not None:
             self._open_files.used(self)
         return self._file_fd
-
-    @_fd.setter
-    def _fd(self, fd: int) -> None:
-        self._file_fd = fd
 
     def idle(self) -> bool:
         """Whether its files could be closed now without losing anything: open, and nothing unsynced."""
@@ -203,7 +222,6 @@ class Segment:
                 return  # its log is going offline for that error: nothing to close it for
             try:
                 self.flush()
-                self.txn_index.flush()
             except OSError as exc:
                 log.warning("%s: fsync before closing an idle file failed, kept open: %s", self.path, exc)
                 return
@@ -225,8 +243,13 @@ class Segment:
             if seg.size:
                 raise FileExistsError(f"segment {seg.path} already holds data")
             seg.txn_index = TransactionIndex.create(directory, base_offset)
-        except BaseException:
+        except BaseException as exc:
             seg.close(sync=False)  # say EMFILE for the index: the log's descriptor must not leak
+            if not isinstance(exc, FileExistsError):
+                seg.txn_index.delete()  # empty: its files would only stand in the way of the next try
+                os.unlink(seg.path)
+            if is_disk_full(exc):
+                raise DiskFullError(exc.errno, f"{seg.path}: no space for a new segment: {exc.strerror}") from exc
             raise
         return seg
 
@@ -236,7 +259,8 @@ class Segment:
         """Open an existing segment; ``recover`` CRC-checks every batch (for the possibly torn active segment).
 
         Otherwise the index is trusted if consistent and only the bytes after its last entry are
-        walked. Either way a damaged tail is truncated and logged.
+        walked. A bad batch is logged; with ``recover`` it is truncated if it is a torn tail (nothing
+        intact follows it), else (and always without ``recover``) the segment is marked damaged there.
         """
         seg = cls(directory, base_offset, index_interval_bytes, open_files)
         try:
@@ -284,8 +308,10 @@ class Segment:
         return len(entries)
 
     def _rescan(self, kept: int, *, validate: bool) -> None:
-        """Walk the log from index entry ``kept - 1`` (or the start), re-deriving state; truncate a bad tail
-        (``validate``: the possibly torn active segment), or mark a sealed segment damaged there."""
+        """Walk the log from index entry ``kept - 1`` (or the start), re-deriving state; truncate a torn tail
+        (``validate``: the possibly torn active segment), or mark the segment damaged there: a sealed one
+        always, the active one when intact batches follow the bad one to the end of the file (a crash
+        tears only the end; acknowledged batches after a flipped byte are kept, and not served)."""
         if kept:
             # Resume at the last trusted entry; dropping it and forcing the interval re-adds it.
             start = self._positions[kept - 1]
@@ -302,20 +328,21 @@ class Segment:
         file_size = self.size
         self.size = start
         try:
-            for pos, header in self._walk(start, validate=validate, chunk=_RECOVERY_CHUNK):
-                # baseOffset lies outside the CRC; this log never leaves gaps, so a mismatch is damage.
-                if header.base_offset != self.next_offset or header.last_offset_delta < 0:
-                    raise CorruptRecordError(
-                        f"batch offset {header.base_offset} (+{header.last_offset_delta}) "
-                        f"does not follow {self.next_offset}", pos)
-                self._track(pos, header)
-                self.size = pos + header.size
+            self._track_from(start, validate=validate)
         except CorruptRecordError as exc:
-            if not validate:
+            at = self.size if exc.position is None else exc.position
+            resume = self._intact_run_after(at, file_size) if validate else None
+            if not validate or resume is not None:
                 # A sealed segment was fsynced before its index was written: no crash tears it, so this is
-                # damage. Its bytes are kept (they may be repairable) and not served.
-                self._mark_damaged(self.size if exc.position is None else exc.position, self.next_offset, exc.reason)
-                self.size = file_size
+                # damage. Its bytes are kept (they may be repairable) and not served: the bad batch alone
+                # if the intact run starts right at its end, else everything from it on.
+                expected, self.size = self.next_offset, file_size
+                alone = resume is not None and resume == self._framed_end(at)
+                if not (alone and self._mark_bad_batch(at, expected, exc.reason)):
+                    self._mark_damaged(at, expected, exc.reason)
+                if resume is not None:  # the offsets up to the end stay taken: appends go after them
+                    self.next_offset = _PREFIX.unpack(os.pread(self._fd, LOG_OVERHEAD, resume))[0]
+                    self._track_from(resume, validate=True)
                 return
             log.warning(
                 "%s: truncating corrupt or torn tail at offset %d (file position %d): dropping %d bytes: %s",
@@ -323,6 +350,61 @@ class Segment:
         if self.size < file_size:
             os.ftruncate(self._fd, self.size)
             self._sync()
+
+    def _track_from(self, start: int, *, validate: bool) -> None:
+        """Walk the batches from ``start`` to the end of the file into the index and offsets (see ``_rescan``)."""
+        for pos, header in self._walk(start, validate=validate, chunk=_RECOVERY_CHUNK):
+            # baseOffset lies outside the CRC; this log never leaves gaps, so a mismatch is damage.
+            if header.base_offset != self.next_offset or header.last_offset_delta < 0:
+                raise CorruptRecordError(
+                    f"batch offset {header.base_offset} (+{header.last_offset_delta}) "
+                    f"does not follow {self.next_offset}", pos)
+            self._track(pos, header)
+            self.size = pos + header.size
+
+    def _intact_run_after(self, at: int, end: int) -> int | None:
+        """The position after ``at`` (a bad batch) from which CRC-valid batches with consecutive offsets, from
+        ``next_offset`` on, run exactly to ``end``; None if there is none (a torn tail).
+
+        The bad batch's own length is tried first (a flipped byte elsewhere leaves it intact); else every
+        later position whose magic byte and length fit is tried.
+        """
+        own_end = self._framed_end(at)
+        if own_end is not None and at < own_end < end and self._runs_to(own_end, end):
+            return own_end
+        magic = bytes([MAGIC])
+        magic_at = LOG_OVERHEAD + 4  # after partitionLeaderEpoch
+        window_start = at + 1
+        while window_start + HEADER_SIZE <= end:
+            window = os.pread(self._fd, _RECOVERY_CHUNK + HEADER_SIZE, window_start)
+            found = window.find(magic, magic_at)
+            while found >= 0 and found - magic_at + HEADER_SIZE <= len(window):
+                pos = window_start + found - magic_at
+                base, length = _PREFIX.unpack_from(window, found - magic_at)
+                if (0 <= base - self.next_offset <= INT32_MAX and HEADER_SIZE - LOG_OVERHEAD <= length
+                        and pos + LOG_OVERHEAD + length <= end and self._runs_to(pos, end)):
+                    return pos
+                found = window.find(magic, found + 1)
+            window_start += _RECOVERY_CHUNK
+        return None
+
+    def _framed_end(self, pos: int) -> int | None:
+        """Where the batch at ``pos`` ends by its length field (None if the file ends before that field)."""
+        prefix = os.pread(self._fd, LOG_OVERHEAD, pos)
+        return pos + LOG_OVERHEAD + _PREFIX.unpack(prefix)[1] if len(prefix) == LOG_OVERHEAD else None
+
+    def _runs_to(self, pos: int, end: int) -> bool:
+        """Whether CRC-valid batches with consecutive offsets (from ``next_offset`` on) run from ``pos`` to ``end``."""
+        expected = None
+        try:
+            for _, header in self._walk(pos, validate=True, chunk=_RECOVERY_CHUNK):
+                if header.base_offset < self.next_offset or header.last_offset_delta < 0 or (
+                        expected is not None and header.base_offset != expected):
+                    return False
+                expected = header.last_offset + 1
+        except CorruptRecordError:
+            return False
+        return expected is not None
 
     def _walk(self, pos: int, *, validate: bool, chunk: int) -> Iterator[tuple[int, BatchHeader]]:
         """Yield (position, header) from ``pos`` to the end of the file, reading ``chunk`` bytes at a time."""
@@ -386,7 +468,7 @@ class Segment:
         except BaseException as exc:
             # Leave no partial batch behind: the caller reports the failure and state stays consistent.
             os.ftruncate(self._fd, start)
-            if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            if is_disk_full(exc):
                 raise DiskFullError(exc.errno, f"{self.path}: {exc.strerror}") from exc
             raise
         for pos, header in headers:
@@ -406,24 +488,27 @@ class Segment:
                 raise
 
     def flush(self) -> None:
-        """fsync what was appended since the last sync (again if a detached sync has not succeeded); raises OSError."""
+        """fsync what was appended since the last sync (again if a detached sync has not succeeded), and the
+        transaction index's new entries, so the segment is idle after; raises OSError."""
         if self._dirty or self._detached_sync:
             self._sync()
             self._dirty = self._detached_sync = False
+        self.txn_index.flush()
 
     def detach_flush(self) -> DetachedSync | None:
-        """An fsync of everything appended so far, to run in another thread; None if nothing is unsynced.
+        """An fsync of everything appended so far (transaction index included), to run in another thread;
+        None if nothing is unsynced.
 
         It works on a duplicate of the descriptor, so closing or deleting the segment meanwhile does no
         harm. Until it has succeeded, ``flush()`` (so ``seal()`` and ``close()``) fsyncs again rather
         than trust it (waiting for it if it is running).
         """
-        if not self._dirty:
+        if not self._dirty:  # an index entry is written only with the marker appended to the log
             return None
         return self._detach()
 
     def _detach(self) -> DetachedSync:
-        sync = DetachedSync(self, os.dup(self._fd))
+        sync = DetachedSync(self, os.dup(self._fd), self.txn_index.detach_sync())
         self._dirty = False
         self._detached_sync = True
         return sync
@@ -431,18 +516,18 @@ class Segment:
     def seal(self) -> None:
         """Make the segment durable before it stops being the active one: fsync the log and both indexes."""
         self.flush()
-        self.txn_index.seal(self.next_offset)  # fsynced; reopened if the segment is appended to again
+        self._seal_txn_index(sync=True)
         self._write_index(self._index_bytes())
 
     def seal_detached(self) -> DetachedSeal:
-        """Like ``seal()``, but the fsyncs (log and transaction index) and the index file are left to a call
-        that may run in any thread.
+        """Like ``seal()``, but the fsyncs (log and transaction index, whose dirtiness goes with them) and the
+        index file are left to a call that may run in any thread.
 
         The index file is written only after those fsyncs, and an older one is removed now: a segment
         without one is CRC-checked on recovery, as the active segment is, so a crash before the call
         ran loses nothing that was synced and keeps no torn batch.
         """
-        self.txn_index.seal(self.next_offset, sync=False)
+        self._seal_txn_index(sync=False)
         stale = index_path(self.directory, self.base_offset)  # from a close() before a restart
         if os.path.exists(stale):
             os.unlink(stale)
@@ -451,14 +536,30 @@ class Segment:
         # written before it finished (the fsync on the duplicate waits for it).
         return DetachedSeal(self, self._detach(), self._index_bytes())
 
+    def _seal_txn_index(self, *, sync: bool) -> None:
+        if self.damage is None:
+            self.txn_index.seal(self.next_offset, sync=sync)  # reopened if the segment is appended to again
+        else:  # what lies past the damage was not re-derived: its seal claims no more than recovery gave it
+            self.txn_index.close(sync=sync)
+
     def _index_bytes(self) -> bytes:
         return b"".join(_ENTRY.pack(*e) for e in zip(self._rel_offsets, self._positions, self._ts_before))
 
     def _write_index(self, raw: bytes) -> None:
-        with open(index_path(self.directory, self.base_offset), "wb") as f:
-            f.write(raw)
-            f.flush()
-            os.fsync(f.fileno())
+        """Write the offset index file. Without space for it the segment goes on without one (recovery
+        CRC-checks such a segment and writes it then): a full disk must not take the log offline."""
+        path = index_path(self.directory, self.base_offset)
+        try:
+            with open(path, "wb") as f:
+                f.write(raw)
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as exc:
+            if not is_disk_full(exc):
+                raise
+            os.unlink(path)  # a cut index would be trusted as far as it is consistent: none at all instead
+            log.warning("%s: no space for its index file, left without one (recovery rebuilds it): %s",
+                        self.path, exc)
 
     def close(self, *, sync: bool = True) -> None:
         """Release the files (after an fsync with ``sync``). The descriptors are closed even if that fsync
@@ -475,10 +576,10 @@ class Segment:
                 if self._open_files is not None:
                     self._open_files.closed(self)
             finally:
-                if sync and self.damage is None:
-                    self.txn_index.seal(self.next_offset)
-                else:  # a damaged segment's index keeps the seal recovery gave it: it cannot vouch for more
-                    self.txn_index.close(sync=sync)
+                if sync:
+                    self._seal_txn_index(sync=True)
+                else:
+                    self.txn_index.close(sync=False)
 
     def delete(self) -> None:
         """Close without syncing and remove the log, offset index and transaction index files."""
@@ -533,9 +634,11 @@ class Segment:
             for pos, header in self._walk(pos, validate=False, chunk=_LOOKUP_CHUNK):
                 if header.base_offset != expected:
                     raise CorruptRecordError(f"batch offset {header.base_offset} does not follow {expected}")
-                if header.last_offset >= offset:
+                bad = self.bad_batches.get(pos)
+                end_offset = header.last_offset + 1 if bad is None else bad.end_offset  # its delta failed the CRC
+                if end_offset > offset:
                     return pos, expected
-                expected = header.last_offset + 1
+                expected = end_offset
         except CorruptRecordError as exc:
             self._mark_damaged(pos if exc.position is None else exc.position, expected, exc.reason)
             self._refuse_damaged(offset)
@@ -548,10 +651,42 @@ class Segment:
         log.error("%s: damaged batch at offset %d (file position %d): %s; it and the rest of the segment are "
                   "not served", self.path, offset, position, reason)
 
+    def _mark_bad_batch(self, position: int, offset: int, reason: str) -> bool:
+        """Record the batch at ``position`` (expected to start at ``offset``), which failed its CRC check, as a
+        BadBatch if its framing holds; False if it does not (nothing after it can be trusted then)."""
+        head = os.pread(self._fd, HEADER_SIZE, position)
+        if len(head) < HEADER_SIZE:
+            return False
+        header = parse_header(head)
+        end = position + header.size
+        if (header.base_offset != offset or header.magic != MAGIC or header.last_offset_delta < 0
+                or not position + HEADER_SIZE <= end < self.size):
+            return False  # the last batch of the segment has no follower to vouch for its length
+        follower = os.pread(self._fd, HEADER_SIZE, end)
+        if len(follower) < HEADER_SIZE:
+            return False
+        following = parse_header(follower)
+        if (following.magic != MAGIC or following.base_offset != header.last_offset + 1
+                or end + following.size > self.size):
+            return False
+        self.bad_batches[position] = BadBatch(position, end, offset, following.base_offset, reason)
+        log.error("%s: damaged batch at offset %d (offsets %d-%d, file position %d): %s; it is not served, the "
+                  "batches after it are", self.path, offset, offset, following.base_offset - 1, position, reason)
+        return True
+
+    def _first_bad_from(self, position: int) -> BadBatch | None:
+        return min((b for b in self.bad_batches.values() if b.position >= position),
+                   key=lambda b: b.position, default=None)
+
     def _refuse_damaged(self, offset: int) -> None:
         if self.damage is not None and offset >= self.damage.offset:
             raise CorruptRecordError(f"offset {offset} of {self.path} is in its damaged part, from offset "
                                      f"{self.damage.offset}: {self.damage.reason}")
+        for bad in self.bad_batches.values():
+            if bad.offset <= offset < bad.end_offset:
+                raise CorruptRecordError(
+                    f"offset {offset} of {self.path} is in a damaged batch (offsets {bad.offset}-"
+                    f"{bad.end_offset - 1}): {bad.reason}; offset {bad.end_offset} on is served")
 
     def iter_headers(self, from_offset: int) -> Iterator[BatchHeader]:
         """Headers of the batches from the one holding ``from_offset`` to the end, or to the first damaged one
@@ -569,6 +704,10 @@ class Segment:
                     return
                 if header.base_offset != expected:
                     raise CorruptRecordError(f"batch offset {header.base_offset} does not follow {expected}")
+                bad = self.bad_batches.get(pos)
+                if bad is not None:  # its header failed the CRC: not to be trusted
+                    expected = bad.end_offset
+                    continue
                 yield header
                 expected = header.last_offset + 1
         except CorruptRecordError as exc:
@@ -598,26 +737,29 @@ class Segment:
         data, complete, end_offset = self._read_batches(pos, max_bytes, upper_offset, min_one=min_one)
         if not data:
             return data, complete, offset
-        good = self._check(pos, base, data)
+        good, cut_offset = self._check(pos, base, data)
         if good < len(data):
             self._refuse_damaged(offset)  # the batch asked for is the damaged one
-            return data[:good], False, self.damage.offset
-        if self.damage is not None and end_offset >= self.damage.offset:
-            complete = False  # stopped by the damage, not by the segment's end
+            return data[:good], False, cut_offset
         return data, complete, end_offset
 
     def _read_batches(self, pos: int, max_bytes: int, upper_offset: int | None, *, min_one: bool
                       ) -> tuple[bytes, bool, int]:
-        """read_chunk's bytes from the batch at ``pos``, unchecked, up to the damage if any."""
-        end, end_offset = self.size, self.next_offset
+        """read_chunk's bytes from the batch at ``pos``, unchecked, up to the damage or a bad batch if any
+        (not complete then: stopped by it, not by the segment's end)."""
+        end, end_offset, whole = self.size, self.next_offset, True
         if self.damage is not None:
-            end, end_offset = self.damage.position, self.damage.offset
+            end, end_offset, whole = self.damage.position, self.damage.offset, False
+        bad = self._first_bad_from(pos)
+        if bad is not None and bad.position < end:
+            end, end_offset, whole = bad.position, bad.offset, False
         if upper_offset is not None and upper_offset < end_offset:
             end, end_offset = self._first_batch_from(upper_offset)
+            whole = True  # stopped by the upper offset, which lies before any damage
             if end <= pos:
                 return b"", True, end_offset
         if end - pos <= max_bytes:
-            return os.pread(self._fd, end - pos, pos), True, end_offset
+            return os.pread(self._fd, end - pos, pos), whole, end_offset
         cut, cut_offset = self._last_boundary_within(pos, pos + max_bytes)
         if cut > pos:
             return os.pread(self._fd, cut - pos, pos), False, cut_offset
@@ -627,11 +769,12 @@ class Segment:
         # kept within the file, and the check finds the batch damaged.
         size = LOG_OVERHEAD + _PREFIX.unpack(os.pread(self._fd, LOG_OVERHEAD, pos))[1]
         data = os.pread(self._fd, max(HEADER_SIZE, min(size, self.size - pos)), pos)
-        return data, pos + size >= end, _next_offset(data, 0)
+        return data, whole and pos + size >= end, _next_offset(data, 0)
 
-    def _check(self, pos: int, base: int, data: bytes) -> int:
+    def _check(self, pos: int, base: int, data: bytes) -> tuple[int, int]:
         """How many leading bytes of ``data`` (read at ``pos``, starting with the batch with base offset
-        ``base``) hold intact batches: CRC-checks those not checked before and marks the first damaged one."""
+        ``base``) hold intact batches, and the offset after them: CRC-checks those not checked before and
+        marks the first damaged one (a BadBatch if only its CRC fails, else the segment's damage)."""
         at, expected, end = pos, base, pos + len(data)
         while at < end:
             checked_end = self._checked.end_of(at)
@@ -642,12 +785,13 @@ class Segment:
                 if header.base_offset != expected:
                     raise CorruptRecordError(f"batch offset {header.base_offset} does not follow {expected}")
             except CorruptRecordError as exc:
-                self._mark_damaged(at, expected, exc.reason)
-                return at - pos
+                if at not in self.bad_batches and not self._mark_bad_batch(at, expected, exc.reason):
+                    self._mark_damaged(at, expected, exc.reason)
+                return at - pos, expected
             self._checked.add(at, at + header.size)
             expected = header.last_offset + 1
             at += header.size
-        return len(data)
+        return len(data), -1  # the caller knows the offset after the whole of ``data``
 
     def _first_batch_from(self, offset: int) -> tuple[int, int]:
         """(file position, base offset) of the first batch whose base offset is >= ``offset`` (< next_offset)."""
@@ -702,16 +846,20 @@ class Segment:
 
 
 class DetachedSync:
-    """An fsync of a segment on a duplicate of its descriptor: call it once, in any thread, or discard it."""
+    """An fsync of a segment on a duplicate of its descriptor, and of its transaction index if that was
+    dirty (``index_sync``): call it once, in any thread, or discard it."""
 
-    def __init__(self, segment: Segment, fd: int) -> None:
+    def __init__(self, segment: Segment, fd: int, index_sync: Callable[[], None] | None) -> None:
         self._segment = segment
         self._fd = fd
+        self._index_sync = index_sync
 
     def __call__(self) -> None:
         try:
             self._segment._sync(self._fd)
             self._segment._detached_sync = False  # at most one is handed out per segment at a time
+            if self._index_sync is not None:
+                self._index_sync()
         finally:
             self.discard()
 
@@ -732,8 +880,7 @@ class DetachedSeal:
         self._index = index
 
     def __call__(self) -> None:
-        self._sync()
-        self._segment.txn_index.sync_file()
+        self._sync()  # the log, then the transaction index
         self._segment._write_index(self._index)
 
     def discard(self) -> None:

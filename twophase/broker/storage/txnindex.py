@@ -15,8 +15,8 @@ flipped or unsealed file (one from before seals) does not match its seal: ``load
 trusting nothing, and the partition log rebuilds it by replaying the log. Without the seal an empty
 file would pass for "no aborted transactions here", and read_committed readers would see aborted data.
 
-Entries are appended when a marker is written and fsynced when the segment is sealed or closed; the
-partition log re-derives entries after its newest producer snapshot by replaying the log, so a torn or
+Entries are appended just before their ABORT marker is written and fsynced with it (the segment's
+flush, or a detached fsync of it); the partition log re-derives entries after its newest producer snapshot by replaying the log, so a torn or
 missing tail is repaired on open (``load`` reports how far the file can be trusted).
 
 Example::
@@ -30,11 +30,13 @@ Example::
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import struct
 from array import array
 from bisect import bisect_left
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import crc32c
@@ -78,7 +80,8 @@ class TransactionIndex:
         self._lso = array("q")
         self._crc = 0  # CRC-32C of the entries' bytes, for the seal
         self._fd = -1
-        self._dirty = False
+        self._dirty = False  # written since the last fsync started
+        self._detached_sync = False  # an fsync was handed to another thread (detach_sync), not yet succeeded
         self._file_matches = False  # whether the file holds exactly the entries in memory and their seal
 
     @classmethod
@@ -148,8 +151,8 @@ class TransactionIndex:
 
     @property
     def dirty(self) -> bool:
-        """Whether entries were appended since the last fsync."""
-        return self._dirty
+        """Whether something written to the file may not be fsynced yet."""
+        return self._dirty or self._detached_sync
 
     @property
     def last_marker(self) -> int:
@@ -188,9 +191,29 @@ class TransactionIndex:
         self._crc = crc
         self.trusted_until = txn.last_offset + 1
 
+    def drop_last(self, count: int, *, crc: int, trusted_until: int) -> None:
+        """Undo the last ``count`` appends (their markers were not written), back to the CRC and
+        ``trusted_until`` they found. The seal goes back where it was: that needs no new space."""
+        if not count and self._file_matches:
+            return  # nothing was written
+        if count:
+            for column in (self._producer_ids, self._first, self._last, self._lso):
+                del column[-count:]
+        self._crc = crc
+        self.trusted_until = trusted_until
+        try:
+            self._write(self._seal_record())
+        except OSError as exc:  # the next write puts the seal back; until then a restart rebuilds the file
+            log.warning("%s: putting its seal back failed, rewritten on the next write: %s", self.path, exc)
+
+    @property
+    def checkpoint(self) -> tuple[int, int]:
+        """(CRC, trusted_until) now: what ``drop_last`` needs to undo the appends that follow."""
+        return self._crc, self.trusted_until
+
     def seal(self, end_offset: int, *, sync: bool = True) -> None:
         """The segment ends at ``end_offset`` (it is sealed or closed): say so in the seal, fsync (with
-        ``sync``; else see ``sync_file``) and release the file."""
+        ``sync``; else it stays dirty, for ``detach_sync`` or ``flush``) and release the file."""
         try:
             if self.trusted_until != end_offset or not self._file_matches:
                 self.trusted_until = end_offset
@@ -198,8 +221,23 @@ class TransactionIndex:
         finally:
             self.close(sync=sync)
 
-    def sync_file(self) -> None:
-        """fdatasync the file through a descriptor of its own (after ``seal(sync=False)``; any thread)."""
+    def detach_sync(self) -> Callable[[], None] | None:
+        """An fsync of everything written so far, to call once in any thread; None if nothing is unsynced.
+
+        It opens the file on a descriptor of its own, so closing the index meanwhile does no harm. Until
+        it has succeeded, ``flush()`` fsyncs again rather than trust it.
+        """
+        if not self._dirty:
+            return None
+        self._dirty = False
+        self._detached_sync = True
+        return self._run_detached_sync
+
+    def _run_detached_sync(self) -> None:
+        self._sync_by_path()
+        self._detached_sync = False  # at most one is handed out at a time (as for a segment's log)
+
+    def _sync_by_path(self) -> None:
         fd = os.open(self.path, os.O_RDONLY)
         try:
             _fdatasync(fd)
@@ -224,10 +262,13 @@ class TransactionIndex:
         self._file_matches = True
 
     def flush(self) -> None:
-        """fdatasync the entries appended since the last flush, if any."""
-        if self._dirty:
-            _fdatasync(self._fd)
-            self._dirty = False
+        """fdatasync what was written since the last fsync (again if a detached one has not succeeded)."""
+        if self._dirty or self._detached_sync:
+            if self._fd >= 0:
+                _fdatasync(self._fd)
+            else:  # closed unsynced by seal(sync=False), its detached fsync not run yet
+                self._sync_by_path()
+            self._dirty = self._detached_sync = False
 
     def close(self, *, sync: bool = True) -> None:
         """Fsync (with ``sync``) and release the file; it is released even if the fsync fails."""
@@ -252,8 +293,10 @@ class TransactionIndex:
         if self._fd < 0:
             self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o644)
         at = len(self) * ENTRY.size
+        self._file_matches = False  # until the write is whole
         if os.pwrite(self._fd, data, at) != len(data):
-            raise OSError(f"short write to {self.path}")
+            # A regular file takes fewer bytes than given only when the disk (or quota) is full.
+            raise OSError(errno.ENOSPC, f"short write to {self.path}")
         os.ftruncate(self._fd, at + len(data))  # nothing of a longer file may follow the seal
         self._dirty = True
         self._file_matches = True
