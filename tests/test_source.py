@@ -12,7 +12,7 @@ import pytest
 from pyspark.sql.pandas.types import to_arrow_schema
 from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadMaxRows
 
-from tests.broker.conftest import broker, broker_factory, topic  # noqa: F401  (fixtures)
+from tests.broker.conftest import broker, broker_factory, topic, with_deleted_head  # noqa: F401  (fixtures)
 from twophase.client import Admin, Message, Producer
 from twophase.spark.source import (
     SCHEMA,
@@ -155,13 +155,7 @@ def test_a_range_ends_at_its_end_and_skips_markers_and_aborted_records(broker, t
 
 
 def test_a_range_retention_deleted_fails_or_skips_with_a_warning(broker, topic, caplog):
-    broker.create_topic(topic, 1, {"segment.bytes": "1024", "retention.bytes": "1"})
-    with Producer(broker.bootstrap) as p:
-        for i in range(30):
-            p.send(topic, value=bytes(100), partition=0)
-            p.flush()
-    start = broker.partition_log(topic, 0).log_start_offset
-    assert start > 0
+    start = with_deleted_head(broker, topic)
     with pytest.raises(DataLoss, match=rf"{topic}-0: offset 0 \(reading \[0, 30\)\) is no longer in the log"):
         rows_of(KafkaRange(topic, 0, 0, 30, options_for(broker, topic)))
     skipping = options_for(broker, topic, failOnDataLoss="false")

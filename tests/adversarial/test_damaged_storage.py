@@ -197,11 +197,9 @@ def produce_numbered(bootstrap: str, topic: str, rounds: int, per_round: int) ->
     return values
 
 
-def test_a_flipped_byte_in_a_closed_segment_gives_consumers_a_clear_error(broker_factory, tmp_path, topic, caplog):
-    """Item 10 with real clients: after a byte flips in a closed segment of a real broker's data directory,
-    twophase.client and confluent_kafka read the records before the damage exactly once, then get
-    CORRUPT_MESSAGE at the damaged offset (no silent loop re-consuming records), and the broker logs an
-    ERROR naming the partition, segment and offset."""
+def stopped_with_a_flipped_byte(broker_factory, tmp_path, topic: str) -> tuple:
+    """A real broker wrote 400 numbered records (and END) in 2 KiB segments, was stopped, and a byte of
+    a record in its second segment flipped: (data dir, partition dir, values written, damaged offset)."""
     data_dir = tmp_path / "data"
     broker = broker_factory(data_dir=data_dir)
     with Admin(broker.bootstrap) as admin:
@@ -209,7 +207,15 @@ def test_a_flipped_byte_in_a_closed_segment_gives_consumers_a_clear_error(broker
     written = produce_numbered(broker.bootstrap, topic, rounds=40, per_round=10)
     directory = partition_dir(broker, topic)
     broker.stop()
-    damaged = flip_in_closed_segment(directory, "record")
+    return data_dir, directory, written, flip_in_closed_segment(directory, "record")
+
+
+def test_a_flipped_byte_in_a_closed_segment_gives_consumers_a_clear_error(broker_factory, tmp_path, topic, caplog):
+    """Item 10 with real clients: after a byte flips in a closed segment of a real broker's data directory,
+    twophase.client and confluent_kafka read the records before the damage exactly once, then get
+    CORRUPT_MESSAGE at the damaged offset (no silent loop re-consuming records), and the broker logs an
+    ERROR naming the partition, segment and offset."""
+    data_dir, directory, written, damaged = stopped_with_a_flipped_byte(broker_factory, tmp_path, topic)
     assert 0 < damaged < len(written)
 
     caplog.set_level(logging.ERROR, logger="twophase.broker.storage")
@@ -260,14 +266,7 @@ def test_skip_mode_reads_on_past_what_the_broker_refuses_as_damaged(broker_facto
     CORRUPT_MESSAGE (a flipped byte in a closed segment) skips the refused offsets, counted and logged once
     per damaged run, and reads on: every record before the damage once, every record the broker serves
     after it (the next segment's at least) once, in order."""
-    data_dir = tmp_path / "data"
-    broker = broker_factory(data_dir=data_dir)
-    with Admin(broker.bootstrap) as admin:
-        admin.create_topics({topic: 1}, configs={"segment.bytes": "2048"})
-    written = produce_numbered(broker.bootstrap, topic, rounds=40, per_round=10)
-    directory = partition_dir(broker, topic)
-    broker.stop()
-    damaged = flip_in_closed_segment(directory, "record")
+    data_dir, directory, written, damaged = stopped_with_a_flipped_byte(broker_factory, tmp_path, topic)
     next_segment = int(os.path.basename(sorted(glob.glob(os.path.join(directory, "*.log")))[2]).split(".")[0])
     assert 0 < damaged < next_segment < len(written)
 

@@ -93,6 +93,23 @@ def release_storage() -> Iterator[None]:
         crash(storage)
 
 
+def with_deleted_head(broker: Broker, topic: str, records: int = 30) -> int:
+    """Create ``topic`` (one partition, 1 KiB segments, retention.bytes 1) and write ``records`` records
+    of 100 bytes: retention deletes the first segments. Returns the partition's log start offset (> 0)."""
+    from twophase.client import (
+        Producer,  # the client only where a test writes through it
+    )
+
+    broker.create_topic(topic, 1, {"segment.bytes": "1024", "retention.bytes": "1"})
+    with Producer(broker.bootstrap) as p:
+        for _ in range(records):
+            p.send(topic, value=bytes(100), partition=0)
+            p.flush()
+    start = broker.partition_log(topic, 0).log_start_offset
+    assert start > 0
+    return start
+
+
 @pytest.fixture
 def broker_factory(tmp_path) -> Iterator:
     started: list[Broker] = []

@@ -8,6 +8,7 @@ import struct
 import crc32c
 import pytest
 
+from tests.broker.conftest import with_deleted_head
 from twophase.client import (
     EARLIEST,
     LATEST,
@@ -57,13 +58,7 @@ def test_list_offsets_earliest_latest_and_the_last_stable_offset_in_one_request(
 
 
 def test_auto_offset_reset_none_raises_out_of_range_and_keeps_the_position(broker, topic):
-    broker.create_topic(topic, 1, {"segment.bytes": "1024", "retention.bytes": "1"})
-    with Producer(broker.bootstrap) as p:
-        for i in range(30):
-            p.send(topic, value=bytes(100), partition=0)
-            p.flush()
-    start = broker.partition_log(topic, 0).log_start_offset
-    assert start > 0
+    start = with_deleted_head(broker, topic)
     with Consumer(broker.bootstrap, auto_offset_reset="none") as c:
         c.assign([(topic, 0)])
         with pytest.raises(KafkaError, match="auto_offset_reset is none"):
