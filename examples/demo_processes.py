@@ -15,6 +15,7 @@ Usage::
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import socket
@@ -124,33 +125,34 @@ class InputProducer(threading.Thread):
     """An independent confluent-kafka producer writing orders in transactions, until stopped.
 
     It alternates two transactional producers, one zstd- and one lz4-compressed,
-    and aborts every ``abort_every``-th transaction on purpose (those ids must
+    and aborts every ``abort_every``-th transaction (third by default) on purpose (those ids must
     never show up downstream). ``pause()`` parks it between two transactions.
     """
 
     def __init__(self, bootstrap: str, topic: str, *, users: int = 12, txn_rows: int = 40,
-                 rate: float = 200.0, abort_every: int = 4, codecs: tuple[str, ...] = ("zstd", "lz4")) -> None:
+                 rate: float = 200.0, abort_every: int = 3, codecs: tuple[str, ...] = ("zstd", "lz4")) -> None:
         super().__init__(name="input-producer", daemon=True)
         self.bootstrap, self.topic, self.users, self.txn_rows = bootstrap, topic, users, txn_rows
         self.pause_s, self.abort_every, self.codecs = txn_rows / rate, abort_every, codecs
         self.produced = ProducedInput()
         self.error: BaseException | None = None
-        self._stop, self._pause, self._parked = threading.Event(), threading.Event(), threading.Event()
+        self._stopping, self._pause, self._parked = threading.Event(), threading.Event(), threading.Event()
 
     def run(self) -> None:
         """Write transactions until stopped; an error is kept in ``self.error`` (and ends the thread)."""
         from confluent_kafka import Producer
 
         producers = [Producer({"bootstrap.servers": self.bootstrap, "transactional.id": f"demo-input-{codec}",
-                               "compression.type": codec, "linger.ms": 20}) for codec in self.codecs]
+                               "compression.type": codec, "linger.ms": 20,
+                               "logger": logging.getLogger("confluent_kafka")}) for codec in self.codecs]
         try:
             for p in producers:
                 p.init_transactions(60)
             n = next_id = 0
-            while not self._stop.is_set():
+            while not self._stopping.is_set():
                 if self._pause.is_set():
                     self._parked.set()
-                    while self._pause.is_set() and not self._stop.is_set():
+                    while self._pause.is_set() and not self._stopping.is_set():
                         time.sleep(0.02)
                     self._parked.clear()
                     continue
@@ -158,7 +160,7 @@ class InputProducer(threading.Thread):
                 abort = n % self.abort_every == self.abort_every - 1
                 self._transaction(producers[n % len(producers)], range(next_id, next_id + self.txn_rows), abort, codec)
                 n, next_id = n + 1, next_id + self.txn_rows
-                self._stop.wait(self.pause_s)
+                self._stopping.wait(self.pause_s)
         except BaseException as exc:  # reported by the demo, which then fails
             self.error = exc
         finally:
@@ -190,5 +192,5 @@ class InputProducer(threading.Thread):
 
     def stop(self, timeout: float = 120.0) -> None:
         """Stop after the current transaction and wait for the thread."""
-        self._stop.set()
+        self._stopping.set()
         self.join(timeout)

@@ -6,7 +6,7 @@ What it runs, on one machine, on embedded defaults:
    process of its own (``twophase broker``, data dir in the work dir), with an
    input topic ``orders`` and two output topics.
 2. An independent confluent-kafka producer writes orders into ``orders`` while
-   the job runs: transactions alternately zstd- and lz4-compressed, every fourth
+   the job runs: transactions alternately zstd- and lz4-compressed, every third
    one aborted on purpose.
 3. The job (examples/kafka_pipeline_query.py) reads ``orders`` with the
    ``twophase-kafka`` source (read_committed) and runs two queries through
@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import secrets
 import shutil
@@ -62,6 +63,7 @@ from twophase.zkserver import ZooKeeperServer
 APP, ROOT = "orders", "/twophase-demo"
 INPUT, ENRICHED, TOTALS = "orders", "orders-enriched", "user-totals"
 PARTITIONS = 3
+log = logging.getLogger("twophase.demo")
 QUERIES = {"enrich": f"{APP}-enrich", "totals": f"{APP}-totals"}   # query label -> twophase app
 
 
@@ -70,7 +72,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workdir", help="checkpoints, broker data and logs (default ./.demo/<timestamp>)")
     p.add_argument("--plain", action="store_true", help="line output (the default when stdout is not a TTY)")
-    p.add_argument("--rate", type=float, default=300, help="input orders per second (300)")
+    p.add_argument("--rate", type=float, default=100, help="input orders per second (100)")
     p.add_argument("--users", type=int, default=12, help="distinct users, the aggregation's keys (12)")
     p.add_argument("--max-offsets", type=int, default=600, help="maxOffsetsPerTrigger of each query (600)")
     p.add_argument("--epochs-between-faults", type=int, default=2,
@@ -142,7 +144,7 @@ class Demo:
         self.visible = VisibleCount(self.broker.bootstrap, ENRICHED, PARTITIONS)
         self.producer = InputProducer(self.broker.bootstrap, INPUT, users=self.args.users, rate=self.args.rate)
         self.producer.start()
-        self.display.event(f"input producer (confluent-kafka, zstd/lz4, every 4th transaction aborted) "
+        self.display.event(f"input producer (confluent-kafka, zstd/lz4, every 3rd transaction aborted) "
                            f"writing ~{self.args.rate:.0f} orders/s")
 
     def start_driver(self, run: int, trigger: str) -> None:
@@ -161,19 +163,18 @@ class Demo:
         self.display.event(f"driver run {run} started: pid {self.driver.pid}, trigger {trigger}")
 
     def stop_all(self) -> None:
-        """Stop every process the demo started, whatever state it is in."""
-        kill_group(self.driver)
-        if self.producer is not None:
-            self.producer.stop()
-        if self.visible is not None:
-            self.visible.close()
-        self.broker.stop()
-        if self.zk is not None:
-            self.zk.stop()
-            self.zk.close()
-        if self.zk_server.log_path.exists():
-            shutil.copy(self.zk_server.log_path, f"{self.work}/zookeeper.log")
-        self.zk_server.stop()
+        """Stop every process the demo started, whatever state it is in; one failing stop skips no other."""
+        steps = [lambda: kill_group(self.driver), self.producer and self.producer.stop,
+                 self.visible and self.visible.close, self.broker.stop,
+                 self.zk and self.zk.stop, self.zk and self.zk.close,
+                 lambda: self.zk_server.log_path.exists() and shutil.copy(self.zk_server.log_path,
+                                                                          f"{self.work}/zookeeper.log"),
+                 self.zk_server.stop]
+        for step in filter(None, steps):
+            try:
+                step()
+            except Exception:
+                log.exception("stopping the demo's processes")
 
     # -- progress -------------------------------------------------------------------------------
     def tick(self) -> None:
@@ -225,9 +226,9 @@ class Demo:
         """kill -9 of the broker between two input transactions, restart on the same data dir and port."""
         self.progress.fault = "broker: kill -9"
         self.producer.pause()
-        pid = self.broker.proc.pid
+        self.display.event(f"FAULT kill -9 of the broker (pid {self.broker.proc.pid}) mid-stream "
+                           "(input producer parked between two transactions)")
         self.broker.kill()
-        self.display.event(f"FAULT kill -9 of the broker (pid {pid}) mid-stream")
         self.tick()
         self.broker.start()
         self.producer.resume()
@@ -344,6 +345,9 @@ def main(argv: list[str] | None = None) -> int:
     args.plain = args.plain or not sys.stdout.isatty()
     args.workdir = os.path.abspath(args.workdir or time.strftime("./.demo/%Y%m%d-%H%M%S"))
     os.makedirs(args.workdir, exist_ok=True)
+    # Library logs (kazoo reconnecting during the ZooKeeper restart, ...) go to a file, not over the display.
+    logging.basicConfig(filename=f"{args.workdir}/demo.log", level=logging.INFO,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
     # Signs what the coordinator stores in ZooKeeper; both driver runs inherit it.
     os.environ.setdefault("TWOPHASE_SECRET", secrets.token_hex(32))
     t0 = time.monotonic()
@@ -358,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         demo.stop_all()
     print(f"\n{'PASS' if ok else 'FAIL'} in {time.monotonic() - t0:.1f}s; work dir kept: {args.workdir} "
-          f"(driver-run1.log, driver-run2.log, broker.log, zookeeper.log)")
+          f"(demo.log, driver-run1.log, driver-run2.log, broker.log, zookeeper.log)")
     return 0 if ok else 1
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import secrets
 import shutil
@@ -105,7 +106,9 @@ class VisibleCount:
 
     def __init__(self, bootstrap: str, topic: str = TOPIC, partitions: int = TOPIC_PARTITIONS) -> None:
         self.consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"demo-{uuid.uuid4().hex}",
-                                  "enable.auto.commit": False, "isolation.level": "read_committed"})
+                                  "enable.auto.commit": False, "isolation.level": "read_committed",
+                                  # librdkafka's own lines (reconnects...) go to logging, not over the display
+                                  "logger": logging.getLogger("confluent_kafka")})
         self.consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in range(partitions)])
         self.count = 0
 
