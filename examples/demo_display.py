@@ -74,7 +74,7 @@ class Display:
             self._live.update(self._table(progress))
         elif time.monotonic() - self._last_line >= PLAIN_EVERY_S:
             self._last_line = time.monotonic()
-            epochs = ", ".join(f"{q} {e}" for q, e in progress.epochs.items()) or "-"
+            epochs = ", ".join(f"{q} {e + 1}" for q, e in progress.epochs.items()) or "-"
             print(f"{self.elapsed()} rows in {progress.rows_in} (+{progress.rows_aborted} aborted), "
                   f"committed {progress.rows_committed}, lag {progress.lag}, epochs committed: {epochs}, "
                   f"driver {progress.driver}, fault: {progress.fault}", flush=True)

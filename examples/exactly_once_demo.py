@@ -44,6 +44,7 @@ from collections import Counter
 from kazoo.exceptions import KazooException
 
 from coordinator.layout import AppPaths, QueryPaths
+from coordinator.state import EpochRecord
 from coordinator.zk import connect, read_json
 from examples.demo_display import Display, Progress
 from examples.demo_processes import (
@@ -101,7 +102,7 @@ def children(zk, path: str) -> list[str]:
     return zk.get_children(path) if zk.exists(path) else []
 
 
-def precommitted_uncommitted(zk, app: str) -> tuple[int, int, str] | None:
+def precommitted_uncommitted(zk, app: str) -> tuple[int, list[str], str] | None:
     """(epoch, pre-commits registered, state) of an open epoch past the watermark with a pre-commit, else None."""
     qp = query_paths(zk, app)
     if qp is None:
@@ -112,7 +113,7 @@ def precommitted_uncommitted(zk, app: str) -> tuple[int, int, str] | None:
         if epoch > mark and (attempts := children(zk, qp.attempts(epoch))):
             state = (read_json(zk, qp.epoch(epoch)) or {}).get("state", "open")
             if state == "open":
-                return epoch, len(attempts), state
+                return epoch, attempts, state
     return None
 
 
@@ -129,6 +130,7 @@ class Demo:
         self.driver_should_run = False
         self.seen_intents: set[str] = set()
         self.task_failures = 0
+        self.killed: tuple[int, str] | None = None   # (epoch, run) the driver SIGKILL interrupted
 
     # -- processes ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -254,10 +256,11 @@ class Demo:
         epoch, attempts, state = found[-1]
         self.driver_should_run = False
         kill_group(self.driver)
+        self.killed = (epoch, attempts[0].rsplit(".", 3)[0])
         qp = query_paths(self.zk, QUERIES["enrich"])
         after = (read_json(self.zk, qp.epoch(epoch)) or {}).get("state", "open")
         self.display.event(f"FAULT SIGKILL of the driver (pid {self.driver.pid}): enrich epoch {epoch} had "
-                           f"{attempts} pre-commit(s) registered, state {state}; after the kill: state {after}, "
+                           f"{len(attempts)} pre-commit(s) registered, state {state}; after the kill: state {after}, "
                            f"{len(children(self.zk, qp.attempts(epoch)))} pre-commit(s) left for the restart")
         self.progress.fault = "driver dead (SIGKILL)"
         self.progress.driver = "dead"
@@ -286,9 +289,18 @@ class Demo:
                                f"see {self.work}/driver-run2.log")
             return False
         self.display.event("driver run 2 finished: every epoch of both queries committed")
+        self.report_killed_epoch()
         self.progress.driver = "done"
         self.tick()
         return self.verify()
+
+    def report_killed_epoch(self) -> None:
+        """Say how the epoch the driver SIGKILL interrupted was settled: which run's transactions were committed."""
+        epoch, killed_run = self.killed
+        record = EpochRecord.decode(self.zk.get(query_paths(self.zk, QUERIES["enrich"]).epoch(epoch))[0])
+        source = ("the killed run's pre-commits, recovered" if record.run == killed_run
+                  else "the restarted run's re-run; the killed run's pre-commits were aborted")
+        self.display.event(f"the interrupted enrich epoch {epoch} is {record.state.value}: committed from {source}")
 
     def verify(self) -> bool:
         """The independent read_committed check of the output topics; True if all of it holds."""

@@ -30,7 +30,7 @@ def test_demo_main_job_is_exactly_once_through_chaos(tmp_path):
     out = done.stdout + done.stderr
     assert done.returncode == 0, out
     for fault in ("FAULT kill -9 of the broker", "FAULT ZooKeeper restart", "FAULT SIGKILL of the driver",
-                  "task failure:"):
+                  "task failure:", "the interrupted enrich epoch"):
         assert fault in out, f"{fault!r} not reported\n{out}"
     assert "lost 0, duplicated 0; aggregate exact" in out, out
     assert "enriched rows from aborted input: 0; rows with wrong derived fields: 0" in out, out
