@@ -249,11 +249,16 @@ class Demo:
         """SIGKILL the driver once an enrichment epoch has pre-commits registered and is not committed."""
         self.progress.fault = "driver SIGKILL armed: waiting for a pre-committed epoch"
         self.tick()
-        found: list = []
-        await_event("an epoch pre-committed and not committed",
-                    lambda: bool(found.append(precommitted_uncommitted(self.zk, QUERIES["enrich"])) or found[-1]),
-                    self.args.timeout, still_possible=lambda: self.driver.poll() is None, poll_s=0.01)
-        epoch, attempts, state = found[-1]
+        found = None
+
+        def landed() -> bool:
+            nonlocal found
+            found = precommitted_uncommitted(self.zk, QUERIES["enrich"])
+            return found is not None
+
+        await_event("an epoch pre-committed and not committed", landed, self.args.timeout,
+                    still_possible=lambda: self.driver.poll() is None, poll_s=0.01)
+        epoch, attempts, state = found
         self.driver_should_run = False
         kill_group(self.driver)
         self.killed = (epoch, attempts[0].rsplit(".", 3)[0])
@@ -279,8 +284,7 @@ class Demo:
         self.await_epochs(self.args.epochs_between_faults)
         self.kill_driver_between_precommit_and_commit()
         self.producer.stop()
-        self.display.event(f"input producer stopped: {len(self.producer.produced.committed)} orders committed, "
-                           f"{len(self.producer.produced.aborted)} aborted; {self.producer.produced.transactions}")
+        self.display.event(f"input producer stopped: {self.producer.produced.summary()}")
         self.progress.fault = "none"
         self.start_driver(2, "available-now")
         self.wait("driver run 2 to finish", lambda: self.driver.poll() is not None)
@@ -336,9 +340,8 @@ def verify(bootstrap: str, producer: InputProducer, task_failures: int, display:
     still_open = open_transactions(bootstrap)
 
     print("\n=== independent reader (confluent-kafka, isolation.level=read_committed) ===", flush=True)
-    print(f"input {INPUT}: {len(orders)} orders visible; the producer committed {len(produced.committed)} and "
-          f"aborted {len(aborted)} ({', '.join(f'{n} {k}' for k, n in sorted(produced.transactions.items()))} "
-          f"transactions): {'match' if input_ok else 'MISMATCH'}")
+    print(f"input {INPUT}: {len(orders)} orders visible; the producer {produced.summary()}: "
+          f"{'match' if input_ok else 'MISMATCH'}")
     print(f"injected task failures seen: {task_failures}")
     print(f"enriched ({ENRICHED}): {report}")
     print(f"enriched rows from aborted input: {from_aborted}; rows with wrong derived fields: {wrong}")
