@@ -1,232 +1,383 @@
-"""Exactly-once through a driver crash: the twophase demo, on embedded defaults.
+"""The main job, exactly once through chaos: Kafka in, Spark (enrichment + aggregation), Kafka out.
 
-What it shows, end to end on one machine:
+What it runs, on one machine, on embedded defaults:
 
-1. A private ZooKeeper starts (free port, temp data dir), the built-in log
-   broker starts inside this process (free port, data dir in the work dir), and
-   N input files of M rows each are written; every file becomes one Spark
-   micro-batch.
-2. examples/log_sink_query.py streams them through TwoPhaseSink(LogSink) into
-   a 3-partition topic, every task attempt in a KIP-939 prepared transaction of
-   its own, with 30% of first task attempts failing mid-write (Spark retries
-   them; the failed attempts' transactions are aborted).
-3. About a third of the way in, the driver is killed with SIGKILL, mid-stream:
-   no shutdown hooks, no cleanup, open and prepared transactions left behind.
-   The broker lives in this process, so it keeps running.
-4. The same command restarts on the same checkpoint and runs to the end.
-5. An independent reader, a read_committed confluent-kafka consumer, reads the
-   topic and checks that every input row is visible exactly once; a
-   read_uncommitted one shows the aborted records really are in the log.
+1. A private ZooKeeper (free port, temp data dir) and the built-in broker as a
+   process of its own (``twophase broker``, data dir in the work dir), with an
+   input topic ``orders`` and two output topics.
+2. An independent confluent-kafka producer writes orders into ``orders`` while
+   the job runs: transactions alternately zstd- and lz4-compressed, every third
+   one aborted on purpose.
+3. The job (examples/kafka_pipeline_query.py) reads ``orders`` with the
+   ``twophase-kafka`` source (read_committed) and runs two queries through
+   TwoPhaseSink(LogSink): a stateless enrichment into ``orders-enriched`` and
+   per-user running totals (groupBy, update mode) into ``user-totals``.
+4. Chaos, each fault injected on purpose and reported when it happens:
+   first task attempts fail now and then (Spark retries them); the broker is
+   killed with kill -9 and restarted on its data dir; ZooKeeper is restarted;
+   the driver is SIGKILLed while an epoch is pre-committed but not committed.
+5. The producer stops, the job restarts on its checkpoints with
+   Trigger.AvailableNow and exits once everything is committed.
+6. An independent read_committed confluent-kafka reader checks: every committed
+   order enriched exactly once (``lost 0, duplicated 0``), nothing from aborted
+   input, each user's last total equal to a batch computation over the
+   committed input, no transaction left open. Exit code 0 only then.
 
-Run it with ``scripts/demo.sh`` or ``python -m examples.exactly_once_demo``;
-the work dir (input, checkpoint, broker data, logs) is kept for inspection.
+Run it with ``scripts/demo.sh`` or ``python -m examples.exactly_once_demo``
+(``--plain`` for line output, chosen by itself when stdout is not a terminal);
+the work dir (checkpoints, broker data, logs) is kept for inspection.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import secrets
 import shutil
-import signal
-import subprocess
 import sys
 import time
-import uuid
+import traceback
+from collections import Counter
 
-from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
+from kazoo.exceptions import KazooException
 
-from coordinator.layout import AppPaths
+from coordinator.layout import AppPaths, QueryPaths
+from coordinator.state import EpochRecord
 from coordinator.zk import connect, read_json
-from examples.file_sink_query import write_input
+from examples.demo_display import Display, Progress
+from examples.demo_processes import (
+    BrokerProcess,
+    InputProducer,
+    await_event,
+    kill_group,
+    spawn,
+)
+from examples.file_input_demo import VisibleCount, open_transactions
+from examples.kafka_pipeline_query import enrich_order
 from examples.log_sink_query import read_topic
-from twophase.broker import Broker
-from twophase.checkpoint import started_epochs
 from twophase.client import Admin
 from twophase.verify import count_rows
 from twophase.zkserver import ZooKeeperServer
 
-APP, ROOT = "exactly-once-demo", "/twophase-demo"
-TOPIC, TOPIC_PARTITIONS = "demo-out", 3
+APP, ROOT = "orders", "/twophase-demo"
+INPUT, ENRICHED, TOTALS = "orders", "orders-enriched", "user-totals"
+PARTITIONS = 3
+log = logging.getLogger("twophase.demo")
+QUERIES = {"enrich": f"{APP}-enrich", "totals": f"{APP}-totals"}   # query label -> twophase app
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """Parse the demo's command line."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--workdir", help="where input, checkpoint, broker data and logs go "
-                   "(default ./.demo/<timestamp>)")
-    p.add_argument("--batches", type=int, default=12, help="input files = micro-batches (12)")
-    p.add_argument("--rows", type=int, default=500, help="rows per batch (500)")
-    p.add_argument("--fail-rate", type=float, default=0.3, help="share of failing first attempts")
-    p.add_argument("--slow-ms", type=int, default=2, help="delay per row write, in ms")
-    p.add_argument("--timeout", type=float, default=600, help="give up on a run after this many s")
+    p.add_argument("--workdir", help="checkpoints, broker data and logs (default ./.demo/<timestamp>)")
+    p.add_argument("--plain", action="store_true", help="line output (the default when stdout is not a TTY)")
+    p.add_argument("--rate", type=float, default=100, help="input orders per second (100)")
+    p.add_argument("--users", type=int, default=12, help="distinct users, the aggregation's keys (12)")
+    p.add_argument("--max-offsets", type=int, default=600, help="maxOffsetsPerTrigger of each query (600)")
+    p.add_argument("--epochs-between-faults", type=int, default=2,
+                   help="epochs the job must commit after one fault before the next (2)")
+    p.add_argument("--fail-rate", type=float, default=0.3, help="share of failing first task attempts (0.3)")
+    p.add_argument("--slow-ms", type=int, default=1, help="delay per row written, in ms (1)")
+    p.add_argument("--timeout", type=float, default=600, help="give up on any one step after this many s")
     return p.parse_args(argv)
 
 
-def job_command(args: argparse.Namespace, zk: str, bootstrap: str, work: str) -> list[str]:
-    """The command line of the streaming job (``examples.log_sink_query``) the demo runs and kills."""
-    return [sys.executable, "-m", "examples.log_sink_query", "--zk", zk, "--root", ROOT,
-            "--app", APP, "--bootstrap", bootstrap, "--topic", TOPIC, "--input", f"{work}/input",
-            "--checkpoint", f"{work}/checkpoint", "--fail-rate", str(args.fail_rate),
-            "--slow-ms", str(args.slow_ms)]
+def query_paths(zk, app: str) -> QueryPaths | None:
+    """The znodes of the app's one query, once its driver registered it."""
+    paths = AppPaths(ROOT, app)
+    queries = zk.get_children(paths.queries) if zk.exists(paths.queries) else []
+    return paths.query(queries[0]) if queries else None
 
 
-def start_driver(cmd: list[str], log_path: str) -> subprocess.Popen:
-    """The driver in its own process group, so one killpg takes its JVM along."""
-    with open(log_path, "wb") as log:
-        return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+def watermark(zk, app: str) -> int:
+    """Every epoch <= this is committed (-1: none yet)."""
+    qp = query_paths(zk, app)
+    return -1 if qp is None else read_json(zk, qp.watermark, {"epoch": -1})["epoch"]
 
 
-def stop_driver(proc: subprocess.Popen) -> None:
-    """SIGKILL a driver that is still running (it has its own session: Ctrl-C misses it)."""
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+def children(zk, path: str) -> list[str]:
+    """A znode's children, [] if it does not exist."""
+    return zk.get_children(path) if zk.exists(path) else []
 
 
-def committed_epoch(zk) -> int:
-    """The coordinator's watermark: every epoch <= it is committed (-1: none yet)."""
-    queries = AppPaths(ROOT, APP).queries
-    children = zk.get_children(queries) if zk.exists(queries) else []
-    return max((read_json(zk, AppPaths(ROOT, APP).query(q).watermark, {"epoch": -1})["epoch"]
-                for q in children), default=-1)
+def precommitted_uncommitted(zk, app: str) -> tuple[int, list[str], str] | None:
+    """(epoch, pre-commits registered, state) of an open epoch past the watermark with a pre-commit, else None."""
+    qp = query_paths(zk, app)
+    if qp is None:
+        return None
+    mark = read_json(zk, qp.watermark, {"epoch": -1})["epoch"]
+    for name in children(zk, qp.epochs):
+        epoch = int(name)
+        if epoch > mark and (attempts := children(zk, qp.attempts(epoch))):
+            state = (read_json(zk, qp.epoch(epoch)) or {}).get("state", "open")
+            if state == "open":
+                return epoch, attempts, state
+    return None
 
 
-def spark_batch(checkpoint: str) -> str:
-    """The newest batch in Spark's checkpoint: offsets/N is written before batch N runs."""
-    started = started_epochs(checkpoint)
-    return str(started[-1]) if started else "-"
+class Demo:
+    """One run of the demo: its processes, its progress, its faults, its verdict."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args, self.work = args, args.workdir
+        self.display = Display(plain=args.plain)
+        self.progress = Progress()
+        self.zk_server = ZooKeeperServer()
+        self.broker = BrokerProcess(f"{self.work}/broker", log_path=f"{self.work}/broker.log")
+        self.zk = self.producer = self.driver = self.visible = None
+        self.driver_should_run = False
+        self.seen_intents: set[str] = set()
+        self.task_failures = 0
+        self.killed: tuple[int, str] | None = None   # (epoch, run) the driver SIGKILL interrupted
+
+    # -- processes ------------------------------------------------------------------------------
+    def start(self) -> None:
+        """ZooKeeper, broker, topics, the input producer."""
+        self.zk_server.start()
+        self.zk = connect(self.zk_server.hosts)
+        self.display.event(f"private ZooKeeper on {self.zk_server.hosts}")
+        self.broker.start()
+        with Admin(self.broker.bootstrap) as admin:
+            admin.create_topics({INPUT: PARTITIONS, ENRICHED: PARTITIONS, TOTALS: PARTITIONS})
+        self.display.event(f"built-in broker (pid {self.broker.proc.pid}) on {self.broker.bootstrap}, "
+                           f"topics {INPUT}, {ENRICHED}, {TOTALS} with {PARTITIONS} partitions each")
+        self.visible = VisibleCount(self.broker.bootstrap, ENRICHED, PARTITIONS)
+        self.producer = InputProducer(self.broker.bootstrap, INPUT, users=self.args.users, rate=self.args.rate)
+        self.producer.start()
+        self.display.event(f"input producer (confluent-kafka, zstd/lz4, every 3rd transaction aborted) "
+                           f"writing ~{self.args.rate:.0f} orders/s")
+
+    def start_driver(self, run: int, trigger: str) -> None:
+        """Start the job (examples.kafka_pipeline_query) in its own process group.
+
+        A processing-time run must keep running (tick() fails if it exits); an available-now run ends."""
+        cmd = [sys.executable, "-m", "examples.kafka_pipeline_query", "--zk", self.zk_server.hosts,
+               "--root", ROOT, "--app", APP, "--bootstrap", self.broker.bootstrap,
+               "--checkpoint", f"{self.work}/checkpoint", "--input-topic", INPUT,
+               "--enriched-topic", ENRICHED, "--totals-topic", TOTALS, "--trigger", trigger,
+               "--max-offsets", str(self.args.max_offsets), "--fail-rate", str(self.args.fail_rate),
+               "--slow-ms", str(self.args.slow_ms)]
+        self.driver = spawn(cmd, f"{self.work}/driver-run{run}.log")
+        self.driver_should_run = trigger != "available-now"
+        self.progress.driver = f"run {run} (pid {self.driver.pid}, trigger {trigger})"
+        self.display.event(f"driver run {run} started: pid {self.driver.pid}, trigger {trigger}")
+
+    def stop_all(self) -> None:
+        """Stop every process the demo started, whatever state it is in; one failing stop skips no other."""
+        steps = [lambda: kill_group(self.driver), self.producer and self.producer.stop,
+                 self.visible and self.visible.close, self.broker.stop,
+                 self.zk and self.zk.stop, self.zk and self.zk.close,
+                 lambda: self.zk_server.log_path.exists() and shutil.copy(self.zk_server.log_path,
+                                                                          f"{self.work}/zookeeper.log"),
+                 self.zk_server.stop]
+        for step in filter(None, steps):
+            try:
+                step()
+            except Exception:
+                log.exception("stopping the demo's processes")
+
+    # -- progress -------------------------------------------------------------------------------
+    def tick(self) -> None:
+        """Refresh the progress, report injected task failures seen, fail fast if something died."""
+        if self.producer.error is not None:
+            raise RuntimeError(f"the input producer failed: {self.producer.error!r}")
+        if self.driver_should_run and self.driver.poll() is not None:
+            raise RuntimeError(f"the driver exited with {self.driver.returncode} unasked; see "
+                               f"{self.progress.driver.split()[0]} log in {self.work}")
+        self.progress.rows_in = len(self.producer.produced.committed)
+        self.progress.rows_aborted = len(self.producer.produced.aborted)
+        self.progress.rows_committed = self.visible.poll()
+        try:
+            for label, app in QUERIES.items():
+                self.progress.epochs[label] = watermark(self.zk, app)
+                self.report_task_failures(label, app)
+        except KazooException:
+            pass  # ZooKeeper is restarting: keep the last values
+        self.display.update(self.progress)
+
+    def report_task_failures(self, label: str, app: str) -> None:
+        """Report every retry of a task attempt (an intent of attempt > 0): the injected failures."""
+        qp = query_paths(self.zk, app)
+        if qp is None:
+            return
+        mark = self.progress.epochs[label]
+        for name in children(self.zk, qp.epochs):
+            if int(name) < mark - 1:
+                continue
+            for intent in children(self.zk, qp.intents(int(name))):
+                run, epoch, partition, attempt = intent.rsplit(".", 3)
+                if int(attempt) > 0 and intent not in self.seen_intents:
+                    self.seen_intents.add(intent)
+                    self.task_failures += 1
+                    self.display.event(f"task failure: {label} epoch {epoch} partition {partition}: first "
+                                       f"attempt failed mid-write (injected), Spark runs attempt {attempt}")
+
+    def wait(self, what: str, predicate) -> None:
+        """Tick until predicate() holds."""
+        await_event(what, lambda: (self.tick(), predicate())[1], self.args.timeout, poll_s=0.25)
+
+    def await_epochs(self, more: int) -> None:
+        """Until the enrichment query has committed ``more`` epochs past its watermark now."""
+        target = self.progress.epochs.get("enrich", -1) + more
+        self.wait(f"enrich epoch {target} committed", lambda: self.progress.epochs["enrich"] >= target)
+
+    # -- the faults -----------------------------------------------------------------------------
+    def kill_broker(self) -> None:
+        """kill -9 of the broker between two input transactions, restart on the same data dir and port."""
+        self.progress.fault = "broker: kill -9"
+        self.producer.pause()
+        self.display.event(f"FAULT kill -9 of the broker (pid {self.broker.proc.pid}) mid-stream "
+                           "(input producer parked between two transactions)")
+        self.broker.kill()
+        self.tick()
+        self.broker.start()
+        self.producer.resume()
+        self.display.event(f"broker restarted on {self.broker.bootstrap} (pid {self.broker.proc.pid}), same data dir")
+        self.progress.fault = "none (after broker restart)"
+
+    def restart_zookeeper(self) -> None:
+        """A ZooKeeper restart (same port, data kept) under the running driver."""
+        self.progress.fault = "ZooKeeper restart"
+        self.display.event(f"FAULT ZooKeeper restart (pid {self.zk_server.pid})")
+        self.zk_server.restart()
+        self.display.event(f"ZooKeeper back (pid {self.zk_server.pid})")
+        self.progress.fault = "none (after ZooKeeper restart)"
+
+    def kill_driver_between_precommit_and_commit(self) -> None:
+        """SIGKILL the driver once an enrichment epoch has pre-commits registered and is not committed."""
+        self.progress.fault = "driver SIGKILL armed: waiting for a pre-committed epoch"
+        self.tick()
+        found = None
+
+        def landed() -> bool:
+            nonlocal found
+            found = precommitted_uncommitted(self.zk, QUERIES["enrich"])
+            return found is not None
+
+        await_event("an epoch pre-committed and not committed", landed, self.args.timeout,
+                    still_possible=lambda: self.driver.poll() is None, poll_s=0.01)
+        epoch, attempts, state = found
+        self.driver_should_run = False
+        kill_group(self.driver)
+        self.killed = (epoch, attempts[0].rsplit(".", 3)[0])
+        qp = query_paths(self.zk, QUERIES["enrich"])
+        after = (read_json(self.zk, qp.epoch(epoch)) or {}).get("state", "open")
+        self.display.event(f"FAULT SIGKILL of the driver (pid {self.driver.pid}): enrich epoch {epoch} had "
+                           f"{len(attempts)} pre-commit(s) registered, state {state}; after the kill: state {after}, "
+                           f"{len(children(self.zk, qp.attempts(epoch)))} pre-commit(s) left for the restart")
+        self.progress.fault = "driver dead (SIGKILL)"
+        self.progress.driver = "dead"
+
+    # -- the run --------------------------------------------------------------------------------
+    def run(self) -> bool:
+        """Start everything, inject the faults, run to the end, verify; True on exactly once."""
+        self.start()
+        self.start_driver(1, "1 second")
+        self.wait("both queries to commit an epoch",
+                  lambda: self.progress.epochs.get("enrich", -1) >= 0 and self.progress.epochs.get("totals", -1) >= 0)
+        self.await_epochs(self.args.epochs_between_faults - 1)
+        self.kill_broker()
+        self.await_epochs(self.args.epochs_between_faults)
+        self.restart_zookeeper()
+        self.await_epochs(self.args.epochs_between_faults)
+        self.kill_driver_between_precommit_and_commit()
+        self.producer.stop()
+        self.display.event(f"input producer stopped: {self.producer.produced.summary()}")
+        self.progress.fault = "none"
+        self.start_driver(2, "available-now")
+        self.wait("driver run 2 to finish", lambda: self.driver.poll() is not None)
+        if self.driver.returncode != 0:
+            self.display.event(f"driver run 2 failed with exit code {self.driver.returncode}; "
+                               f"see {self.work}/driver-run2.log")
+            return False
+        self.display.event("driver run 2 finished: every epoch of both queries committed")
+        self.report_killed_epoch()
+        self.progress.driver = "done"
+        self.tick()
+        return self.verify()
+
+    def report_killed_epoch(self) -> None:
+        """Say how the epoch the driver SIGKILL interrupted was settled: which run's transactions were committed."""
+        epoch, killed_run = self.killed
+        record = EpochRecord.decode(self.zk.get(query_paths(self.zk, QUERIES["enrich"]).epoch(epoch))[0])
+        source = ("the killed run's pre-commits, recovered" if record.run == killed_run
+                  else "the restarted run's re-run; the killed run's pre-commits were aborted")
+        self.display.event(f"the interrupted enrich epoch {epoch} is {record.state.value}: committed from {source}")
+
+    def verify(self) -> bool:
+        """The independent read_committed check of the output topics; True if all of it holds."""
+        return verify(self.broker.bootstrap, self.producer, self.task_failures, self.display)
 
 
-class VisibleCount:
-    """Records a read_committed consumer has seen so far (progress display only; verify() reads afresh)."""
+def verify(bootstrap: str, producer: InputProducer, task_failures: int, display: Display) -> bool:
+    """Read input and output with fresh read_committed consumers; print the verdict; True if exactly once."""
+    produced = producer.produced
+    orders = {o["id"]: o for o in (json.loads(m.value()) for m in read_topic(bootstrap, INPUT))}
+    aborted = set(produced.aborted)
+    enriched = [json.loads(m.value()) for m in read_topic(bootstrap, ENRICHED)]
+    report = count_rows(orders, (e["id"] for e in enriched))
+    wrong = sum(1 for e in enriched if e["id"] in orders and
+                {k: e[k] for k in ("amount_cents", "size", "region")} != enrich_order(orders[e["id"]]))
+    from_aborted = sum(1 for e in enriched if e["id"] in aborted)
 
-    def __init__(self, bootstrap: str) -> None:
-        self.consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"demo-{uuid.uuid4().hex}",
-                                  "enable.auto.commit": False, "isolation.level": "read_committed"})
-        self.consumer.assign([TopicPartition(TOPIC, p, OFFSET_BEGINNING) for p in range(TOPIC_PARTITIONS)])
-        self.count = 0
-
-    def poll(self) -> int:
-        """Read what is newly visible (read_committed) and return the running count."""
-        self.count += sum(1 for m in self.consumer.consume(10_000, timeout=0.05) if m.error() is None)
-        return self.count
-
-    def close(self) -> None:
-        """Close the consumer."""
-        self.consumer.close()
-
-
-def watch(proc: subprocess.Popen, zk, visible: VisibleCount, args, label: str, t0: float,
-          kill_at: int | None) -> bool:
-    """Print progress every second until the driver exits, or kill it at watermark kill_at.
-
-    Returns True if it was killed."""
-    deadline, last_print = time.monotonic() + args.timeout, 0.0
-    while proc.poll() is None:
-        epoch = committed_epoch(zk)
-        if kill_at is not None and epoch >= kill_at:
-            print(f"\n*** {epoch + 1}/{args.batches} batches committed: "
-                  "killing the driver with SIGKILL mid-stream ***\n", flush=True)
-            stop_driver(proc)
-            return True
-        if time.monotonic() - last_print >= 1.0:
-            last_print = time.monotonic()
-            print(f"[{last_print - t0:6.1f}s] {label}: spark batch "
-                  f"{spark_batch(args.workdir + '/checkpoint'):>2}, watermark epoch {epoch:3d} "
-                  f"({epoch + 1}/{args.batches} committed), "
-                  f"{visible.poll():6d} rows visible", flush=True)
-        if time.monotonic() > deadline:
-            raise SystemExit(f"{label} did not finish within {args.timeout}s; see {args.workdir}")
-        time.sleep(0.1)
-    return False
-
-
-def open_transactions(bootstrap: str) -> list[str]:
-    """Transactions still open on the broker (ListTransactions): none may be left behind."""
-    with Admin(bootstrap) as admin:
-        return sorted(t.transactional_id for t in admin.list_transactions(states=["Ongoing"]))
-
-
-def verify(args: argparse.Namespace, bootstrap: str) -> bool:
-    """Check the topic with an independent reader: True if every row is there once and no transaction is open."""
-    expected = range(args.batches * args.rows)
-    committed = read_topic(bootstrap, TOPIC)
-    report = count_rows(expected, (json.loads(m.value())["id"] for m in committed))
-    in_log = len(read_topic(bootstrap, TOPIC, isolation="read_uncommitted"))
+    expected_totals: dict[str, dict] = {}
+    for o in orders.values():
+        t = expected_totals.setdefault(o["user"], {"orders": 0, "total_cents": 0})
+        t["orders"] += 1
+        t["total_cents"] += enrich_order(o)["amount_cents"]
+    updates = [(dict(m.headers())["twophase.epoch"].decode(), json.loads(m.value()))
+               for m in read_topic(bootstrap, TOTALS)]
+    latest: dict[str, tuple[int, dict]] = {}
+    for epoch, t in updates:
+        if t["user"] not in latest or int(epoch) > latest[t["user"]][0]:
+            latest[t["user"]] = (int(epoch), t)
+    final = {u: {"orders": t["orders"], "total_cents": t["total_cents"]} for u, (_, t) in latest.items()}
+    duplicated_updates = sum(n - 1 for n in Counter((t["user"], e) for e, t in updates).values())
+    totals_ok = final == expected_totals and duplicated_updates == 0
+    input_ok = set(orders) == set(produced.committed) and not aborted & set(orders)
     still_open = open_transactions(bootstrap)
-    print("\n=== independent reader (confluent-kafka, isolation.level=read_committed) ===")
-    print(f"records in the log (read_uncommitted): {in_log}, of which aborted "
-          f"(failed and killed attempts): {in_log - len(committed)}")
+
+    print("\n=== independent reader (confluent-kafka, isolation.level=read_committed) ===", flush=True)
+    print(f"input {INPUT}: {len(orders)} orders visible; the producer {produced.summary()}: "
+          f"{'match' if input_ok else 'MISMATCH'}")
+    print(f"injected task failures seen: {task_failures}")
+    print(f"enriched ({ENRICHED}): {report}")
+    print(f"enriched rows from aborted input: {from_aborted}; rows with wrong derived fields: {wrong}")
+    print(f"aggregate ({TOTALS}): {len(updates)} updates for {len(final)} users, duplicated {duplicated_updates}; "
+          f"final totals {'equal' if final == expected_totals else 'DIFFER FROM'} the batch computation "
+          f"over the committed input ({sum(t['orders'] for t in expected_totals.values())} orders)")
     print(f"transactions still open on the broker: {len(still_open)}", *still_open[:5])
-    print(report)
-    return report.exact and not still_open
-
-
-def run_demo(args: argparse.Namespace, zk_hosts: str, zk, bootstrap: str, t0: float) -> bool:
-    """Run the job twice on one checkpoint, then verify; True if both the second run and the check pass."""
-    cmd, work = job_command(args, zk_hosts, bootstrap, args.workdir), args.workdir
-    print("job:", " ".join(cmd[1:]), "\n")
-    visible = VisibleCount(bootstrap)
-    try:
-        ok = run_twice(cmd, work, zk, visible, args, t0)
-    finally:
-        visible.close()
-    return ok and verify(args, bootstrap)
-
-
-def run_twice(cmd: list[str], work: str, zk, visible: VisibleCount, args: argparse.Namespace, t0: float) -> bool:
-    """Run the job, SIGKILL it once a third of the batches are committed, rerun it to the end; True if that exits 0."""
-    first = start_driver(cmd, f"{work}/driver-run1.log")
-    try:
-        if not watch(first, zk, visible, args, "run 1", t0, kill_at=max(args.batches // 3 - 1, 0)):
-            print(f"warning: run 1 exited ({first.returncode}) before the kill point; "
-                  "try more --batches or --rows")
-    finally:
-        stop_driver(first)
-    print("restarting the same command on the same checkpoint\n")
-    second = start_driver(cmd, f"{work}/driver-run2.log")
-    try:
-        watch(second, zk, visible, args, "run 2", t0, kill_at=None)
-    finally:
-        stop_driver(second)
-    print(f"run 2 exited with {second.returncode} after {time.monotonic() - t0:.1f}s")
-    if second.returncode != 0:
-        print(f"the restarted job failed; see {work}/driver-run2.log")
-    return second.returncode == 0
+    ok = report.exact and input_ok and from_aborted == 0 and wrong == 0 and totals_ok and not still_open
+    print(f"lost {report.lost}, duplicated {report.duplicated}; aggregate {'exact' if totals_ok else 'WRONG'}")
+    return ok
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Write the input, start ZooKeeper and a broker, run the demo; return 0 on PASS, 1 on FAIL."""
+    """Run the demo; return 0 only if the independent check passes."""
     args = parse_args(argv)
+    args.plain = args.plain or not sys.stdout.isatty()
     args.workdir = os.path.abspath(args.workdir or time.strftime("./.demo/%Y%m%d-%H%M%S"))
     os.makedirs(args.workdir, exist_ok=True)
-    # Signs what the coordinator stores in ZooKeeper; both runs inherit it.
+    # Library logs (kazoo reconnecting during the ZooKeeper restart, ...) go to a file, not over the display.
+    logging.basicConfig(filename=f"{args.workdir}/demo.log", level=logging.INFO,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    # Signs what the coordinator stores in ZooKeeper; both driver runs inherit it.
     os.environ.setdefault("TWOPHASE_SECRET", secrets.token_hex(32))
     t0 = time.monotonic()
-    for b in range(args.batches):
-        write_input(f"{args.workdir}/input", b, range(b * args.rows, (b + 1) * args.rows))
-    print(f"work dir {args.workdir}: {args.batches} batches x {args.rows} rows written")
-    server = ZooKeeperServer()
+    demo = Demo(args)
+    ok = False
     try:
-        server.start()
-        print(f"private ZooKeeper on {server.hosts}")
-        with Broker(f"{args.workdir}/broker") as broker:
-            broker.create_topic(TOPIC, TOPIC_PARTITIONS)
-            print(f"built-in broker on {broker.bootstrap}, topic {TOPIC} with {TOPIC_PARTITIONS} partitions")
-            zk = connect(server.hosts)
-            try:
-                ok = run_demo(args, server.hosts, zk, broker.bootstrap, t0)
-            finally:
-                zk.stop()
-                shutil.copy(server.log_path, f"{args.workdir}/zookeeper.log")
+        with demo.display:
+            ok = demo.run()
+    except Exception:
+        traceback.print_exc()
+        print(f"the demo failed; logs in {args.workdir}", flush=True)
     finally:
-        server.stop()
-    print(f"\n{'PASS' if ok else 'FAIL'} in {time.monotonic() - t0:.1f}s; work dir kept: {args.workdir}")
-    print(f"logs: {args.workdir}/driver-run1.log {args.workdir}/driver-run2.log "
-          f"{args.workdir}/zookeeper.log")
+        demo.stop_all()
+    print(f"\n{'PASS' if ok else 'FAIL'} in {time.monotonic() - t0:.1f}s; work dir kept: {args.workdir} "
+          f"(demo.log, driver-run1.log, driver-run2.log, broker.log, zookeeper.log)")
     return 0 if ok else 1
 
 

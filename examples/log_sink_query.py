@@ -33,8 +33,9 @@ class FaultyLogSink(LogSink):
     after its first record; the choice is a hash, so it is the same in every worker.
     """
 
-    def __init__(self, bootstrap: str, topic: str, fail_rate: float = 0.0, slow_ms: int = 0) -> None:
-        super().__init__(bootstrap, topic, key="id", provenance=True)
+    def __init__(self, bootstrap: str, topic: str, fail_rate: float = 0.0, slow_ms: int = 0,
+                 key: str = "id") -> None:
+        super().__init__(bootstrap, topic, key=key, provenance=True)
         self.fail_rate = fail_rate
         self.slow_ms = slow_ms
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Run the exactly-once demo (examples/exactly_once_demo.py).
+# Run the main job, exactly once through chaos (examples/exactly_once_demo.py); --plain for CI logs.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 ./scripts/bootstrap.sh
