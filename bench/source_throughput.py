@@ -7,7 +7,7 @@ Run (from the repo root)::
     python bench/source_throughput.py                          # 500k records of 100 B, 12 partitions, 3 rounds
     python bench/source_throughput.py --records 100000 --rounds 1
 
-The built-in broker runs as its own process (``twophase broker``, fsync every 100 ms) on a fresh data
+The built-in broker runs as its own process (``twophase broker``, fsync always) on a fresh data
 directory, as a real broker would: neither reader shares its interpreter. A confluent-kafka
 producer fills one topic of P partitions with N records. Then, for each round, in alternating order
 (ABBA across rounds, after an untimed warm-up of each that also checks the row count):
@@ -26,9 +26,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -40,35 +38,10 @@ os.environ.setdefault("PYSPARK_SUBMIT_ARGS", "--conf spark.ui.showConsoleProgres
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, Producer, TopicPartition  # noqa: E402
 
+from examples.demo_processes import BrokerProcess  # noqa: E402
 from examples.file_sink_query import build_spark  # noqa: E402
 from twophase.client import Admin  # noqa: E402
 from twophase.spark import register  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_broker(data_dir: str) -> tuple[subprocess.Popen, str]:
-    """``twophase broker`` in its own process; (process, bootstrap) once it answers."""
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "twophase.cli", "broker", "--data-dir", data_dir,
-                             "--port", str(port), "--fsync", "100"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    bootstrap = f"127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"the broker exited with {proc.returncode}")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=1):
-                return proc, bootstrap
-        except OSError:
-            time.sleep(0.1)
-    proc.kill()
-    raise SystemExit("the broker did not start within 60 s")
 
 
 def fill(bootstrap: str, topic: str, partitions: int, records: int, value_bytes: int) -> None:
@@ -128,7 +101,8 @@ def main() -> int:
     args = p.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="source-bench-") as work:
-        broker, bootstrap = start_broker(os.path.join(work, "broker"))
+        broker = BrokerProcess(os.path.join(work, "broker"), os.path.join(work, "broker.log")).start()
+        bootstrap = broker.bootstrap
         spark = None
         try:
             topic = f"bench-{uuid.uuid4().hex[:8]}"
@@ -150,8 +124,7 @@ def main() -> int:
         finally:
             if spark is not None:
                 spark.stop()
-            broker.terminate()
-            broker.wait(30)
+            broker.stop()
 
     rate = {name: args.records / statistics.median(t) for name, t in times.items()}
     print(f"\n{args.records:,} records of {args.value_bytes} B in {args.partitions} partitions, "
