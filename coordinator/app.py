@@ -129,6 +129,16 @@ def publish_app(client: KazooClient, paths: AppPaths, signer: Signer, sink: TwoP
     client.retry(client.set, paths.sink, signer.dumps(sink, paths.sink))
 
 
+def verify_stored_sink(client: KazooClient, paths: AppPaths, signer: Signer) -> None:
+    """Check the app's stored sink's signature without unpickling it; SignatureError if it does not
+    verify. A sink not published yet passes: there is nothing to load."""
+    try:
+        raw, _ = client.retry(client.get, paths.sink)
+    except NoNodeError:
+        return
+    signer.verify(raw, paths.sink, what=f"sink of app {paths.app!r}")
+
+
 class AppCoordinator:
     """Runs phase two of one app: the embedded coordinator, a daemon's, or ``twophase recover``.
 
@@ -495,11 +505,7 @@ class AppCoordinator:
 
         A sink not published yet passes: there is nothing to load, and :meth:`sink` reports it when needed.
         """
-        try:
-            raw, _ = self.client.retry(self.client.get, self.paths.sink)
-        except NoNodeError:
-            return
-        self.signer.verify(raw, self.paths.sink, what=f"sink of app {self.app!r}")
+        verify_stored_sink(self.client, self.paths, self.signer)
 
     def sink(self) -> TwoPhaseCommitSink:
         """The app's sink as its driver stored it, reloaded when a new driver stores a new one."""

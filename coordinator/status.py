@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from kazoo.client import KazooClient
 from kazoo.exceptions import NoNodeError
 
+from coordinator.app import verify_stored_sink
 from coordinator.layout import AppPaths, QueryPaths
 from coordinator.precommits import PrecommitRegistry
 from coordinator.state import EpochRecord, EpochState
@@ -123,11 +124,7 @@ def read_status(client: KazooClient, paths: AppPaths, signer: Signer) -> AppStat
 
 def _sink_error(client: KazooClient, paths: AppPaths, signer: Signer) -> str | None:
     try:
-        raw, _ = client.retry(client.get, paths.sink)
-    except NoNodeError:
-        return None  # not published yet
-    try:
-        signer.verify(raw, paths.sink, what=f"sink of app {paths.app!r}")  # unpickles nothing
+        verify_stored_sink(client, paths, signer)  # unpickles nothing
     except SignatureError as e:
         return str(e)
     return None

@@ -45,7 +45,7 @@ from kazoo.exceptions import KazooException
 
 from coordinator.layout import AppPaths, QueryPaths
 from coordinator.state import EpochRecord
-from coordinator.zk import connect, read_json
+from coordinator.zk import children, connect, read_epoch, read_json
 from examples.demo_display import Display, Progress
 from examples.demo_processes import (
     BrokerProcess,
@@ -87,19 +87,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def query_paths(zk, app: str) -> QueryPaths | None:
     """The znodes of the app's one query, once its driver registered it."""
     paths = AppPaths(ROOT, app)
-    queries = zk.get_children(paths.queries) if zk.exists(paths.queries) else []
+    queries = children(zk, paths.queries)
     return paths.query(queries[0]) if queries else None
 
 
 def watermark(zk, app: str) -> int:
     """Every epoch <= this is committed (-1: none yet)."""
     qp = query_paths(zk, app)
-    return -1 if qp is None else read_json(zk, qp.watermark, {"epoch": -1})["epoch"]
-
-
-def children(zk, path: str) -> list[str]:
-    """A znode's children, [] if it does not exist."""
-    return zk.get_children(path) if zk.exists(path) else []
+    return -1 if qp is None else read_epoch(zk, qp.watermark)
 
 
 def precommitted_uncommitted(zk, app: str) -> tuple[int, list[str], str] | None:
@@ -107,8 +102,8 @@ def precommitted_uncommitted(zk, app: str) -> tuple[int, list[str], str] | None:
     qp = query_paths(zk, app)
     if qp is None:
         return None
-    mark = read_json(zk, qp.watermark, {"epoch": -1})["epoch"]
-    for name in children(zk, qp.epochs):
+    mark = read_epoch(zk, qp.watermark)
+    for name in sorted(children(zk, qp.epochs), key=int):
         epoch = int(name)
         if epoch > mark and (attempts := children(zk, qp.attempts(epoch))):
             state = (read_json(zk, qp.epoch(epoch)) or {}).get("state", "open")

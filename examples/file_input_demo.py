@@ -30,7 +30,6 @@ import logging
 import os
 import secrets
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -39,7 +38,8 @@ import uuid
 from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 
 from coordinator.layout import AppPaths
-from coordinator.zk import connect, read_json
+from coordinator.zk import children, connect, read_epoch
+from examples.demo_processes import kill_group, spawn
 from examples.file_sink_query import write_input
 from examples.log_sink_query import read_topic
 from twophase.broker import Broker
@@ -73,26 +73,10 @@ def job_command(args: argparse.Namespace, zk: str, bootstrap: str, work: str) ->
             "--slow-ms", str(args.slow_ms)]
 
 
-def start_driver(cmd: list[str], log_path: str) -> subprocess.Popen:
-    """The driver in its own process group, so one killpg takes its JVM along."""
-    with open(log_path, "wb") as log:
-        return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def stop_driver(proc: subprocess.Popen) -> None:
-    """SIGKILL a driver that is still running (it has its own session: Ctrl-C misses it)."""
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-
-
 def committed_epoch(zk) -> int:
     """The coordinator's watermark: every epoch <= it is committed (-1: none yet)."""
-    queries = AppPaths(ROOT, APP).queries
-    children = zk.get_children(queries) if zk.exists(queries) else []
-    return max((read_json(zk, AppPaths(ROOT, APP).query(q).watermark, {"epoch": -1})["epoch"]
-                for q in children), default=-1)
+    app = AppPaths(ROOT, APP)
+    return max((read_epoch(zk, app.query(q).watermark) for q in children(zk, app.queries)), default=-1)
 
 
 def spark_batch(checkpoint: str) -> str:
@@ -133,7 +117,7 @@ def watch(proc: subprocess.Popen, zk, visible: VisibleCount, args, label: str, t
         if kill_at is not None and epoch >= kill_at:
             print(f"\n*** {epoch + 1}/{args.batches} batches committed: "
                   "killing the driver with SIGKILL mid-stream ***\n", flush=True)
-            stop_driver(proc)
+            kill_group(proc)
             return True
         if time.monotonic() - last_print >= 1.0:
             last_print = time.monotonic()
@@ -182,19 +166,19 @@ def run_demo(args: argparse.Namespace, zk_hosts: str, zk, bootstrap: str, t0: fl
 
 def run_twice(cmd: list[str], work: str, zk, visible: VisibleCount, args: argparse.Namespace, t0: float) -> bool:
     """Run the job, SIGKILL it once a third of the batches are committed, rerun it to the end; True if that exits 0."""
-    first = start_driver(cmd, f"{work}/driver-run1.log")
+    first = spawn(cmd, f"{work}/driver-run1.log")
     try:
         if not watch(first, zk, visible, args, "run 1", t0, kill_at=max(args.batches // 3 - 1, 0)):
             print(f"warning: run 1 exited ({first.returncode}) before the kill point; "
                   "try more --batches or --rows")
     finally:
-        stop_driver(first)
+        kill_group(first)
     print("restarting the same command on the same checkpoint\n")
-    second = start_driver(cmd, f"{work}/driver-run2.log")
+    second = spawn(cmd, f"{work}/driver-run2.log")
     try:
         watch(second, zk, visible, args, "run 2", t0, kill_at=None)
     finally:
-        stop_driver(second)
+        kill_group(second)
     print(f"run 2 exited with {second.returncode} after {time.monotonic() - t0:.1f}s")
     if second.returncode != 0:
         print(f"the restarted job failed; see {work}/driver-run2.log")

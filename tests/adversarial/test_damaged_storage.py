@@ -151,6 +151,18 @@ def read_until_refused(plog: PartitionLog, max_bytes: int) -> tuple[list[int], i
         offset = end
 
 
+def closed_segments_with_a_flip(tmp_path, where: str, index_interval: int) -> tuple[str, LogConfig, int]:
+    """60 batches of 3 records in 1 KiB segments, closed, then a byte flipped (``where``) in a closed
+    segment: (partition directory, its config, the damaged batch's base offset)."""
+    directory = str(tmp_path / "t-0")
+    config = LogConfig(segment_bytes=1024, index_interval_bytes=index_interval)
+    plog = PartitionLog(directory, config)
+    for i in range(60):
+        plog.append(batch([b"v%03d-%d" % (i, j) for j in range(3)]), now_ms=0)
+    plog.close()
+    return directory, config, flip_in_closed_segment(directory, where)
+
+
 @pytest.mark.parametrize("snapshots", [True, False], ids=["snapshot", "full-replay"])
 @pytest.mark.parametrize("index_interval", [0, 4096], ids=["indexed", "unindexed"])
 @pytest.mark.parametrize("where", sorted(FLIPS))
@@ -159,13 +171,7 @@ def test_a_flipped_byte_in_a_closed_segment_is_refused_not_served(tmp_path, wher
     """Item 10, in storage: whatever byte of a batch flips, the batches before it are served once, its offset
     is refused with CORRUPT_MESSAGE, the next segment stays readable, and an ERROR names the place; also when
     recovery replays the whole log (no producer snapshot) through the damaged segment."""
-    directory = str(tmp_path / "t-0")
-    config = LogConfig(segment_bytes=1024, index_interval_bytes=index_interval)
-    plog = PartitionLog(directory, config)
-    for i in range(60):
-        plog.append(batch([b"v%03d-%d" % (i, j) for j in range(3)]), now_ms=0)
-    plog.close()
-    damaged = flip_in_closed_segment(directory, where)
+    directory, config, damaged = closed_segments_with_a_flip(tmp_path, where, index_interval)
     if not snapshots:
         for path in glob.glob(os.path.join(directory, "*.snapshot")):
             os.unlink(path)
@@ -366,13 +372,7 @@ def test_a_batch_failing_only_its_crc_is_refused_alone_and_the_batches_after_it_
     starts at its end with the offset after its last), only its offsets answer CORRUPT_MESSAGE; a consumer
     that skips them reads every later batch of the segment. Before, every offset from it to the end of its
     segment was refused, so skipping one offset per fetch crawled through the whole segment."""
-    directory = str(tmp_path / "t-0")
-    config = LogConfig(segment_bytes=1024, index_interval_bytes=index_interval)
-    plog = PartitionLog(directory, config)
-    for i in range(60):
-        plog.append(batch([b"v%03d-%d" % (i, j) for j in range(3)]), now_ms=0)
-    plog.close()
-    damaged = flip_in_closed_segment(directory, where)
+    directory, config, damaged = closed_segments_with_a_flip(tmp_path, where, index_interval)
 
     caplog.set_level(logging.ERROR, logger="twophase.broker.storage")
     plog = PartitionLog(directory, config)

@@ -395,6 +395,10 @@ class Broker:
         """Every topic, by name."""
         return self.logs.topics()
 
+    def has_topic(self, name: str) -> bool:
+        """Whether ``name`` is a topic."""
+        return self.logs.has_topic(name)
+
     def create_topic(self, name: str, partitions: int, configs: dict | None = None, *,
                      validate_only: bool = False) -> TopicInfo | None:
         """Create a topic (None with ``validate_only``); raises the KafkaError a create meets."""

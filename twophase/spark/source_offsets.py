@@ -15,9 +15,10 @@ partition gone, or offsets going backwards (the topic deleted and created again)
 Example::
 
     with OffsetPlanner(options) as planner:
-        start = planner.initial_offsets()
+        partitions = planner.current_partitions()
+        start = planner.resolve(options.starting, "startingOffsets", partitions)
         end = planner.latest_offsets(start, max_rows=10_000)
-        ranges = planner.ranges(start, end)   # [(topic, partition, from, until)], non-empty only
+    ranges = plan(options, start, end)        # twophase.spark.source.plan: one KafkaRange per partition to read
 """
 
 from __future__ import annotations

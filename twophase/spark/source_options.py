@@ -20,11 +20,10 @@ import logging
 import re
 from collections.abc import Mapping
 
+from twophase.client import EARLIEST, LATEST
 from twophase.client.cluster import parse_bootstrap
 
 log = logging.getLogger("twophase.spark.source")
-
-EARLIEST, LATEST = -2, -1  # as in Spark's offset JSON (and ListOffsets)
 
 # Spark's names, as users write them; Spark hands options over lowercased.
 _STRATEGIES = ("subscribe", "subscribePattern", "assign")

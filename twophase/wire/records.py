@@ -328,7 +328,7 @@ def record_batch(
     ``compression`` (a codec id of twophase.wire.compression)."""
     if not records:
         raise ValueError("a record batch needs at least one record")
-    if compression != COMPRESSION_NONE and compression not in CODEC_NAMES.values():
+    if compression not in CODEC_NAMES.values():
         raise ValueError(f"unknown compression codec {compression}")
     base_ts = records[0][0]
     body = b"".join(encode_record(i, ts - base_ts, key, value, headers)

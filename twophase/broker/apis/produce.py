@@ -114,7 +114,7 @@ async def handle(broker, request):
 async def _auto_create(broker, topic: str) -> KafkaError | None:
     """Create ``topic`` if it is new and the broker auto-creates topics (off the event loop, so
     other clients are served meanwhile); the KafkaError that refused it, else None."""
-    if not broker.config.auto_create_topics or topic in broker.topics():
+    if not broker.config.auto_create_topics or broker.has_topic(topic):
         return None
     try:
         await broker.auto_create_topic(topic)

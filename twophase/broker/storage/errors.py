@@ -19,6 +19,13 @@ def is_disk_full(exc: BaseException) -> bool:
     return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
 
 
+def raise_if_disk_full(exc: BaseException, where: str) -> None:
+    """Raise ``exc`` as a DiskFullError (``where: strerror``) if it says there is no space; else return,
+    and the caller re-raises it as it was."""
+    if is_disk_full(exc):
+        raise DiskFullError(exc.errno, f"{where}: {exc.strerror}") from exc
+
+
 class MetadataFileError(ValueError):
     """A broker state file (``topics.json``, ``producer-ids.json``) is unreadable or not what the broker wrote.
 

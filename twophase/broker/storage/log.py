@@ -59,7 +59,7 @@ from twophase.wire.records import (
 )
 
 from .config import LogConfig
-from .errors import DiskFullError, is_disk_full
+from .errors import DiskFullError, is_disk_full, raise_if_disk_full
 from .open_files import OpenFiles
 from .producers import ProducerStateManager
 from .results import AppendResult, TimestampOffset
@@ -351,8 +351,7 @@ class PartitionLog:
                 index.append(txn)
         except OSError as exc:
             index.drop_last(i, crc=crc, trusted_until=trusted_until)
-            if is_disk_full(exc):
-                raise DiskFullError(exc.errno, f"{index.path}: {exc.strerror}") from exc
+            raise_if_disk_full(exc, index.path)
             raise
         try:
             active.append(view, assigned)

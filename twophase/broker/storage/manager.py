@@ -311,6 +311,10 @@ class LogManager:
         """A copy of the topics, by name."""
         return dict(self._topics)
 
+    def has_topic(self, name: str) -> bool:
+        """Whether ``name`` is a topic (without copying them all: Produce asks per topic, per request)."""
+        return name in self._topics
+
     def topic_config(self, name: str) -> LogConfig:
         """The broker's LogConfig with the topic's overrides; raises UnknownTopicOrPartitionError."""
         info = self._topics.get(name)

@@ -53,7 +53,7 @@ from twophase.wire.records import (
     validate_batch,
 )
 
-from .errors import DiskFullError, is_disk_full
+from .errors import is_disk_full, raise_if_disk_full
 from .open_files import OpenFiles
 from .txnindex import TransactionIndex, txn_index_path
 
@@ -248,8 +248,7 @@ class Segment:
             if not isinstance(exc, FileExistsError):
                 seg.txn_index.delete()  # empty: its files would only stand in the way of the next try
                 os.unlink(seg.path)
-            if is_disk_full(exc):
-                raise DiskFullError(exc.errno, f"{seg.path}: no space for a new segment: {exc.strerror}") from exc
+            raise_if_disk_full(exc, f"{seg.path}: no space for a new segment")
             raise
         return seg
 
@@ -468,8 +467,7 @@ class Segment:
         except BaseException as exc:
             # Leave no partial batch behind: the caller reports the failure and state stays consistent.
             os.ftruncate(self._fd, start)
-            if is_disk_full(exc):
-                raise DiskFullError(exc.errno, f"{self.path}: {exc.strerror}") from exc
+            raise_if_disk_full(exc, self.path)
             raise
         for pos, header in headers:
             self._track(start + pos, header)

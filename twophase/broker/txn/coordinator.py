@@ -405,6 +405,15 @@ class TransactionCoordinator:
 
     # -- hanging transactions (KIP-664) ----------------------------------------------------------
 
+    def _holder(self, producer_id: int, topic: str, partition: int) -> TxnMetadata | None:
+        """The metadata of the transactional id whose transaction (begun with ``producer_id``) includes
+        the partition, whatever its state; None if no transactional id's does."""
+        owner = self._owners.get(producer_id)
+        meta = self._txns.get(owner) if owner is not None else None
+        if meta is not None and meta.txn_producer_id == producer_id and (topic, partition) in meta.partitions:
+            return meta
+        return None
+
     def resolve_open_transactions(self, found: Iterable[OpenTxn], now_ms: int) -> None:
         """At start, after :meth:`recover`: end what partitions hold open that this coordinator does not.
 
@@ -419,9 +428,8 @@ class TransactionCoordinator:
         """
         for txn in found:
             owner = self._owners.get(txn.producer_id)
-            meta = self._txns.get(owner) if owner is not None else None
-            holds = (meta is not None and meta.txn_producer_id == txn.producer_id
-                     and (txn.topic, txn.partition) in meta.partitions)
+            meta = self._holder(txn.producer_id, txn.topic, txn.partition)
+            holds = meta is not None
             if holds and (meta.state is TxnState.ONGOING or meta.state.completing):
                 continue  # the coordinator ends it (a Prepare* left by recover() is retried by check())
             if holds and meta.state in (TxnState.COMPLETE_COMMIT, TxnState.COMPLETE_ABORT):
@@ -488,9 +496,8 @@ class TransactionCoordinator:
             return INVALID_TXN_STATE
         if plog.producers.entry(producer_id).epoch != producer_epoch:
             return INVALID_PRODUCER_EPOCH
-        meta = self._txns.get(self._owners.get(producer_id, ""))
-        if (meta is not None and meta.txn_producer_id == producer_id and (topic, partition) in meta.partitions
-                and (meta.state is TxnState.ONGOING or meta.state.completing)):
+        meta = self._holder(producer_id, topic, partition)
+        if meta is not None and (meta.state is TxnState.ONGOING or meta.state.completing):
             return CONCURRENT_TRANSACTIONS
         try:
             offset = plog.append_marker(producer_id, producer_epoch, False, COORDINATOR_EPOCH, now_ms)
