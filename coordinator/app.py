@@ -40,6 +40,7 @@ from coordinator.layout import AppPaths, QueryPaths
 from coordinator.precommits import Attempt, PrecommitRegistry
 from coordinator.report import (AbortReason, AttemptAborted, AttemptCleanedUp, EpochBlocked, EpochCommitted,
                                 EpochSkipped, Operation, OperationFailed, PassReport, Record, SkipReason)
+from coordinator.slots import read_slots, releasable
 from coordinator.state import EPOCH_TRANSITIONS, EpochRecord, EpochState
 from coordinator.zk import RecordError, children, dump, epoch_numbers, read_epoch, read_object
 from twophase.checkpoint import completed_epochs
@@ -52,6 +53,7 @@ log = logging.getLogger("twophase.coordinator")
 # Sink errors that no retry can fix: the handle can never be committed, or was committed and
 # can no longer be aborted. Not retried; they mark the epoch FAILED for an operator.
 PERMANENT = (CommitFailed, AbortFailed)
+_MAX_OPS = 500  # per multi-op: ZooKeeper refuses a request over jute.maxbuffer (1 MiB)
 
 
 @dataclass
@@ -63,14 +65,15 @@ class CommitPolicy:
     retain_epochs: int = 10       # committed epoch records kept for `twophase status`
     poll_interval: float = 2.0
     max_commit_threads: int = 16  # upper bound on the sink's own commit_concurrency
+    # A finished attempt's slot is released once its epoch is this many epochs below the watermark:
+    # a zombie of the attempt must stay paused across that many commits before its slot is reused.
+    slot_release_lag: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("attempts", "max_commit_threads"):
+        for name, least in (("attempts", 1), ("max_commit_threads", 1), ("retain_epochs", 0), ("slot_release_lag", 0)):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, not {value!r}")
-        if isinstance(self.retain_epochs, bool) or not isinstance(self.retain_epochs, int) or self.retain_epochs < 0:
-            raise ValueError(f"retain_epochs must be an integer >= 0, not {self.retain_epochs!r}")
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"{name} must be an integer >= {least}, not {value!r}")
         check_positive_seconds(self.poll_interval, "poll_interval")  # 0 or NaN: a loop that spins
         check_positive_seconds(self.max_backoff, "max_backoff")
 
@@ -170,6 +173,9 @@ class AppCoordinator:
         self._sink_checked = False  # per pass: the stored sink is read at most once
         self._watched: set[str] = set()
         self._unclean: set[tuple[str, int]] = set()  # committed epochs whose dead attempts await cleanup
+        # Per query, the watermark its slots were last released at; absent: release on the next pass
+        # (a new owner's first pass, or after GC or a cleanup dropped intents).
+        self._slots_released: dict[str, int] = {}
         self._failure_lock = threading.Lock()  # concurrent failures of one epoch update its record in turn
 
     def acquire(self) -> None:
@@ -222,6 +228,11 @@ class AppCoordinator:
         return PassReport(self.app, this_pass.options.dry_run, tuple(this_pass.records))
 
     def _reconcile_query(self, qp: QueryPaths, this_pass: _Pass) -> None:
+        self._settle_epochs(qp, this_pass)
+        if not this_pass.options.dry_run:
+            self._release_slots(qp)
+
+    def _settle_epochs(self, qp: QueryPaths, this_pass: _Pass) -> None:
         options = this_pass.options
         epochs = epoch_numbers(self.client, qp.epochs)
         if not epochs:
@@ -391,8 +402,8 @@ class AppCoordinator:
         try:
             self.fence.commit(txn)
         except NoNodeError:
-            # A loser's own task drops its records after aborting itself (forget(): the intent,
-            # then the attempt) while we abort it too; GC removes whatever it leaves.
+            # A loser's own task drops its records after aborting itself (forget(): the attempt,
+            # then the intent) while we abort it too; GC removes whatever it leaves.
             pass
         if reason is not None:
             this_pass.records.append(AttemptAborted(work.query_id, work.epoch, attempt.name, reason))
@@ -481,6 +492,7 @@ class AppCoordinator:
             work = self._load(qp, registry, epoch)
             if work is None or self._abort_unregistered(work, this_pass):
                 self._unclean.discard((qid, epoch))
+                self._slots_released.pop(qid, None)  # intents dropped: their slots may be free
 
     def _collect_garbage(self, qp: QueryPaths, registry: PrecommitRegistry, committed: list[int],
                          this_pass: _Pass) -> None:
@@ -497,6 +509,26 @@ class AppCoordinator:
                 return
             self.fence.check()
             self.client.retry(self.client.delete, qp.epoch(epoch), recursive=True)
+            self._slots_released.pop(qp.query_id, None)  # its intents are gone: their slots may be free
+
+    def _release_slots(self, qp: QueryPaths) -> None:
+        """Release the slots of finished attempts ``slot_release_lag`` epochs below the watermark.
+
+        Only when the watermark moved since the last release, or intents were dropped outside an
+        epoch's commit: otherwise nothing can have become free.
+        """
+        watermark = read_epoch(self.client, qp.watermark)
+        if self._slots_released.get(qp.query_id) == watermark:
+            return
+        free = releasable(self.client, qp, read_slots(self.client, qp), watermark, self.policy.slot_release_lag)
+        for start in range(0, len(free), _MAX_OPS):
+            txn = self.fence.transaction()
+            for slot in free[start:start + _MAX_OPS]:
+                txn.delete(slot.path(qp), version=slot.version)
+            self.fence.commit(txn)
+        if free:
+            log.debug("app %s query %s: released %d slots", self.app, qp.query_id, len(free))
+        self._slots_released[qp.query_id] = watermark
 
     # -- the sink ---------------------------------------------------------
 

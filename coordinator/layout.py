@@ -15,6 +15,7 @@
     <root>/apps/<app>/queries/<query>/epochs/<N>/attempts/<run>.<N>.<p>.<a>   signed pre-commit
     <root>/apps/<app>/queries/<query>/epochs/<N>/winners/<run>.<p>        winning attempt name
     <root>/apps/<app>/queries/<query>/epochs/<N>/failures/<attempt>       last phase-two error
+    <root>/apps/<app>/queries/<query>/slots/<p>/<slot>    {"attempt": name, "epoch": N}  the slot's holder
     <root>/daemon/election                       leader election of the HA daemons
 
 Attempt and intent names are :attr:`TxnContext.name <twophase.sink.TxnContext.name>`.
@@ -119,6 +120,15 @@ class QueryPaths:
     def failures(self, epoch: int) -> str:
         """The last phase-two failure per attempt."""
         return f"{self.epoch(epoch)}/failures"
+
+    @property
+    def slots(self) -> str:
+        """Parent of the query's slot pools, one per partition."""
+        return f"{self.base}/slots"
+
+    def partition_slots(self, partition: int) -> str:
+        """One partition's slots held now: each child is a slot number, its data the holder."""
+        return f"{self.slots}/{partition}"
 
 
 def election_path(root: str) -> str:

@@ -6,7 +6,8 @@ and the ``winners/<run>.<partition>`` node are created in one multi-op, so the
 second attempt to finish finds the winner and aborts its own transaction.
 Before it begins, an attempt records its intent: a task killed between
 pre_commit and registration leaves an intent without an attempt, which tells the
-coordinator to have the sink clean up after it (``abort_unregistered``).
+coordinator to have the sink clean up after it (``abort_unregistered``). The intent's multi-op
+also claims the attempt a slot (:mod:`coordinator.slots`), a number its sink may name resources by.
 
 Attempt and intent nodes are named by :attr:`TxnContext.name <twophase.sink.TxnContext.name>`
 (``<run>.<epoch>.<partition>.<attempt>``), the name sinks use for the attempt's own resources.
@@ -16,7 +17,7 @@ Usage (in a Spark task)::
     registry = PrecommitRegistry(client, app_paths.query(ctx.query_id), signer)
     if registry.winner(ctx) is not None:
         ...                                  # an earlier attempt already won: skip rows
-    registry.intend(ctx)
+    ctx = registry.intend(ctx)               # the same context, with its slot
     txn = sink.begin_transaction(ctx) ...
     won = registry.register(ctx, handle)
     if not won:
@@ -27,13 +28,14 @@ Usage (in a Spark task)::
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kazoo.client import KazooClient
 from kazoo.exceptions import NodeExistsError, NoNodeError, RolledBackError
 
 from coordinator.layout import QueryPaths
+from coordinator.slots import holder_data, intent_data, lowest_free, slot_of_intent
 from coordinator.zk import children
 from twophase.signing import Signer
 from twophase.sink import TxnContext
@@ -117,19 +119,53 @@ class PrecommitRegistry:
             return None
         return raw.decode()
 
-    def intend(self, ctx: TxnContext) -> None:
-        """Record that this attempt is about to begin a transaction."""
-        path = f"{self._paths.intents(ctx.epoch)}/{ctx.name}"
-        try:
-            self._client.retry(self._client.create, path, makepath=True)
-        except NodeExistsError:
-            pass  # a retried create that went through
+    def intend(self, ctx: TxnContext) -> TxnContext:
+        """Record that this attempt is about to begin a transaction; return ``ctx`` with its slot.
+
+        The intent and the lowest free slot of the partition are created in one multi-op; a slot
+        taken meanwhile by another attempt is skipped for the next number. A retried call (a
+        connection loss hid whether the multi-op went through) finds its own intent and slot.
+        """
+        return self._client.retry(self._intend, ctx)
+
+    def _intend(self, ctx: TxnContext) -> TxnContext:
+        intent = f"{self._paths.intents(ctx.epoch)}/{ctx.name}"
+        pool = self._paths.partition_slots(ctx.partition)
+        held = {int(n) for n in children(self._client, pool) if n.isdigit()}
+        while True:
+            slot = lowest_free(held)
+            txn = self._client.transaction()
+            txn.create(intent, intent_data(slot))
+            txn.create(f"{pool}/{slot}", holder_data(ctx))
+            created_intent, created_slot = txn.commit()
+            if not isinstance(created_intent, Exception):
+                return replace(ctx, slot=slot)
+            if isinstance(created_intent, NodeExistsError):  # our own earlier try went through
+                raw, _ = self._client.get(intent)
+                return replace(ctx, slot=slot_of_intent(raw, intent))
+            if isinstance(created_intent, NoNodeError) or isinstance(created_slot, NoNodeError):
+                self._client.ensure_path(self._paths.intents(ctx.epoch))  # the first intent of the epoch
+                self._client.ensure_path(pool)                            # or of the partition
+            elif isinstance(created_slot, NodeExistsError):
+                held.add(slot)  # another attempt claimed it first
+            else:
+                raise RuntimeError(f"recording the intent {ctx.name} failed unexpectedly: "
+                                   f"{created_intent!r}, {created_slot!r}")
 
     def unregistered(self, epoch: int, attempts: Sequence[Attempt]) -> list[TxnContext]:
-        """Attempts that began a transaction but hold no registered pre-commit."""
+        """Attempts that began a transaction but hold no registered pre-commit, each in its slot."""
         registered = {a.name for a in attempts}
-        return [self._context(name) for name in children(self._client, self._paths.intents(epoch))
-                if name not in registered]
+        base = self._paths.intents(epoch)
+        pending = [(name, self._client.get_async(f"{base}/{name}"))
+                   for name in children(self._client, base) if name not in registered]
+        contexts = []
+        for name, result in pending:
+            try:
+                raw, _ = result.get()
+            except NoNodeError:
+                continue  # dropped meanwhile: cleaned up
+            contexts.append(self._context(name, slot_of_intent(raw, f"{base}/{name}")))
+        return contexts
 
     def drop_intent(self, ctx: TxnContext) -> None:
         """Drop an attempt's intent: it cleaned up its transaction itself, or the coordinator did."""
@@ -169,12 +205,16 @@ class PrecommitRegistry:
         return False
 
     def forget(self, ctx: TxnContext) -> None:
-        """Drop a loser's records once it aborted its own transaction."""
-        self.drop_intent(ctx)
+        """Drop a loser's records once it aborted its own transaction.
+
+        The attempt first: while the intent lives the slot is held, so no other attempt's
+        transaction can be touched by a commit or abort of this handle.
+        """
         try:
             self._client.retry(self._client.delete, f"{self._paths.attempts(ctx.epoch)}/{ctx.name}")
         except NoNodeError:
             pass
+        self.drop_intent(ctx)
 
     def load(self, epoch: int) -> list[Attempt]:
         """Every registered attempt of an epoch, oldest first. Raises SignatureError on tampering."""
@@ -193,6 +233,6 @@ class PrecommitRegistry:
                                     record["handle"], stat.ctime / 1000.0, stat.czxid))
         return sorted(attempts, key=lambda a: a.zxid)
 
-    def _context(self, name: str) -> TxnContext:
-        return TxnContext.from_name(self._paths.app, self._paths.query_id, name)
+    def _context(self, name: str, slot: int | None = None) -> TxnContext:
+        return TxnContext.from_name(self._paths.app, self._paths.query_id, name, slot)
 

@@ -17,6 +17,7 @@ that does not verify.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 from kazoo.client import KazooClient
@@ -25,6 +26,7 @@ from kazoo.exceptions import NoNodeError
 from coordinator.app import verify_stored_sink
 from coordinator.layout import AppPaths, QueryPaths
 from coordinator.precommits import PrecommitRegistry
+from coordinator.slots import read_slots
 from coordinator.state import EpochRecord, EpochState
 from coordinator.zk import RecordError, children, epoch_numbers, read_epoch, read_object
 from twophase.signing import SignatureError, Signer
@@ -90,6 +92,7 @@ class QueryStatus:
     barrier: int                   # the last epoch Spark reported complete; -1: none yet
     runs: tuple[RunStatus, ...]
     epochs: tuple[EpochStatus, ...]
+    slots: tuple[tuple[int, int], ...] = ()  # (partition, slots held), partitions holding any
 
 
 @dataclass(frozen=True)
@@ -148,8 +151,9 @@ def _query_status(client: KazooClient, qp: QueryPaths, signer: Signer) -> QueryS
         failures = tuple(_failure(client, qp, epoch, attempt) for attempt in children(client, qp.failures(epoch)))
         epochs.append(EpochStatus(epoch, record.state, record.run, record.winners, record.error, record.updated,
                                   epoch <= watermark, attempts, failures))
+    held = Counter(slot.partition for slot in read_slots(client, qp))
     return QueryStatus(qp.query_id, read_object(client, qp.base, {}).get("checkpoint"), watermark,
-                       read_epoch(client, qp.barrier), runs, tuple(epochs))
+                       read_epoch(client, qp.barrier), runs, tuple(epochs), tuple(sorted(held.items())))
 
 
 def _started(client: KazooClient, path: str) -> float | None:

@@ -67,6 +67,11 @@ def read_json(client: KazooClient, path: str, default: Any = None) -> Any:
         raw, _ = client.retry(client.get, path)
     except NoNodeError:
         return default
+    return parse_json(raw, path, default)
+
+
+def parse_json(raw: bytes, path: str, default: Any = None) -> Any:
+    """``raw``, read from the znode ``path``, as JSON; ``default`` if empty; RecordError if not JSON."""
     try:
         return json.loads(raw) if raw else default
     except ValueError as e:
@@ -75,7 +80,17 @@ def read_json(client: KazooClient, path: str, default: Any = None) -> Any:
 
 def read_object(client: KazooClient, path: str, default: Any = None) -> Any:
     """The JSON object stored at ``path`` (``default`` if missing or empty); RecordError if it is no object."""
-    data = read_json(client, path)
+    try:
+        raw, _ = client.retry(client.get, path)
+    except NoNodeError:
+        return default
+    return parse_object(raw, path, default)
+
+
+def parse_object(raw: bytes, path: str, default: Any = None) -> Any:
+    """``raw``, read from the znode ``path``, as a JSON object (``default`` if empty); RecordError if it is no
+    object."""
+    data = parse_json(raw, path)
     if data is None:
         return default
     if not isinstance(data, dict):

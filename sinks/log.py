@@ -1,8 +1,26 @@
 """Exactly-once records on a Kafka log: a TwoPhaseCommitSink over KIP-939 prepared transactions.
 
 Each Spark task attempt writes its rows into a transaction of its own, under a
-transactional id derived from (app, query, run, epoch, partition, attempt), so
-no two live attempts ever fence each other. pre_commit flushes and *prepares*
+transactional id named by its slot: ``<prefix>.<app>.<query>.<partition>.<slot>``.
+The framework gives each attempt a slot unique among the unsettled attempts of
+its partition (:mod:`coordinator.slots`), so no two live attempts fence each
+other, and reuses it once the holder's transaction is complete and
+``CommitPolicy.slot_release_lag`` more epochs are committed: the broker keeps
+O(partitions x epochs in flight) transactional ids, not one per attempt ever
+run (what FLIP-511 did for Flink's Kafka sink). The next holder's
+InitProducerId aborts whatever an earlier holder left open and bumps the
+epoch, which fences any zombie of an earlier holder. (Without a slot, a sink
+driven directly, the id is per attempt: ``...<run>.<epoch>.<partition>.<attempt>``.)
+
+One race remains: an attempt paused between claiming its slot (the task's
+``open``) and its first InitProducerId (its first row) for longer than it takes
+its epoch to settle without it and ``slot_release_lag`` later epochs to commit
+can, on resuming, fence the slot's next holder. That holder's task then fails
+before its pre-commit (Spark retries it), or, if it had prepared already, its
+commit fails loudly (CommitFailed: the epoch is FAILED, see
+docs/sink-contract.md); never silently.
+
+pre_commit flushes and *prepares*
 the transaction (KIP-939): the records are durable on the broker and invisible
 to read_committed consumers. The handle is plain data (the bootstrap servers
 and the PreparedTxn JSON: transactional id, producer id, producer epoch); the
@@ -103,7 +121,8 @@ class LogTxn:
 
 
 def transactional_id(prefix: str, ctx: TxnContext) -> str:
-    """``<prefix>.<app>.<query>.<run>.<epoch>.<partition>.<attempt>``, unique per attempt.
+    """``<prefix>.<app>.<query>.<partition>.<slot>``, shared in turn by the attempts holding the slot;
+    without a slot ``<prefix>.<app>.<query>.<run>.<epoch>.<partition>.<attempt>``, unique per attempt.
 
     The query is part of it so that two queries of one app never share an id.
     A head too long for Kafka's limits is replaced by a digest.
@@ -111,6 +130,8 @@ def transactional_id(prefix: str, ctx: TxnContext) -> str:
     head = f"{prefix}.{ctx.app}.{ctx.query_id}"
     if len(head) > _MAX_HEAD:
         head = f"{prefix}.{hashlib.sha256(head.encode()).hexdigest()[:32]}"
+    if ctx.slot is not None:
+        return f"{head}.{ctx.partition}.{ctx.slot}"  # within the limit: the head is at most _MAX_HEAD
     tid = f"{head}.{ctx.run_id}.{ctx.epoch}.{ctx.partition}.{ctx.attempt}"
     if len(tid) > MAX_TRANSACTIONAL_ID:
         raise ValueError(f"transactional id {tid!r} is longer than {MAX_TRANSACTIONAL_ID}: run id too long")
@@ -199,7 +220,11 @@ class LogSink(TwoPhaseCommitSink):
     # -- task side ------------------------------------------------------------
 
     def begin_transaction(self, ctx: TxnContext) -> LogTxn:
-        """Start a transaction with the attempt's transactional id; the producer opens on the first row."""
+        """Start a transaction with the attempt's transactional id; the producer opens on the first row.
+
+        Its InitProducerId (enable_2pc, not keeping a prepared transaction) aborts whatever an earlier
+        holder of the slot's id left open and bumps the epoch, fencing that holder's zombies.
+        """
         txn = LogTxn(ctx, transactional_id(self.transactional_id_prefix, ctx))
         if self.provenance:
             txn.provenance = [(f"twophase.{name}", str(getattr(ctx, name)).encode())
@@ -293,7 +318,9 @@ class LogSink(TwoPhaseCommitSink):
     def abort_unregistered(self, ctx: TxnContext) -> None:
         """Abort what a dead attempt left open (a new instance of its id without keep_prepared_txn).
 
-        An id the broker never saw (the attempt died before its first row) or one with nothing open
+        The dead attempt's intent still holds its slot (it is released only once the intent is
+        dropped), so whatever is open under the slot's id is this attempt's, or a zombie's of an
+        earlier holder: never a live attempt's. An id the broker never saw (the attempt died before its first row) or one with nothing open
         is left alone, so cleaning up does not create transactional ids of its own.
         """
         tid = transactional_id(self.transactional_id_prefix, ctx)

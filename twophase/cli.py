@@ -98,6 +98,8 @@ def print_status(status: AppStatus) -> None:
     for query in status.queries:
         print(f"  query {query.query_id}\n    checkpoint: {query.checkpoint or 'unknown'}")
         print(f"    committed watermark: {query.watermark}   spark barrier: {query.barrier}")
+        if query.slots:
+            print("    slots held: " + ", ".join(f"partition {p}: {n}" for p, n in query.slots))
         for run in query.runs:
             print(f"    run {run.run_id}  {'alive' if run.alive else 'ended'}  started {_age(run.started)} ago")
             if run.halted:

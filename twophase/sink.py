@@ -36,7 +36,16 @@ from typing import Any
 
 @dataclass(frozen=True)
 class TxnContext:
-    """Where a transaction comes from: one attempt of one partition of one epoch."""
+    """Where a transaction comes from: one attempt of one partition of one epoch.
+
+    ``slot`` is a small number the framework assigns each attempt, unique among the unsettled
+    attempts of its (query, partition) and reused across attempts once the attempt that held it is
+    finished (its transaction committed or aborted, and a margin of later epochs committed). Sinks
+    that keep named resources per attempt (Kafka transactional ids) can name them by slot to keep
+    their number bounded. None when no registry assigned one (a sink driven directly)::
+
+        TxnContext("orders", "q-1", "r1", 7, 3, 0, slot=1)   # attempt 0 of partition 3, epoch 7, in slot 1
+    """
 
     app: str
     query_id: str
@@ -44,6 +53,7 @@ class TxnContext:
     epoch: int
     partition: int
     attempt: int
+    slot: int | None = None
 
     @property
     def name(self) -> str:
@@ -51,15 +61,15 @@ class TxnContext:
         return f"{self.run_id}.{self.epoch}.{self.partition}.{self.attempt}"
 
     @classmethod
-    def from_name(cls, app: str, query_id: str, name: str) -> TxnContext:
-        """The context whose :attr:`name` is ``name``; ValueError if it is not such a name.
+    def from_name(cls, app: str, query_id: str, name: str, slot: int | None = None) -> TxnContext:
+        """The context whose :attr:`name` is ``name`` (in ``slot``); ValueError if it is not such a name.
 
         ::
 
             TxnContext.from_name("orders", "q-1", "r1.7.3.0")   # run r1, epoch 7, partition 3, attempt 0
         """
         run_id, epoch, partition, attempt = name.rsplit(".", 3)  # a run id may itself hold dots
-        return cls(app, query_id, run_id, int(epoch), int(partition), int(attempt))
+        return cls(app, query_id, run_id, int(epoch), int(partition), int(attempt), slot)
 
 
 class CommitFailed(Exception):

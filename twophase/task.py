@@ -47,7 +47,7 @@ class TaskAttempt:
             raise PhaseTwoHalted(f"twophase stopped run {self.ctx.run_id} of app {self.ctx.app}: {halted}")
         if self.registry.winner(self.ctx) is not None:
             return False
-        self.registry.intend(self.ctx)
+        self.ctx = self.registry.intend(self.ctx)  # with its slot
         self._txn = self.sink.begin_transaction(self.ctx)
         return True
 
