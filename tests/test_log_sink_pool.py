@@ -16,6 +16,7 @@ from tests.broker.conftest import broker, broker_factory, topic  # noqa: F401  (
 from tests.harness import Pipeline
 from tests.test_log_sink import all_ids, committed_ids
 from twophase.client import Admin, KafkaError, ProducerFenced
+from twophase.sink import TxnContext
 
 
 @pytest.fixture
@@ -141,3 +142,12 @@ def test_the_residual_race_fails_the_next_holders_commit_loudly(zk, zk_root, sin
         (2, Operation.COMMIT, True)]
     assert pipe.record(2).state is EpochState.FAILED and pipe.watermark() == 1
     assert committed_ids(sink) == sorted([*rows_of(0, 0), *rows_of(1, 0)])
+
+
+def test_a_slots_transactional_id_names_app_query_partition_and_slot():
+    context = TxnContext("app", "q-1", "r1", 7, 3, 2, slot=1)
+    assert transactional_id("twophase", context) == "twophase.app.q-1.3.1"
+    assert transactional_id("twophase", replace(context, slot=None)) == "twophase.app.q-1.r1.7.3.2"  # no registry
+    long = TxnContext("a" * 128, "q" * 36, "r" * 36, 2**31, 9999, 3, slot=12345)
+    tid = transactional_id("twophase", long)
+    assert len(tid) <= 249 and tid.endswith(".9999.12345") and "r" * 36 not in tid
