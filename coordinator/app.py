@@ -229,8 +229,7 @@ class AppCoordinator:
 
     def _reconcile_query(self, qp: QueryPaths, this_pass: _Pass) -> None:
         self._settle_epochs(qp, this_pass)
-        if not this_pass.options.dry_run:
-            self._release_slots(qp)
+        self._release_slots(qp, this_pass.options.dry_run)
 
     def _settle_epochs(self, qp: QueryPaths, this_pass: _Pass) -> None:
         options = this_pass.options
@@ -511,16 +510,19 @@ class AppCoordinator:
             self.client.retry(self.client.delete, qp.epoch(epoch), recursive=True)
             self._slots_released.pop(qp.query_id, None)  # its intents are gone: their slots may be free
 
-    def _release_slots(self, qp: QueryPaths) -> None:
+    def _release_slots(self, qp: QueryPaths, dry_run: bool) -> None:
         """Release the slots of finished attempts ``slot_release_lag`` epochs below the watermark.
 
         Only when the watermark moved since the last release, or intents were dropped outside an
-        epoch's commit: otherwise nothing can have become free.
+        epoch's commit: otherwise nothing can have become free. A dry run only reads them (a
+        malformed one is a RecordError before `twophase recover` takes ownership).
         """
         watermark = read_epoch(self.client, qp.watermark)
         if self._slots_released.get(qp.query_id) == watermark:
             return
         free = releasable(self.client, qp, read_slots(self.client, qp), watermark, self.policy.slot_release_lag)
+        if dry_run:
+            return
         for start in range(0, len(free), _MAX_OPS):
             txn = self.fence.transaction()
             for slot in free[start:start + _MAX_OPS]:

@@ -14,6 +14,7 @@ from coordinator.status import read_status
 from coordinator.zk import RecordError
 from sinks.files import FileSink
 from tests.harness import QUERY, SIGNER, Pipeline, ids_out, stage
+from twophase.cli import print_status
 from twophase.sink import TxnContext
 from twophase.verify import count_rows
 
@@ -197,12 +198,14 @@ def test_a_malformed_slot_is_named(pipe):
         read_slots(pipe.zk, pipe.qp)
 
 
-def test_status_shows_the_slots_held_per_partition(pipe):
+def test_status_shows_the_slots_held_per_partition(pipe, capsys):
     for partition, attempts in ((0, 2), (3, 1)):
         for a in range(attempts):
             pipe.registry.intend(ctx(partition=partition, attempt=a))
-    [query] = read_status(pipe.zk, pipe.paths, SIGNER).queries
-    assert query.slots == ((0, 2), (3, 1))
+    status = read_status(pipe.zk, pipe.paths, SIGNER)
+    assert status.queries[0].slots == ((0, 2), (3, 1))
+    print_status(status)
+    assert "slots held: partition 0: 2, partition 3: 1" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("lag", [-1, 1.5, True])

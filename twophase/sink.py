@@ -139,8 +139,9 @@ class TwoPhaseCommitSink(ABC):
 
         The coordinator calls this, once the attempt's epoch is settled, for a task
         that died between begin_transaction and registration (for example killed
-        after pre_commit), from ``ctx`` alone. Idempotent; it must not undo a
-        committed transaction. The default does nothing, which suits sinks whose
+        after pre_commit), from ``ctx`` alone (``ctx.slot`` is the slot the attempt
+        still holds: nobody else uses it until the call succeeded). Idempotent; it must
+        not undo a committed transaction. The default does nothing, which suits sinks whose
         unregistered leftovers are invisible and harmless.
         """
 
