@@ -36,7 +36,7 @@ from kazoo.exceptions import NodeExistsError, NoNodeError, RolledBackError
 
 from coordinator.layout import QueryPaths
 from coordinator.slots import holder_data, intent_data, lowest_free, slot_of_intent
-from coordinator.zk import children
+from coordinator.zk import children, read_many
 from twophase.signing import Signer
 from twophase.sink import TxnContext
 
@@ -156,16 +156,9 @@ class PrecommitRegistry:
         """Attempts that began a transaction but hold no registered pre-commit, each in its slot."""
         registered = {a.name for a in attempts}
         base = self._paths.intents(epoch)
-        pending = [(name, self._client.get_async(f"{base}/{name}"))
-                   for name in children(self._client, base) if name not in registered]
-        contexts = []
-        for name, result in pending:
-            try:
-                raw, _ = result.get()
-            except NoNodeError:
-                continue  # dropped meanwhile: cleaned up
-            contexts.append(self._context(name, slot_of_intent(raw, f"{base}/{name}")))
-        return contexts
+        intents = {name: f"{base}/{name}" for name in children(self._client, base) if name not in registered}
+        return [self._context(name, slot_of_intent(raw, intents[name]))
+                for name, raw, _ in read_many(self._client, intents)]  # an intent dropped meanwhile is cleaned up
 
     def drop_intent(self, ctx: TxnContext) -> None:
         """Drop an attempt's intent: it cleaned up its transaction itself, or the coordinator did."""
@@ -219,14 +212,9 @@ class PrecommitRegistry:
     def load(self, epoch: int) -> list[Attempt]:
         """Every registered attempt of an epoch, oldest first. Raises SignatureError on tampering."""
         base = self._paths.attempts(epoch)
-        # Pipelined reads: one round trip for the whole epoch, not one per partition.
-        pending = [(n, self._client.get_async(f"{base}/{n}")) for n in children(self._client, base)]
         attempts = []
-        for name, result in pending:
-            try:
-                raw, stat = result.get()
-            except NoNodeError:
-                continue  # deleted meanwhile: already handled
+        # One round trip for the whole epoch; an attempt deleted meanwhile is already handled.
+        for name, raw, stat in read_many(self._client, {n: f"{base}/{n}" for n in children(self._client, base)}):
             record = self._signer.loads(raw, f"{base}/{name}", what=f"pre-commit {name}")
             ctx = self._context(name)
             attempts.append(Attempt(name, ctx.run_id, ctx.partition, ctx.attempt, record["won"],

@@ -29,7 +29,7 @@ from kazoo.client import KazooClient
 from kazoo.exceptions import NoNodeError
 
 from coordinator.layout import QueryPaths
-from coordinator.zk import RecordError, children, dump, parse_object
+from coordinator.zk import RecordError, children, dump, parse_object, read_many
 from twophase.sink import TxnContext
 
 
@@ -79,7 +79,7 @@ def read_slots(client: KazooClient, qp: QueryPaths) -> list[Slot]:
     if bad := [p for p in partitions if not p.isdigit()]:
         raise RecordError(f"znode {qp.slots}/{bad[0]}: its name is not a partition number")
     listed = [(int(p), client.get_children_async(qp.partition_slots(int(p)))) for p in partitions]
-    pending = []
+    paths = {}
     for partition, result in listed:
         try:
             names = result.get()
@@ -87,14 +87,10 @@ def read_slots(client: KazooClient, qp: QueryPaths) -> list[Slot]:
             continue
         if bad := [n for n in names if not n.isdigit()]:
             raise RecordError(f"znode {qp.partition_slots(partition)}/{bad[0]}: its name is not a slot number")
-        pending += [(partition, int(n), client.get_async(f"{qp.partition_slots(partition)}/{n}")) for n in names]
+        paths.update({(partition, int(n)): f"{qp.partition_slots(partition)}/{n}" for n in names})
     slots = []
-    for partition, number, result in pending:
-        try:
-            raw, stat = result.get()
-        except NoNodeError:
-            continue  # released meanwhile
-        path = f"{qp.partition_slots(partition)}/{number}"
+    for (partition, number), raw, stat in read_many(client, paths):  # a slot released meanwhile is left out
+        path = paths[(partition, number)]
         holder = parse_object(raw, path, {})
         attempt, epoch = holder.get("attempt"), holder.get("epoch")
         if not isinstance(attempt, str) or isinstance(epoch, bool) or not isinstance(epoch, int):
