@@ -117,7 +117,10 @@ def test_a_larger_lag_keeps_that_many_epochs_of_slots(pipe):
 
 class CleanupFailsSink(FileSink):
     cleanup_works = False
-    cleaned: list = []
+
+    def __init__(self, path):
+        super().__init__(path)
+        self.cleaned = []  # the contexts abort_unregistered was called with
 
     def abort_unregistered(self, ctx):
         if not self.cleanup_works:
