@@ -63,6 +63,7 @@ import hashlib
 import inspect
 import json
 import re
+import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Union
@@ -73,22 +74,32 @@ from twophase.client import Admin, KafkaError, PreparedTxn, PreparedTxnLost, Pro
 from twophase.sink import AbortFailed, CommitFailed, TwoPhaseCommitSink, TxnContext
 from twophase.wire.compression import codec_id
 
+from .log_modes import COMMIT_MODES, BrokerModes, CommitMode, aborted_in_words, is_without_two_phase
+
 Extractor = Union[str, Callable[[Any], Any], None]
 Headers = Union[Mapping[str, Any], Iterable[tuple[str, Any]], Callable[[Any], Iterable[tuple[str, Any]]], None]
 
 MAX_TRANSACTIONAL_ID = 249   # like topic names; Kafka itself stores ids as int16-length strings
 _MAX_HEAD = 160              # prefix.app.query, leaving room for run, epoch, partition, attempt
 _PREFIX = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_modes = BrokerModes()  # per process (a Spark Python worker serves many tasks)
 
 
 @dataclass(frozen=True)
 class LogHandle:
-    """A prepared transaction: everything commit and abort need, in any process."""
+    """A pre-committed transaction: everything commit and abort need, in any process.
+
+    ``mode`` says how it was pre-committed ("prepared": KIP-939; "classic": flushed, committed by
+    EndTxn before ``timeout_ms`` from ``opened_at`` passes).
+    """
 
     bootstrap: str
     transactional_id: str
     prepared: str | None  # PreparedTxn.to_json(); None if the attempt wrote nothing
     records: int
+    mode: str = "prepared"
+    opened_at: float | None = None  # classic: when the transaction began (seconds since the epoch)
+    timeout_ms: int | None = None   # classic: its transaction timeout
 
 
 @dataclass
@@ -98,6 +109,8 @@ class LogTxn:
     ctx: TxnContext
     transactional_id: str
     producer: Producer | None = None   # opened on the first row: empty partitions cost nothing
+    mode: str | None = None            # "prepared" or "classic", once the producer is open
+    opened_at: float | None = None
     records: int = 0
     provenance: list[tuple[str, bytes]] = field(default_factory=list)
 
@@ -115,6 +128,13 @@ def transactional_id(prefix: str, ctx: TxnContext) -> str:
     if len(tid) > MAX_TRANSACTIONAL_ID:
         raise ValueError(f"transactional id {tid!r} is longer than {MAX_TRANSACTIONAL_ID}: run id too long")
     return tid
+
+
+def _complete(handle: LogHandle, txn: PreparedTxn, commit: bool) -> None:
+    if handle.mode == "classic":
+        Producer.complete_flushed(handle.bootstrap, txn, commit=commit)
+    else:
+        Producer.complete_prepared(handle.bootstrap, txn, commit=commit)
 
 
 def _to_bytes(value: Any) -> bytes | None:
@@ -158,6 +178,11 @@ class LogSink(TwoPhaseCommitSink):
         provenance: add headers twophase.app / .run / .epoch / .partition / .attempt.
         transactional_id_prefix: first part of every transactional id this sink makes.
         producer: further twophase.client.Producer settings (linger_ms, batch_size, retries, ...).
+        commit_mode: "auto" (KIP-939 where the broker offers it, else classic), "prepared" (KIP-939
+            only: refuses a broker without it) or "classic" (ordinary transactions committed with
+            EndTxn within their timeout); see sinks/log_modes.py and docs/log-sink.md.
+        transaction_timeout_ms: classic mode's transaction timeout; None means the longest the broker
+            allows (its transaction.max.timeout.ms).
     """
 
     commit_concurrency = 8  # each commit is its own producer instance and connection
@@ -165,7 +190,8 @@ class LogSink(TwoPhaseCommitSink):
     def __init__(self, bootstrap: str, topic: str, *, key: Extractor = None, value: Extractor = None,
                  serializer: Callable[[Any], bytes] | None = None, headers: Headers = None,
                  provenance: bool = False, transactional_id_prefix: str = "twophase",
-                 producer: Mapping[str, Any] | None = None) -> None:
+                 producer: Mapping[str, Any] | None = None, commit_mode: CommitMode = "auto",
+                 transaction_timeout_ms: int | None = None) -> None:
         if not bootstrap:
             raise ValueError("bootstrap servers are required")
         if not topic:
@@ -176,7 +202,12 @@ class LogSink(TwoPhaseCommitSink):
         for name, extractor in (("key", key), ("value", value)):
             if extractor is not None and not (callable(extractor) or isinstance(extractor, str)):
                 raise TypeError(f"{name} must be a column name, a callable or None")
-        reserved = {"transactional_id", "enable_2pc"} & set(producer or {})
+        if commit_mode not in COMMIT_MODES:
+            raise ValueError(f"commit_mode must be one of {', '.join(COMMIT_MODES)}, not {commit_mode!r}")
+        if transaction_timeout_ms is not None and (isinstance(transaction_timeout_ms, bool) or not isinstance(
+                transaction_timeout_ms, int) or transaction_timeout_ms < 1):
+            raise ValueError(f"transaction_timeout_ms must be a positive number of ms, not {transaction_timeout_ms!r}")
+        reserved = {"transactional_id", "enable_2pc", "transaction_timeout_ms"} & set(producer or {})
         if reserved:
             raise ValueError(f"producer settings {sorted(reserved)} are the sink's to choose")
         # Checked here, on the driver: the producer itself opens only in a task, on its first row.
@@ -195,6 +226,8 @@ class LogSink(TwoPhaseCommitSink):
         self.provenance = provenance
         self.transactional_id_prefix = transactional_id_prefix
         self.producer_settings = dict(producer or {})
+        self.commit_mode = commit_mode
+        self.transaction_timeout_ms = transaction_timeout_ms
 
     # -- task side ------------------------------------------------------------
 
@@ -209,7 +242,7 @@ class LogSink(TwoPhaseCommitSink):
     def write(self, txn: LogTxn, row: Any) -> None:
         """Send one row to the topic inside the attempt's Kafka transaction."""
         if txn.producer is None:
-            txn.producer = self._open_producer(txn.transactional_id)
+            self._open_producer(txn)
         value = _extract(self.value, row) if self.value is not None else _row_dict(row)
         txn.producer.send(self.topic, value=self.serializer(value), key=_to_bytes(_extract(self.key, row)),
                           headers=self._headers(row) + txn.provenance)
@@ -221,20 +254,49 @@ class LogSink(TwoPhaseCommitSink):
         The handle carries the prepared transaction (producer id and epoch) as
         JSON, or None if no row was written.
         """
-        prepared = None
-        if txn.producer is not None:
-            try:
-                prepared = txn.producer.prepare_transaction().to_json()
-            finally:
-                txn.producer.close()
-                txn.producer = None
-        return LogHandle(self.bootstrap, txn.transactional_id, prepared, txn.records)
+        if txn.producer is None:
+            return LogHandle(self.bootstrap, txn.transactional_id, None, txn.records, txn.mode or "prepared")
+        producer = txn.producer
+        try:
+            prepared = producer.prepare_transaction().to_json()
+        finally:
+            producer.close()
+            txn.producer = None
+        return LogHandle(self.bootstrap, txn.transactional_id, prepared, txn.records, txn.mode,
+                         txn.opened_at if txn.mode == "classic" else None,
+                         producer.transaction_timeout_ms if txn.mode == "classic" else None)
 
-    def _open_producer(self, tid: str) -> Producer:
-        producer = Producer(self.bootstrap, transactional_id=tid, enable_2pc=True, **self.producer_settings)
+    def _open_producer(self, txn: LogTxn) -> None:
+        """Open the attempt's transactional producer in the sink's commit mode (auto: the broker's)."""
+        mode = self.commit_mode if self.commit_mode != "auto" else _modes.known(self.bootstrap) or "prepared"
+        try:
+            txn.producer = self._begin(txn.transactional_id, mode)
+        except KafkaError as e:
+            if self.commit_mode != "auto" or not is_without_two_phase(e):
+                raise
+            mode = "classic"  # the broker has no KIP-939: every Apache Kafka release
+            txn.producer = self._begin(txn.transactional_id, mode)
+        if self.commit_mode == "auto":
+            _modes.learn(self.bootstrap, mode)
+        txn.mode, txn.opened_at = mode, time.time()
+
+    def _begin(self, tid: str, mode: str) -> Producer:
+        if mode == "prepared":
+            producer = Producer(self.bootstrap, transactional_id=tid, enable_2pc=True, **self.producer_settings)
+        else:
+            timeout = self.transaction_timeout_ms or _modes.max_timeout_ms(self.bootstrap)
+            producer = Producer(self.bootstrap, transactional_id=tid, transaction_timeout_ms=timeout,
+                                **self.producer_settings)
         try:
             producer.init_transactions()
             producer.begin_transaction()
+        except KafkaError as e:
+            producer.close()
+            if e.code == ErrorCode.invalid_transaction_timeout:
+                raise ValueError(f"broker {self.bootstrap} refused a transaction timeout of "
+                                 f"{producer.transaction_timeout_ms} ms: set LogSink(transaction_timeout_ms=...) to "
+                                 "at most its transaction.max.timeout.ms") from e
+            raise
         except BaseException:
             producer.close()
             raise
@@ -257,12 +319,18 @@ class LogSink(TwoPhaseCommitSink):
 
         Raises CommitFailed if the transaction was aborted or replaced by someone else.
         """
-        if handle.prepared is not None:
-            try:
-                Producer.complete_prepared(handle.bootstrap, PreparedTxn.from_json(handle.prepared), commit=True)
-            except PreparedTxnLost as e:
-                raise CommitFailed(f"{handle.records} prepared records of {handle.transactional_id} "
-                                   f"are lost: {e}") from e
+        if handle.prepared is None:
+            return
+        txn = PreparedTxn.from_json(handle.prepared)
+        try:
+            _complete(handle, txn, commit=True)
+        except PreparedTxnLost as e:
+            if handle.mode == "classic":
+                raise CommitFailed(aborted_in_words(
+                    handle.transactional_id, f"producer {txn.producer_id} epoch {txn.producer_epoch}",
+                    handle.records, handle.opened_at, handle.timeout_ms) + f" [{e}]") from e
+            raise CommitFailed(f"{handle.records} prepared records of {handle.transactional_id} "
+                               f"are lost: {e}") from e
 
     def abort(self, handle: LogHandle) -> None:
         """Abort the prepared transaction; a no-op if it is gone already.
@@ -272,7 +340,7 @@ class LogSink(TwoPhaseCommitSink):
         if handle.prepared is None:
             return
         try:
-            Producer.complete_prepared(handle.bootstrap, PreparedTxn.from_json(handle.prepared), commit=False)
+            _complete(handle, PreparedTxn.from_json(handle.prepared), commit=False)
         except PreparedTxnLost:
             pass  # aborted or replaced already: gone either way
         except KafkaError as e:

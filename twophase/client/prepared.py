@@ -28,16 +28,14 @@ from kio.schema.errors import ErrorCode
 from twophase.wire.api_keys import ApiKey
 from twophase.wire.errors import KafkaError
 
-from .admin import Admin, TransactionDescription
+from .admin import Admin
 from .cluster import CoordinatorType
 from .connection import Connection, message
-from .errors import PreparedTxnLost, ProducerFenced, RetriableError, check
-from .retry import retry
+from .errors import PreparedTxnLost, ProducerFenced, check
 from .transactions import PreparedTxn, init_producer_id
 
 log = logging.getLogger("twophase.client")
 
-_IN_FLIGHT_STATES = ("PrepareCommit", "PrepareAbort")
 _ENDED_STATES = ("CompleteAbort", "CompleteCommit", "Empty", "Dead")
 _ATTEMPTS = 5  # starts over after being fenced by a concurrent completion
 
@@ -61,26 +59,10 @@ def complete_prepared(bootstrap: str, handle: PreparedTxn, commit: bool, *, requ
                 time.sleep(random.uniform(0.05, 0.2))  # let the winner finish its EndTxn first
 
 
-def _describe(admin: Admin, handle: PreparedTxn) -> TransactionDescription | None:
-    """The coordinator's view, once no markers are being written; None if it does not know the id."""
-    def describe():
-        try:
-            [described] = admin.describe_transactions([handle.transactional_id])
-        except KafkaError as exc:
-            if exc.code != ErrorCode.transactional_id_not_found:
-                raise
-            return None  # expired or never registered: nothing open
-        if described.state in _IN_FLIGHT_STATES:
-            raise RetriableError(f"{handle.transactional_id} is in {described.state}")
-        return described
-
-    return retry(describe, admin.request_timeout_s, f"describing {handle.transactional_id}")
-
-
 def _settled(admin: Admin, handle: PreparedTxn, commit: bool) -> bool:
     """True if the transaction already ended the way asked; PreparedTxnLost or INVALID_TXN_STATE if it
     ended the other way; False if it may still be open."""
-    described = _describe(admin, handle)
+    described = admin.describe_settled(handle.transactional_id)
     if described is None:
         if commit:
             raise PreparedTxnLost(f"{handle.transactional_id}: the coordinator does not know this transactional id")

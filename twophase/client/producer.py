@@ -34,6 +34,7 @@ from twophase.wire.records import INT32_MAX, record_batch
 from .cluster import Cluster, CoordinatorType
 from .connection import MS, Connection, message, part
 from .errors import KafkaTimeout, ProducerFenced, TransactionStateError, check, error_for
+from .flushed import complete_flushed
 from .partitioner import StickyPartitions, partition_for_key
 from .prepared import complete_prepared
 from .retry import retry
@@ -352,9 +353,12 @@ class Producer:
         self._txn.transition(TxnState.IN_TRANSACTION)
 
     def prepare_transaction(self) -> PreparedTxn:
-        """Flush and hand out what another process needs to finish this transaction (KIP-939)."""
-        if not self.enable_2pc:
-            raise TransactionStateError("prepare_transaction needs enable_2pc=True")
+        """Flush and hand out what another process needs to finish this transaction.
+
+        With ``enable_2pc`` (KIP-939) the transaction never times out; finish it with
+        :meth:`complete_prepared`. Without, it is an ordinary transaction that the broker aborts once
+        ``transaction_timeout_ms`` passes; finish it before then with :meth:`complete_flushed`.
+        """
         self._txn.require(TxnState.IN_TRANSACTION, action="prepare_transaction")
         self.flush()
         self._txn.transition(TxnState.PREPARED)
@@ -417,6 +421,13 @@ class Producer:
         """Commit or abort the prepared transaction ``handle`` from any process; idempotent. See
         :func:`twophase.client.prepared.complete_prepared`."""
         complete_prepared(bootstrap, handle, commit, request_timeout_ms=request_timeout_ms)
+
+    @staticmethod
+    def complete_flushed(bootstrap: str, handle: PreparedTxn, commit: bool, *,
+                         request_timeout_ms: int = 30_000) -> None:
+        """Commit or abort the flushed ordinary transaction ``handle`` from any process; idempotent. See
+        :func:`twophase.client.flushed.complete_flushed`."""
+        complete_flushed(bootstrap, handle, commit, request_timeout_ms=request_timeout_ms)
 
     # --- closing ------------------------------------------------------------------------------
 

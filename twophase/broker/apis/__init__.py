@@ -19,6 +19,7 @@ from . import (  # noqa: F401  (importing a handler module registers it)
     api_versions,
     create_topics,
     delete_topics,
+    describe_configs,
     describe_groups,
     describe_producers,
     describe_transactions,
