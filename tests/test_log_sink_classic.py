@@ -18,7 +18,7 @@ import pytest
 from examples.log_sink_query import read_topic
 from sinks.log import LogSink
 from tests.broker.conftest import broker_factory, topic  # noqa: F401  (fixtures)
-from tests.harness import Pipeline, stage
+from tests.harness import QUERY, Pipeline, stage
 from tests.waiting import wait_until
 from twophase.client import Admin, KafkaError
 from twophase.sink import AbortFailed, CommitFailed, TxnContext
@@ -164,3 +164,49 @@ def test_coordinator_down_past_the_timeout_fails_the_epoch_and_loses_nothing_sil
     recover = twophase("recover", "--zk", zk_server.hosts, "--root", zk_root, "--app", "app")
     assert recover.returncode == 1 and "FAILED" in recover.stdout, recover.stdout + recover.stderr
     assert committed_ids(sink) == list(range(20))   # epoch 0 once; nothing of epoch 1
+
+
+def fake_checkpoint(path, batches):
+    """The parts of a Spark checkpoint that replay reads and rewinds: metadata, offsets/N, commits/N."""
+    for d in ("offsets", "commits"):
+        (path / d).mkdir(parents=True)
+    (path / "metadata").write_text(json.dumps({"id": QUERY}) + "\n")
+    for n in batches:
+        (path / "offsets" / str(n)).write_text("v1\n{}\n")
+        (path / "commits" / str(n)).write_text("v1\n{}\n")
+    return path
+
+
+def test_a_failed_epoch_is_replayed_exactly_once(zk, zk_server, zk_root, sink, tmp_path):
+    """The way back: `twophase replay` rewinds the checkpoint to the FAILED epoch and discards it and the
+    later epochs in ZooKeeper; the restarted query (here: a new run of tasks) writes it again, and the
+    reader sees every row of every epoch once."""
+    pipe = Pipeline(zk, zk_root, sink)
+    assert pipe.task("r1", 0, 0, range(0, 10))
+    pipe.barrier(0, "r1")
+    pipe.coordinator().reconcile()
+    assert pipe.task("r1", 1, 0, range(10, 20))
+    assert pipe.task("r1", 2, 0, range(20, 30))   # later epoch, waiting behind 1
+    pipe.barrier(2, "r1")
+    [attempt] = pipe.registry.load(1)
+    await_aborted_by_the_broker(sink.bootstrap, attempt.handle.transactional_id)
+    pipe.coordinator().reconcile()
+    assert pipe.record(1).state.value == "failed"
+    checkpoint = fake_checkpoint(tmp_path / "ckpt", range(3))
+
+    args = ("--zk", zk_server.hosts, "--root", zk_root, "--app", "app", "--checkpoint", str(checkpoint))
+    refused = twophase("replay", *args, "--epoch", "2")
+    assert refused.returncode == 2 and "only a FAILED epoch" in refused.stderr, refused.stderr
+    done = twophase("replay", *args, "--epoch", "1")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert sorted(os.listdir(checkpoint / "commits")) == ["0"]
+    assert sorted(os.listdir(checkpoint / "offsets")) == ["0", "1"]
+    assert not zk.exists(pipe.qp.epoch(1)) and not zk.exists(pipe.qp.epoch(2))
+    assert committed_ids(sink) == list(range(10))
+
+    assert pipe.task("r2", 1, 0, range(10, 20))   # Spark re-runs batch 1, then plans batch 2 anew
+    assert pipe.task("r2", 2, 0, range(20, 30))
+    pipe.barrier(2, "r2")
+    pipe.coordinator().reconcile()
+    assert pipe.watermark() == 2
+    assert committed_ids(sink) == list(range(30))
