@@ -1,14 +1,11 @@
-"""Exactly-once records on a Kafka log: a TwoPhaseCommitSink over KIP-939 prepared transactions.
+"""Exactly-once records on a Kafka log: a TwoPhaseCommitSink over Kafka transactions.
 
-Each Spark task attempt writes its rows into a transaction of its own, under a
-transactional id derived from (app, query, run, epoch, partition, attempt), so
-no two live attempts ever fence each other. pre_commit flushes and *prepares*
-the transaction (KIP-939): the records are durable on the broker and invisible
-to read_committed consumers. The handle is plain data (the bootstrap servers
-and the PreparedTxn JSON: transactional id, producer id, producer epoch); the
-coordinator's process commits or aborts it with
-``Producer.complete_prepared``, which takes the prepared transaction over as a
-new producer instance (InitProducerId with keep_prepared_txn) and ends it.
+Each Spark task attempt writes its rows into a Kafka transaction of its own,
+under a transactional id of its own, so no two live attempts fence each other.
+pre_commit flushes the transaction: its records are durable on the broker and
+invisible to read_committed consumers. The handle is plain data (bootstrap
+servers, transactional id, producer id and epoch); the coordinator's process
+commits or aborts it, after Spark durably completed the micro-batch.
 
 Usage::
 
@@ -25,36 +22,34 @@ Usage::
 Any read_committed consumer (confluent-kafka ``isolation.level=read_committed``,
 the default there) then sees every row exactly once.
 
-Brokers: today this sink works with the built-in broker (``twophase broker``,
-or ``twophase.broker.Broker`` embedded) and no other. It needs KIP-939, and no
-Apache Kafka release ships it: its client API and coordinator support were
-taken out before the 4.1, 4.2, 4.3 and 4.4 releases (apache/kafka pull
-requests 19985, 21159, 21902, 23356), and the coordinator still answers
-keep_prepared_txn with UNSUPPORTED_VERSION (KAFKA-20739). The client refuses a
-broker whose InitProducerId is older than v6. On the built-in broker a 2PC
-transaction is never aborted by the transaction timeout, so an epoch whose
-commit waits for a driver restart, a coordinator failover or a restart of the
-broker itself is still committable when the coordinator gets to it.
+Two commit modes (sinks/log_modes.py; docs/log-sink.md has the whole story):
 
-A later issue adds a mode for real Kafka clusters: an ordinary transaction,
-flushed at pre-commit and committed later from another process with EndTxn and
-the stored producer id and epoch (what Flink's Kafka sink does through
-reflection). That works only inside ``transaction.max.timeout.ms`` (15
-minutes by default): the broker aborts every transaction older than its
-``transaction.timeout.ms``, pre-committed or not, so an epoch not committed by
-then (driver down longer than that, coordinator failover, a long ZooKeeper or
-broker outage) would be lost while Spark's checkpoint already says it is done.
-That is the transaction timeout hole of Flink's Kafka sink; its only
-mitigation is a timeout above the worst-case recovery time, which also keeps
-read_committed consumers stalled that long behind a dead writer's open
-transaction.
+- ``prepared`` (KIP-939; the built-in broker): pre_commit *prepares* the
+  transaction, which then never times out; commit takes it over as a new
+  producer instance (InitProducerId with keep_prepared_txn) and ends it. An
+  epoch whose commit waits for a driver restart, a coordinator failover or a
+  broker restart is still committed. No Apache Kafka release ships KIP-939
+  (taken out before 4.1, 4.2, 4.3 and 4.4: apache/kafka pull requests 19985,
+  21159, 21902, 23356; KAFKA-20739).
+- ``classic`` (every Kafka release): an ordinary transaction opened with the
+  longest timeout the broker allows (its transaction.max.timeout.ms, 15 minutes
+  by default), committed with EndTxn and the handle's producer id and epoch,
+  as Flink's KafkaSink does through reflection. Exactly once as long as the
+  commit comes within the timeout. A commit that comes later finds the
+  transaction aborted by the broker: CommitFailed, saying which transaction,
+  how old and which timeout; the epoch becomes FAILED and ``twophase status``
+  shows it, never a silent loss (Flink's sink loses such data silently), and
+  ``twophase replay`` runs the epoch again where that is exactly once.
+
+``commit_mode="auto"`` (the default) picks ``prepared`` where the broker offers
+it and ``classic`` otherwise.
 
 Attempts that died without closing (a SIGKILLed driver takes its tasks along)
-leave transactions open, and a 2PC transaction never times out: it would hold
-back the last stable offset, so read_committed consumers would stall behind it.
-The coordinator calls :meth:`LogSink.abort_unregistered` for each of them once
-their epoch is settled; a new instance of the attempt's transactional id
-aborts whatever it left open.
+leave transactions open, holding back the last stable offset, so read_committed
+consumers stall behind them (a prepared one forever). The coordinator calls
+:meth:`LogSink.abort_unregistered` for each of them once their epoch is
+settled; a new instance of the attempt's transactional id aborts whatever it
+left open.
 """
 
 from __future__ import annotations
