@@ -165,7 +165,7 @@ def kill_after_spark_completed_epoch_0(zk, job: LogJob) -> QueryPaths:
     return query_paths(zk, job)
 
 
-def test_precommitted_epoch_waits_through_a_dead_driver_and_commits_after_restart(zk, job):
+def test_prepared_epoch_waits_through_a_dead_driver_and_commits_after_restart(zk, job):
     """commits/0 exists but nobody committed epoch 0 when the driver dies: its pre-committed transactions
     stay invisible (prepared: a 2PC transaction never times out; classic: the restart comes well
     within the broker's transaction timeout) until the restarted driver commits them."""
