@@ -25,12 +25,13 @@ import json
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 
 from coordinator.layout import QueryPaths
+from coordinator.precommits import PrecommitRegistry
 from examples.log_sink_query import read_topic
-from sinks.log import transactional_id
 from tests.broker.conftest import broker_factory  # noqa: F401  (fixture)
 from tests.test_chaos_driver import (
     APP,
@@ -48,10 +49,10 @@ from tests.test_chaos_driver import (
     wait_while_alive,
     watermark,
 )
+from tests.harness import SIGNER
 from tests.test_cli import twophase as twophase_cli
 from tests.waiting import wait_until
 from twophase.client import Admin
-from twophase.sink import TxnContext
 from twophase.verify import count_rows
 
 pytestmark = [pytest.mark.chaos, pytest.mark.spark]
@@ -73,6 +74,7 @@ class LogJob(Job):
 
     bootstrap: str = ""
     mode: str = "prepared"  # the broker's: "prepared" (KIP-939) or "classic"
+    broker: Any = None      # the Broker it writes to, living in the test process
 
     def command(self, module: str, flags: tuple[str, ...]) -> list[str]:
         return [sys.executable, "-m", module, "--zk", self.zk_hosts, "--root", self.root,
@@ -88,7 +90,8 @@ def jobs(zk_server, zk_root, tmp_path, broker_factory) -> Iterator[Callable[...,
     def make(mode: str, **broker_options) -> LogJob:
         broker = broker_factory(**broker_options)
         broker.create_topic(TOPIC, PARTITIONS)
-        made.append(LogJob(zk_server.hosts, zk_root, tmp_path, batches=5, bootstrap=broker.bootstrap, mode=mode))
+        made.append(LogJob(zk_server.hosts, zk_root, tmp_path, batches=5, bootstrap=broker.bootstrap, mode=mode,
+                           broker=broker))
         return made[-1]
 
     yield make
@@ -177,16 +180,18 @@ def test_prepared_epoch_waits_through_a_dead_driver_and_commits_after_restart(zk
     assert_committed_in_the_brokers_mode(job)
 
 
-def test_classic_epoch_outliving_the_transaction_timeout_is_failed_in_words_and_invisible(zk, zk_server, jobs):
+def test_classic_epoch_outliving_the_transaction_timeout_is_failed_in_words_then_replayed(
+        zk, zk_server, jobs, broker_factory):
     """Classic mode with a 4 s timeout: the driver dies after Spark completed epoch 0 and before any
     coordinator committed it; the broker aborts epoch 0's transactions when their timeout passes.
     Recovery then cannot commit them: epoch 0 is FAILED with the transaction and its timeout named,
-    `twophase recover` and `status` exit 1, and a reader sees nothing of epoch 0 and nothing twice."""
+    `twophase recover` and `status` exit 1, and a reader sees nothing of epoch 0 and nothing twice.
+    The way back: the operator raises the broker's timeout, `twophase replay` rewinds epoch 0, and the
+    restarted query runs it again: every input row exactly once."""
     job = jobs("classic", transaction_two_phase_commit=False, transaction_max_timeout_ms=SHORT_TIMEOUT_MS,
                transaction_check_interval_ms=100)
     qp = kill_after_spark_completed_epoch_0(zk, job)
-    tids = [transactional_id("twophase", TxnContext.from_name(APP, qp.query_id, name))
-            for name in children(zk, qp.attempts(0))]
+    tids = [a.handle.transactional_id for a in PrecommitRegistry(zk, qp, SIGNER).load(0)]
     assert tids, "epoch 0 has no pre-commit in ZooKeeper"
     with Admin(job.bootstrap) as admin:
         wait_until(lambda: {d.state for d in admin.describe_transactions(tids)} == {"CompleteAbort"},
@@ -215,3 +220,13 @@ def test_classic_epoch_outliving_the_transaction_timeout_is_failed_in_words_and_
     visible = ids(read_topic(job.bootstrap, TOPIC))
     assert not set(visible) & set(range(ROWS_PER_BATCH)), "rows of the FAILED epoch 0 are visible"
     assert len(visible) == len(set(visible)), f"rows visible twice: {sorted(visible)}"
+
+    port, data_dir = job.broker.port, job.broker.data_dir
+    job.broker.stop()
+    job.broker = broker_factory(data_dir=data_dir, port=port, transaction_two_phase_commit=False,
+                                transaction_max_timeout_ms=CLASSIC_TIMEOUT_MS)
+    replay = twophase_cli("replay", *where, "--checkpoint", str(job.checkpoint), "--epoch", "0")
+    assert replay.returncode == 0, replay.stdout + replay.stderr
+    run_to_end(zk, job)
+    report = count_rows(job.expected, ids(read_topic(job.bootstrap, TOPIC)))
+    assert report.exact, f"{report}\n{job.logs()}"
