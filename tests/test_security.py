@@ -21,8 +21,8 @@ from twophase.broker import BrokerConfig
 from twophase.broker.cli import main as broker_cli
 from twophase.broker.security import Authenticator
 from twophase.broker.users import UsersFile, add_user, read_users, remove_user, verify_password, write_users
-from twophase.client.security import PLAINTEXT, SecuritySettings, as_security, load_security
 from twophase.cli import main as twophase_cli
+from twophase.client.security import PLAINTEXT, SecuritySettings, as_security, load_security
 from twophase.wire.api_keys import ApiKey
 from twophase.wire.security import parse_plain, plain_message
 
@@ -188,7 +188,7 @@ def test_users_file_stores_salted_credentials_never_the_password(tmp_path):
     path = str(tmp_path / "users.json")
     assert add_user(path, "alice", "correct horse") is True
     assert add_user(path, "bob", "correct horse") is True
-    raw = open(path, "rb").read()
+    raw = (tmp_path / "users.json").read_bytes()
     assert b"correct horse" not in raw and base64.b64encode(b"correct horse") not in raw
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
     users = read_users(path)
@@ -332,7 +332,7 @@ def test_broker_users_command_reads_the_password_from_stdin(tmp_path, monkeypatc
     assert twophase_cli(["broker-users", "add", "--users-file", path, "bob"]) == 2
     assert "password must not be empty" in capsys.readouterr().err
     assert twophase_cli(["broker-users", "remove", "--users-file", path, "alice"]) == 0
-    assert json.loads(open(path).read()) == {"users": {}}
+    assert json.loads((tmp_path / "users.json").read_text()) == {"users": {}}
 
 
 def test_write_users_leaves_no_readable_temporary(tmp_path):

@@ -23,8 +23,15 @@ from tests.broker.conftest import WireClient, metadata_request, produce_request
 from tests.client.conftest import confluent_drain, drain
 from tests.waiting import wait_for
 from twophase.broker.users import add_user, remove_user
-from twophase.client import (Admin, Consumer, KafkaTimeout, PreparedTxn, Producer, SaslAuthenticationError,
-                             SslAuthenticationError)
+from twophase.client import (
+    Admin,
+    Consumer,
+    KafkaTimeout,
+    PreparedTxn,
+    Producer,
+    SaslAuthenticationError,
+    SslAuthenticationError,
+)
 from twophase.client.cli import main as txns_cli
 from twophase.wire.records import record_batch
 
@@ -63,6 +70,16 @@ def create_topic(bootstrap: str, security, topic: str = "t", **options) -> None:
     """An Admin call (it connects, so it authenticates)."""
     with Admin(bootstrap, security=security, **options) as admin:
         admin.create_topics({topic: 1}, exist_ok=True)
+
+
+def assert_round_trip(bootstrap: str, security, topic: str) -> None:
+    """The project's producer writes a record and its consumer reads it back."""
+    with Producer(bootstrap, security=security) as p:
+        p.send(topic, value=b"v")
+        p.flush()
+    with Consumer(bootstrap, security=security) as c:
+        c.assign([(topic, 0)])
+        assert [m.value for m in drain(c, 1)] == [b"v"]
 
 
 def settings(pki: Pki, mechanism: str = "SCRAM-SHA-256", password: str = PASSWORD, **extra) -> dict[str, str]:
@@ -144,12 +161,7 @@ def test_hostname_verification_is_on_by_default(broker_factory, pki, topic):
     with pytest.raises(SslAuthenticationError, match=f"TLS to {b.bootstrap}: its certificate does not name this host"):
         create_topic(b.bootstrap, settings(pki))
     unchecked = settings(pki, **{"ssl.endpoint.identification.algorithm": "none"})
-    with Producer(b.bootstrap, security=unchecked) as p:
-        p.send(topic, value=b"v")
-        p.flush()
-    with Consumer(b.bootstrap, security=unchecked) as c:
-        c.assign([(topic, 0)])
-        assert [m.value for m in drain(c, 1)] == [b"v"]
+    assert_round_trip(b.bootstrap, unchecked, topic)
 
 
 def test_users_added_while_running_can_log_in(sasl_ssl, pki):
@@ -174,12 +186,7 @@ def test_tls_only_and_sasl_only_listeners(broker_factory, pki, topic, protocol):
         b = broker_factory(security_protocol="SASL_PLAINTEXT", users_file=pki.users, sasl_mechanisms=("PLAIN",))
         security = {"security.protocol": "SASL_PLAINTEXT", "sasl.mechanism": "PLAIN", "sasl.username": "alice",
                     "sasl.password": PASSWORD}
-    with Producer(b.bootstrap, security=security) as p:
-        p.send(topic, value=b"v")
-        p.flush()
-    with Consumer(b.bootstrap, security=security) as c:
-        c.assign([(topic, 0)])
-        assert [m.value for m in drain(c, 1)] == [b"v"]
+    assert_round_trip(b.bootstrap, security, topic)
     if protocol == "SASL_PLAINTEXT":
         with pytest.raises(SaslAuthenticationError, match="enables PLAIN, not SCRAM-SHA-256"):
             create_topic(b.bootstrap, {**security, "sasl.mechanism": "SCRAM-SHA-256"})
@@ -206,15 +213,13 @@ def test_unauthenticated_clients_can_neither_produce_nor_read(sasl_ssl, pki, top
         p.send(topic, value=b"secret record")
         p.flush()
     # Plain TCP to the TLS listener: the bytes are no TLS handshake, the broker drops the connection.
-    with WireClient(sasl_ssl.port) as raw:
-        with pytest.raises(ConnectionError):
-            raw.request(metadata_request(12, [topic]))
+    with WireClient(sasl_ssl.port) as raw, pytest.raises(ConnectionError):
+        raw.request(metadata_request(12, [topic]))
     # TLS, no SASL: Metadata, Produce and Fetch close the connection unanswered.
     context = ssl.create_default_context(cafile=pki.ca)
     for request in (metadata_request(12, [topic]), produce_request(topic, record_batch([(0, None, b"x", ())]))):
-        with _tls_wire(sasl_ssl.port, context) as client:
-            with pytest.raises(ConnectionError):
-                client.request(request)
+        with _tls_wire(sasl_ssl.port, context) as client, pytest.raises(ConnectionError):
+            client.request(request)
     assert "Metadata before SASL authentication" in caplog.text and "Produce before SASL authentication" in caplog.text
     # The project's client with TLS but no SASL fails the same way (retried, then given up).
     with pytest.raises(KafkaTimeout, match="closed by the broker"):
@@ -261,7 +266,12 @@ def _confluent_error(conf: dict) -> ConfluentError:
         reported.set()
 
     p = ConfluentProducer({**conf, "error_cb": on_error})
-    wait_for(lambda: p.poll(0.2) is not None and reported.is_set(), what="librdkafka's error callback")
+
+    def reported_yet() -> bool:
+        p.poll(0.2)  # callbacks run inside poll
+        return reported.is_set()
+
+    wait_for(reported_yet, what="librdkafka's error callback")
     return errors[0]
 
 

@@ -39,11 +39,10 @@ import sys
 from twophase.cli_args import int_from as _int_from
 from twophase.cli_args import non_empty
 from twophase.wire.errors import KafkaError
+from twophase.wire.security import SASL_MECHANISMS, SECURITY_PROTOCOLS, sasl_mechanism, security_protocol
 
 from .broker import DEFAULT_FETCH_MAX_BYTES, MIN_MAX_REQUEST_BYTES, Broker, BrokerConfig
 from .server import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_RECEIVE_TIMEOUT_MS
-from twophase.wire.security import SASL_MECHANISMS, SECURITY_PROTOCOLS, sasl_mechanism, security_protocol
-
 from .storage import DataDirLockedError
 from .txn.log import TransactionLogCorrupt
 from .users import MAX_ITERATIONS, MIN_ITERATIONS, add_user, read_users, remove_user

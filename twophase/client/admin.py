@@ -26,9 +26,10 @@ from twophase.wire.api_keys import ApiKey
 from twophase.wire.errors import KafkaError
 
 from .cluster import Cluster, CoordinatorType
-from .connection import MS, Connection, message, part
+from .connection import MS, Connection
 from .consumer import ISOLATION_LEVELS, LATEST
 from .errors import check
+from .messages import message, part
 from .retry import retry
 from .security import SecuritySettings, as_security
 from .transactions import init_producer_id

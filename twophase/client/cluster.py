@@ -19,8 +19,9 @@ from kio.schema.errors import ErrorCode
 from twophase.wire.api_keys import ApiKey
 from twophase.wire.errors import KafkaError
 
-from .connection import Connection, message, part
+from .connection import Connection
 from .errors import KafkaConnectionError, RetriableError, check
+from .messages import message, part
 from .retry import retry
 from .security import PLAINTEXT, SecuritySettings
 

@@ -32,7 +32,6 @@ from twophase.wire.codec import encode_request
 from twophase.wire.errors import KafkaError
 
 from .errors import KafkaConnectionError, SslAuthenticationError, check
-from .messages import message, part  # noqa: F401  (the client's modules build their requests from here)
 from .sasl import authenticate
 from .security import PLAINTEXT, SecuritySettings
 

@@ -66,9 +66,10 @@ from twophase.wire.records import (
 )
 
 from .cluster import Cluster
-from .connection import MS, message, part
+from .connection import MS
 from .errors import CorruptRecordBatch, OffsetOutOfRange, error_for
 from .group import GroupMember, TopicPartitionKey
+from .messages import message, part
 from .retry import retry
 from .security import SecuritySettings, as_security
 

@@ -31,8 +31,9 @@ from twophase.wire.errors import KafkaError
 
 from .admin import Admin, TransactionDescription
 from .cluster import CoordinatorType
-from .connection import Connection, message
+from .connection import Connection
 from .errors import PreparedTxnLost, ProducerFenced, RetriableError, check
+from .messages import message
 from .retry import retry
 from .security import SecuritySettings
 from .transactions import PreparedTxn, init_producer_id

@@ -32,8 +32,9 @@ from twophase.wire.errors import KafkaError
 from twophase.wire.records import INT32_MAX, record_batch
 
 from .cluster import Cluster, CoordinatorType
-from .connection import MS, Connection, message, part
+from .connection import MS, Connection
 from .errors import KafkaTimeout, ProducerFenced, TransactionStateError, check, error_for
+from .messages import message, part
 from .partitioner import StickyPartitions, partition_for_key
 from .prepared import complete_prepared
 from .retry import retry
