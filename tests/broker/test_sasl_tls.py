@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import socket
 import ssl
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -20,8 +23,10 @@ from confluent_kafka import KafkaError as ConfluentError
 from confluent_kafka import Producer as ConfluentProducer
 
 from tests.broker.conftest import WireClient, metadata_request, produce_request
+from tests.broker.test_server_cli import REPO, start
 from tests.client.conftest import confluent_drain, drain
 from tests.waiting import wait_for
+from twophase.broker.cli import main as broker_cli
 from twophase.broker.users import add_user, remove_user
 from twophase.client import (
     Admin,
@@ -292,3 +297,39 @@ def test_confluent_untrusted_ca_and_other_host_name(broker_factory, sasl_ssl, pk
                            **settings(pki, **{"ssl.endpoint.identification.algorithm": "none"})})
     p.produce("confluent-none", value=b"v")
     assert p.flush(30) == 0
+
+
+# -- the command line --------------------------------------------------------------------------
+
+
+def test_broker_command_serves_sasl_ssl(pki, tmp_path):
+    """``twophase broker --security-protocol SASL_SSL ...`` with a users file made by ``broker-users add``;
+    librdkafka connects with the settings it would use against Kafka."""
+    users = tmp_path / "users.json"
+    made = subprocess.run([sys.executable, "-m", "twophase.cli", "broker-users", "add", "--users-file", str(users),
+                           "carol"], input="carol-pw-99\n", capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": REPO})
+    assert made.returncode == 0 and "added user carol" in made.stdout, made.stderr
+    proc, bootstrap = start(tmp_path / "data", "--security-protocol", "sasl_ssl", "--ssl-certificate", pki.server,
+                            "--users-file", str(users), "--sasl-mechanisms", "SCRAM-SHA-512")
+    try:
+        conf = {"bootstrap.servers": bootstrap, **settings(pki, "SCRAM-SHA-512"), "sasl.username": "carol",
+                "sasl.password": "carol-pw-99"}
+        p = ConfluentProducer(conf)
+        p.produce("cli-sasl", value=b"v")
+        assert p.flush(30) == 0
+    finally:
+        proc.terminate()
+        _, stderr = proc.communicate(timeout=30)
+    assert proc.returncode == 0, stderr
+    assert "SASL_SSL (SCRAM-SHA-512; 1 users in" in stderr and "carol-pw-99" not in stderr
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--security-protocol", "KERBEROS"], "--security-protocol: security.protocol must be one of"),
+    (["--sasl-mechanisms", "PLAIN,GSSAPI"], "--sasl-mechanisms must be one of"),
+])
+def test_bad_security_arguments_are_refused(tmp_path, capsys, flags, message):
+    with pytest.raises(SystemExit) as exited:
+        broker_cli(["--data-dir", str(tmp_path / "data"), *flags])
+    assert exited.value.code == 2 and message in capsys.readouterr().err
