@@ -4,8 +4,9 @@
     twophase recover --zk HOSTS --app NAME [--checkpoint DIR] [--dry-run] [--retry-failed] [--json]
     twophase replay --zk HOSTS --app NAME --checkpoint DIR --epoch N [--dry-run]
     twophase coordinator --zk HOSTS [--root /twophase]
-    twophase broker --data-dir DIR [--port 9092]
-    twophase txns --bootstrap-server HOST:PORT list|describe|abort
+    twophase broker --data-dir DIR [--port 9092] [--security-protocol SASL_SSL ...]
+    twophase broker-users add|remove|list --users-file FILE [NAME]
+    twophase txns --bootstrap-server HOST:PORT [--command-config FILE] list|describe|abort
 
 Exit codes of status and recover: 0 fine; 1 an epoch is FAILED or blocked, or (recover) a sink
 call failed; 2 the command could not run or found the app's records unusable (a bad option, no such
@@ -42,7 +43,7 @@ from coordinator.report import (AbortReason, AttemptAborted, AttemptCleanedUp, E
                                 EpochSkipped, Operation, OperationFailed, Record, SkipReason, as_json)
 from coordinator.status import AppStatus, read_status
 from coordinator.zk import RecordError, children, connect
-from twophase.broker.cli import add_broker_parser
+from twophase.broker.cli import add_broker_parser, add_users_parser
 from twophase.cli_args import app_name, int_from, positive_int, positive_seconds
 from twophase.client.cli import add_txns_parser
 from twophase.signing import SignatureError, Signer, load_secret
@@ -277,6 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_coordinator)
 
     add_broker_parser(sub).set_defaults(needs_zookeeper=False)
+    add_users_parser(sub).set_defaults(needs_zookeeper=False)
     add_txns_parser(sub).set_defaults(needs_zookeeper=False)
     return parser
 

@@ -26,10 +26,12 @@ from twophase.wire.api_keys import ApiKey
 from twophase.wire.errors import KafkaError
 
 from .cluster import Cluster, CoordinatorType
-from .connection import MS, Connection, message, part
+from .connection import MS, Connection
 from .consumer import ISOLATION_LEVELS, LATEST
 from .errors import RetriableError, check
+from .messages import message, part
 from .retry import retry
+from .security import SecuritySettings, as_security
 from .transactions import init_producer_id
 
 OPEN_STATES = ("Ongoing", "PrepareCommit", "PrepareAbort")  # a transaction the coordinator holds open
@@ -115,7 +117,8 @@ class Admin:
     hanging transactions (KIP-664).
 
     Each call retries retriable errors for up to ``request_timeout_ms`` and
-    raises KafkaError otherwise.
+    raises KafkaError otherwise. ``security``: TLS and SASL settings, as the
+    :class:`~twophase.client.Producer` takes them.
 
     Usage::
 
@@ -130,9 +133,11 @@ class Admin:
                 admin.abort_hanging(h.topic, h.partition, h.producer_id, h.producer_epoch)
             admin.delete_topics(["orders"])
     """
-    def __init__(self, bootstrap: str, *, request_timeout_ms: int = 30_000, client_id: str = "twophase-admin") -> None:
+    def __init__(self, bootstrap: str, *, request_timeout_ms: int = 30_000, client_id: str = "twophase-admin",
+                 security: SecuritySettings | Mapping[str, str] | None = None) -> None:
         self.request_timeout_s = request_timeout_ms / 1000
-        self.cluster = Cluster(bootstrap, client_id=client_id, request_timeout_s=self.request_timeout_s)
+        self.cluster = Cluster(bootstrap, client_id=client_id, request_timeout_s=self.request_timeout_s,
+                               security=as_security(security))
 
     def _any(self, call, what: str):
         return retry(lambda: call(self.cluster.any_connection()), self.request_timeout_s, what)

@@ -26,6 +26,7 @@ Example::
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 
 from kio.schema.errors import ErrorCode
 
@@ -34,8 +35,10 @@ from twophase.wire.errors import KafkaError
 
 from .admin import Admin
 from .cluster import CoordinatorType
-from .connection import Connection, message
+from .connection import Connection
 from .errors import PreparedTxnLost, check, error_for
+from .messages import message
+from .security import SecuritySettings
 from .transactions import PreparedTxn
 
 log = logging.getLogger("twophase.client")
@@ -46,10 +49,12 @@ _NOT_OURS = frozenset({ErrorCode.producer_fenced, ErrorCode.invalid_producer_epo
 _END_TXN_CLASSIC = 4  # v5 is KIP-890: it would bump the epoch that the handle names
 
 
-def complete_flushed(bootstrap: str, handle: PreparedTxn, commit: bool, *, request_timeout_ms: int = 30_000) -> None:
+def complete_flushed(bootstrap: str, handle: PreparedTxn, commit: bool, *, request_timeout_ms: int = 30_000,
+                     security: SecuritySettings | Mapping[str, str] | None = None) -> None:
     """Commit or abort ``handle``'s flushed transaction; idempotent. Raises PreparedTxnLost when a
     commit is asked for a transaction that was aborted (its timeout passed, or a new instance of the
-    id fenced it), KafkaError(INVALID_TXN_STATE) when an abort is asked for one that was committed."""
+    id fenced it), KafkaError(INVALID_TXN_STATE) when an abort is asked for one that was committed.
+    ``security``: as the Producer's."""
     tid = handle.transactional_id
 
     def end(conn: Connection) -> ErrorCode:
@@ -61,7 +66,7 @@ def complete_flushed(bootstrap: str, handle: PreparedTxn, commit: bool, *, reque
             raise error_for(code, f"EndTxn({tid!r})")
         return code
 
-    with Admin(bootstrap, request_timeout_ms=request_timeout_ms) as admin:
+    with Admin(bootstrap, request_timeout_ms=request_timeout_ms, security=security) as admin:
         code = admin.cluster.coordinator_call(tid, CoordinatorType.TRANSACTION, end, admin.request_timeout_s,
                                               f"EndTxn({tid!r})")
         if code == ErrorCode.none:

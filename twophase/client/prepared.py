@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+from collections.abc import Mapping
 
 from kio.schema.errors import ErrorCode
 
@@ -30,8 +31,10 @@ from twophase.wire.errors import KafkaError
 
 from .admin import Admin
 from .cluster import CoordinatorType
-from .connection import Connection, message
+from .connection import Connection
 from .errors import PreparedTxnLost, ProducerFenced, check
+from .messages import message
+from .security import SecuritySettings
 from .transactions import PreparedTxn, init_producer_id
 
 log = logging.getLogger("twophase.client")
@@ -40,11 +43,12 @@ _ENDED_STATES = ("CompleteAbort", "CompleteCommit", "Empty", "Dead")
 _ATTEMPTS = 5  # starts over after being fenced by a concurrent completion
 
 
-def complete_prepared(bootstrap: str, handle: PreparedTxn, commit: bool, *, request_timeout_ms: int = 30_000) -> None:
+def complete_prepared(bootstrap: str, handle: PreparedTxn, commit: bool, *, request_timeout_ms: int = 30_000,
+                      security: SecuritySettings | Mapping[str, str] | None = None) -> None:
     """Commit or abort ``handle``'s transaction; idempotent. Raises PreparedTxnLost when a commit is
     asked for a transaction that was aborted or replaced, KafkaError(INVALID_TXN_STATE) when an abort
-    is asked for one that was committed."""
-    with Admin(bootstrap, request_timeout_ms=request_timeout_ms) as admin:
+    is asked for one that was committed. ``security``: as the Producer's."""
+    with Admin(bootstrap, request_timeout_ms=request_timeout_ms, security=security) as admin:
         for attempt in range(_ATTEMPTS):
             if _settled(admin, handle, commit):
                 return

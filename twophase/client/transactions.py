@@ -30,8 +30,9 @@ from twophase.states import Transitions
 from twophase.wire.api_keys import ApiKey
 from twophase.wire.errors import KafkaError
 
-from .connection import MS, Connection, message
+from .connection import MS, Connection
 from .errors import TransactionStateError, check
+from .messages import message
 
 
 class TxnState(enum.Enum):

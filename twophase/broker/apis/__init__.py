@@ -37,6 +37,8 @@ from . import (  # noqa: F401  (importing a handler module registers it)
     offset_commit,
     offset_fetch,
     produce,
+    sasl_authenticate,
+    sasl_handshake,
     sync_group,
     txn_offset_commit,
     write_txn_markers,
