@@ -66,6 +66,7 @@ from typing import Any, Union
 from kio.schema.errors import ErrorCode
 
 from twophase.client import Admin, KafkaError, PreparedTxn, PreparedTxnLost, Producer
+from twophase.client.security import as_security, secrets_in
 from twophase.sink import AbortFailed, CommitFailed, TwoPhaseCommitSink, TxnContext
 from twophase.wire.compression import codec_id
 
@@ -95,6 +96,7 @@ class LogHandle:
     mode: str = "prepared"
     opened_at: float | None = None  # classic: when the transaction began (seconds since the epoch)
     timeout_ms: int | None = None   # classic: its transaction timeout
+    security: str | dict[str, str] | None = None  # where the TLS/SASL settings come from; never a password
 
 
 @dataclass
@@ -127,9 +129,9 @@ def transactional_id(prefix: str, ctx: TxnContext) -> str:
 
 def _complete(handle: LogHandle, txn: PreparedTxn, commit: bool) -> None:
     if handle.mode == "classic":
-        Producer.complete_flushed(handle.bootstrap, txn, commit=commit)
+        Producer.complete_flushed(handle.bootstrap, txn, commit=commit, security=handle.security)
     else:
-        Producer.complete_prepared(handle.bootstrap, txn, commit=commit)
+        Producer.complete_prepared(handle.bootstrap, txn, commit=commit, security=handle.security)
 
 
 def _to_bytes(value: Any) -> bytes | None:
@@ -178,6 +180,11 @@ class LogSink(TwoPhaseCommitSink):
             EndTxn within their timeout); see sinks/log_modes.py and docs/log-sink.md.
         transaction_timeout_ms: classic mode's transaction timeout; None means the longest the broker
             allows (its transaction.max.timeout.ms).
+        security: TLS and SASL settings under Kafka's names (docs/security.md): a source,
+            "file:/etc/twophase/client.properties" or "env:KAFKA_" (KAFKA_SASL_PASSWORD, ...), read
+            where a producer opens (executors, the coordinator's process), or a mapping without
+            passwords. The sink is stored in ZooKeeper and its handles too: they name the source,
+            never a secret.
     """
 
     commit_concurrency = 8  # each commit is its own producer instance and connection
@@ -186,7 +193,7 @@ class LogSink(TwoPhaseCommitSink):
                  serializer: Callable[[Any], bytes] | None = None, headers: Headers = None,
                  provenance: bool = False, transactional_id_prefix: str = "twophase",
                  producer: Mapping[str, Any] | None = None, commit_mode: CommitMode = "auto",
-                 transaction_timeout_ms: int | None = None) -> None:
+                 transaction_timeout_ms: int | None = None, security: str | Mapping[str, str] | None = None) -> None:
         if not bootstrap:
             raise ValueError("bootstrap servers are required")
         if not topic:
@@ -202,7 +209,14 @@ class LogSink(TwoPhaseCommitSink):
         if transaction_timeout_ms is not None and (isinstance(transaction_timeout_ms, bool) or not isinstance(
                 transaction_timeout_ms, int) or transaction_timeout_ms < 1):
             raise ValueError(f"transaction_timeout_ms must be a positive number of ms, not {transaction_timeout_ms!r}")
-        reserved = {"transactional_id", "enable_2pc", "transaction_timeout_ms"} & set(producer or {})
+        if isinstance(security, Mapping):
+            secrets = secrets_in(security)
+            if secrets:
+                raise ValueError(f"security settings {secrets} are secrets, and the sink is stored in ZooKeeper: "
+                                 "give security='file:PATH' or 'env:PREFIX' (docs/security.md)")
+            security = dict(security)
+        as_security(security)  # ValueError naming a bad setting, or an unreadable source, here on the driver
+        reserved = {"transactional_id", "enable_2pc", "transaction_timeout_ms", "security"} & set(producer or {})
         if reserved:
             raise ValueError(f"producer settings {sorted(reserved)} are the sink's to choose")
         # Checked here, on the driver: the producer itself opens only in a task, on its first row.
@@ -223,6 +237,7 @@ class LogSink(TwoPhaseCommitSink):
         self.producer_settings = dict(producer or {})
         self.commit_mode = commit_mode
         self.transaction_timeout_ms = transaction_timeout_ms
+        self.security = security
 
     # -- task side ------------------------------------------------------------
 
@@ -250,7 +265,8 @@ class LogSink(TwoPhaseCommitSink):
         JSON, or None if no row was written.
         """
         if txn.producer is None:
-            return LogHandle(self.bootstrap, txn.transactional_id, None, txn.records, txn.mode or "prepared")
+            return LogHandle(self.bootstrap, txn.transactional_id, None, txn.records, txn.mode or "prepared",
+                             security=self.security)
         producer = txn.producer
         try:
             prepared = producer.prepare_transaction().to_json()
@@ -259,7 +275,7 @@ class LogSink(TwoPhaseCommitSink):
             txn.producer = None
         return LogHandle(self.bootstrap, txn.transactional_id, prepared, txn.records, txn.mode,
                          txn.opened_at if txn.mode == "classic" else None,
-                         producer.transaction_timeout_ms if txn.mode == "classic" else None)
+                         producer.transaction_timeout_ms if txn.mode == "classic" else None, self.security)
 
     def _open_producer(self, txn: LogTxn) -> None:
         """Open the attempt's transactional producer in the sink's commit mode (auto: the broker's)."""
@@ -277,11 +293,12 @@ class LogSink(TwoPhaseCommitSink):
 
     def _begin(self, tid: str, mode: str) -> Producer:
         if mode == "prepared":
-            producer = Producer(self.bootstrap, transactional_id=tid, enable_2pc=True, **self.producer_settings)
-        else:
-            timeout = self.transaction_timeout_ms or _modes.max_timeout_ms(self.bootstrap)
-            producer = Producer(self.bootstrap, transactional_id=tid, transaction_timeout_ms=timeout,
+            producer = Producer(self.bootstrap, transactional_id=tid, enable_2pc=True, security=self.security,
                                 **self.producer_settings)
+        else:
+            timeout = self.transaction_timeout_ms or _modes.max_timeout_ms(self.bootstrap, self.security)
+            producer = Producer(self.bootstrap, transactional_id=tid, transaction_timeout_ms=timeout,
+                                security=self.security, **self.producer_settings)
         try:
             producer.init_transactions()
             producer.begin_transaction()
@@ -360,7 +377,7 @@ class LogSink(TwoPhaseCommitSink):
         is left alone, so cleaning up does not create transactional ids of its own.
         """
         tid = transactional_id(self.transactional_id_prefix, ctx)
-        with Admin(self.bootstrap) as admin:
+        with Admin(self.bootstrap, security=self.security) as admin:
             try:
                 [described] = admin.describe_transactions([tid])
             except KafkaError as e:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Mapping
 from typing import Literal
 
 from kio.schema.errors import ErrorCode
@@ -62,13 +63,13 @@ class BrokerModes:
                 log.info("broker %s: LogSink commits in %s mode", bootstrap, mode)
             self._modes[bootstrap] = mode
 
-    def max_timeout_ms(self, bootstrap: str) -> int:
+    def max_timeout_ms(self, bootstrap: str, security: str | Mapping[str, str] | None = None) -> int:
         """The broker's ``transaction.max.timeout.ms``; Kafka's default where it cannot be read."""
         with self._lock:
             if bootstrap in self._timeouts:
                 return self._timeouts[bootstrap]
         try:
-            with Admin(bootstrap) as admin:
+            with Admin(bootstrap, security=security) as admin:
                 configs = admin.describe_broker_configs(["transaction.max.timeout.ms"])
             timeout = int(configs["transaction.max.timeout.ms"])
         except (KafkaError, KeyError, ValueError) as e:

@@ -134,7 +134,7 @@ class Admin:
             admin.delete_topics(["orders"])
     """
     def __init__(self, bootstrap: str, *, request_timeout_ms: int = 30_000, client_id: str = "twophase-admin",
-                 security: SecuritySettings | Mapping[str, str] | None = None) -> None:
+                 security: SecuritySettings | Mapping[str, str] | str | None = None) -> None:
         self.request_timeout_s = request_timeout_ms / 1000
         self.cluster = Cluster(bootstrap, client_id=client_id, request_timeout_s=self.request_timeout_s,
                                security=as_security(security))

@@ -206,7 +206,7 @@ class Consumer:
                  rebalance_timeout_ms: int = 30_000, heartbeat_interval_ms: int = 1_000,
                  request_timeout_ms: int = 30_000, client_id: str = "twophase-consumer",
                  max_inflated_batch_bytes: int = DEFAULT_MAX_INFLATED_BYTES, on_corrupt: str = "raise",
-                 security: SecuritySettings | Mapping[str, str] | None = None) -> None:
+                 security: SecuritySettings | Mapping[str, str] | str | None = None) -> None:
         if isolation_level not in ISOLATION_LEVELS:
             raise ValueError(f"isolation_level must be read_committed or read_uncommitted, not {isolation_level!r}")
         if auto_offset_reset not in _RESET:

@@ -50,7 +50,7 @@ _END_TXN_CLASSIC = 4  # v5 is KIP-890: it would bump the epoch that the handle n
 
 
 def complete_flushed(bootstrap: str, handle: PreparedTxn, commit: bool, *, request_timeout_ms: int = 30_000,
-                     security: SecuritySettings | Mapping[str, str] | None = None) -> None:
+                     security: SecuritySettings | Mapping[str, str] | str | None = None) -> None:
     """Commit or abort ``handle``'s flushed transaction; idempotent. Raises PreparedTxnLost when a
     commit is asked for a transaction that was aborted (its timeout passed, or a new instance of the
     id fenced it), KafkaError(INVALID_TXN_STATE) when an abort is asked for one that was committed.

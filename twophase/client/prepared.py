@@ -44,7 +44,7 @@ _ATTEMPTS = 5  # starts over after being fenced by a concurrent completion
 
 
 def complete_prepared(bootstrap: str, handle: PreparedTxn, commit: bool, *, request_timeout_ms: int = 30_000,
-                      security: SecuritySettings | Mapping[str, str] | None = None) -> None:
+                      security: SecuritySettings | Mapping[str, str] | str | None = None) -> None:
     """Commit or abort ``handle``'s transaction; idempotent. Raises PreparedTxnLost when a commit is
     asked for a transaction that was aborted or replaced, KafkaError(INVALID_TXN_STATE) when an abort
     is asked for one that was committed. ``security``: as the Producer's."""

@@ -70,7 +70,9 @@ class Producer:
     prepared); ``compression`` is Kafka's compression.type: None or "none", "gzip", "snappy", "lz4" or
     "zstd" (ValueError for another name). ``security``: TLS and SASL settings, a
     :class:`~twophase.client.security.SecuritySettings` or a mapping of Kafka's names
-    (``{"security.protocol": "SASL_SSL", "sasl.mechanism": "SCRAM-SHA-256", ...}``); None is PLAINTEXT.
+    (``{"security.protocol": "SASL_SSL", "sasl.mechanism": "SCRAM-SHA-256", ...}``), or a source
+    (``"file:client.properties"``, ``"env:KAFKA_"``) for :func:`~twophase.client.security.load_security`;
+    None is PLAINTEXT.
     """
 
     def __init__(self, bootstrap: str, *, transactional_id: str | None = None, enable_2pc: bool = False,
@@ -78,7 +80,7 @@ class Producer:
                  acks: str | int = "all", request_timeout_ms: int = 30_000, delivery_timeout_ms: int = 120_000,
                  retries: int | None = None, compression: str | None = None,
                  client_id: str = "twophase-producer",
-                 security: SecuritySettings | Mapping[str, str] | None = None) -> None:
+                 security: SecuritySettings | Mapping[str, str] | str | None = None) -> None:
         if acks not in ("all", -1):
             raise ValueError(f"the producer is idempotent, which needs acks='all', not {acks!r}")
         compression_id = codec_id("none" if compression is None else compression)
@@ -423,14 +425,14 @@ class Producer:
 
     @staticmethod
     def complete_prepared(bootstrap: str, handle: PreparedTxn, commit: bool, *, request_timeout_ms: int = 30_000,
-                          security: SecuritySettings | Mapping[str, str] | None = None) -> None:
+                          security: SecuritySettings | Mapping[str, str] | str | None = None) -> None:
         """Commit or abort the prepared transaction ``handle`` from any process; idempotent. See
         :func:`twophase.client.prepared.complete_prepared`."""
         complete_prepared(bootstrap, handle, commit, request_timeout_ms=request_timeout_ms, security=security)
 
     @staticmethod
     def complete_flushed(bootstrap: str, handle: PreparedTxn, commit: bool, *, request_timeout_ms: int = 30_000,
-                         security: SecuritySettings | Mapping[str, str] | None = None) -> None:
+                         security: SecuritySettings | Mapping[str, str] | str | None = None) -> None:
         """Commit or abort the flushed ordinary transaction ``handle`` from any process; idempotent. See
         :func:`twophase.client.flushed.complete_flushed`."""
         complete_flushed(bootstrap, handle, commit, request_timeout_ms=request_timeout_ms, security=security)

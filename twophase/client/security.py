@@ -166,16 +166,24 @@ class SecuritySettings:
 PLAINTEXT = SecuritySettings()
 
 
-def as_security(security: SecuritySettings | Mapping[str, str] | None) -> SecuritySettings:
-    """What the clients' ``security`` keyword accepts, as settings: None is PLAINTEXT, a mapping is parsed."""
+def as_security(security: SecuritySettings | Mapping[str, str] | str | None) -> SecuritySettings:
+    """What the clients' ``security`` keyword accepts, as settings: None is PLAINTEXT, a mapping is parsed,
+    a string is a source for :func:`load_security` (what objects that get pickled hold)."""
     if security is None:
         return PLAINTEXT
     if isinstance(security, SecuritySettings):
         return security
+    if isinstance(security, str):
+        return load_security(security)
     if isinstance(security, Mapping):
         return SecuritySettings.from_config(security)
-    raise TypeError(f"security must be SecuritySettings, a mapping of Kafka settings or None, "
-                    f"not {type(security).__name__}")
+    raise TypeError(f"security must be SecuritySettings, a mapping of Kafka settings, a source "
+                    f"(file:PATH or env:PREFIX) or None, not {type(security).__name__}")
+
+
+def secrets_in(config: Mapping[str, str]) -> list[str]:
+    """The secret settings (passwords) ``config`` holds: what must not be stored where others read it."""
+    return [name for name in _SECRETS if config.get(name)]
 
 
 def load_security(source: str) -> SecuritySettings:
