@@ -25,7 +25,8 @@ import time
 from collections import deque
 from collections.abc import Sequence
 
-from twophase.client.connection import decode_response, message, part, read_frame
+from twophase.client.connection import decode_response, read_frame
+from twophase.client.messages import message, part
 from twophase.wire.api_keys import ApiKey
 from twophase.wire.codec import encode_request
 from twophase.wire.records import HEADER_SIZE, parse_header, set_base_offset

@@ -534,6 +534,26 @@ class AppCoordinator:
 
     # -- the sink ---------------------------------------------------------
 
+    def discard_epochs(self, query_id: str, first: int) -> PassReport:
+        """Abort every pre-commit of the query's epochs from ``first`` on, clean up after their dead
+        attempts and delete their records, as if Spark had never run them (``twophase replay``, once the
+        checkpoint is rewound). Latest first, so that an interrupted run leaves the lowest epoch to find
+        again; it stops at the first sink call that fails (run it again)."""
+        this_pass = _Pass(PassOptions(recovering=True))
+        qp = self.paths.query(query_id)
+        registry = PrecommitRegistry(self.client, qp, self.signer)
+        for epoch in reversed([n for n in epoch_numbers(self.client, qp.epochs) if n >= first]):
+            work = self._load(qp, registry, epoch)
+            if work is None:
+                continue
+            replayed = [_Verdict(a, AbortReason.REPLAYED) for a in work.attempts]
+            if not (self._finish_all(work, replayed, recovering=True, this_pass=this_pass)
+                    and self._abort_unregistered(work, this_pass)):
+                break
+            self.fence.check()
+            self.client.retry(self.client.delete, qp.epoch(epoch), recursive=True)
+        return PassReport(self.app, False, tuple(this_pass.records))
+
     def verify_sink(self) -> None:
         """Check the stored sink's signature without unpickling it; SignatureError if it does not verify.
 

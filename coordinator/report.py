@@ -30,6 +30,7 @@ class AbortReason(str, Enum):
     SUPERSEDED = "superseded"      # its run did not complete the epoch: a later run re-ran it
     INCOMPLETE = "incomplete"      # recovery: Spark never completed the epoch and will re-run it
     LATE = "late"                  # registered after its epoch was committed (a zombie task)
+    REPLAYED = "replayed"          # `twophase replay`: Spark re-runs the epoch from its recorded offsets
 
 
 class SkipReason(str, Enum):

@@ -54,18 +54,20 @@ class FaultyLogSink(LogSink):
             raise RuntimeError("injected failure: first attempt of this partition dies mid-write")
 
 
-def read_topic(bootstrap: str, topic: str, isolation: str = "read_committed", timeout: float = 60.0) -> list:
+def read_topic(bootstrap: str, topic: str, isolation: str = "read_committed", timeout: float = 60.0,
+               security: dict[str, str] | None = None) -> list:
     """Every record of ``topic`` a fresh confluent-kafka consumer sees, up to the end of each partition.
 
     The end is the last stable offset for read_committed (records of open
     transactions are not visible yet), the high watermark for read_uncommitted.
+    ``security``: TLS/SASL settings, under the Kafka names librdkafka and twophase.client share.
     """
     # Imported here: the job and its Spark workers do not need the reader's client.
     from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, TopicPartition
 
     consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"reader-{uuid.uuid4().hex}",
                          "enable.auto.commit": False, "enable.partition.eof": True,
-                         "isolation.level": isolation})
+                         "isolation.level": isolation, **(security or {})})
     try:
         metadata = consumer.list_topics(topic, timeout=timeout).topics[topic]
         if metadata.error is not None:

@@ -1,32 +1,28 @@
-"""Exactly-once records on a Kafka log: a TwoPhaseCommitSink over KIP-939 prepared transactions.
+"""Exactly-once records on a Kafka log: a TwoPhaseCommitSink over Kafka transactions.
 
-Each Spark task attempt writes its rows into a transaction of its own, under a
-transactional id named by its slot: ``<prefix>.<app>.<query>.<partition>.<slot>``.
+Each Spark task attempt writes its rows into a Kafka transaction of its own,
+under a transactional id of its own, so no two live attempts fence each other.
+pre_commit flushes the transaction: its records are durable on the broker and
+invisible to read_committed consumers. The handle is plain data (bootstrap
+servers, transactional id, producer id and epoch); the coordinator's process
+commits or aborts it, after Spark durably completed the micro-batch.
+
+Transactional ids are named by slot: ``<prefix>.<app>.<query>.<partition>.<slot>``.
 The framework gives each attempt a slot unique among the unsettled attempts of
-its partition (:mod:`coordinator.slots`), so no two live attempts fence each
-other, and reuses it once the holder's transaction is complete and
-``CommitPolicy.slot_release_lag`` more epochs are committed: the broker keeps
-O(partitions x epochs in flight) transactional ids, not one per attempt ever
-run (what FLIP-511 did for Flink's Kafka sink). The next holder's
-InitProducerId aborts whatever an earlier holder left open and bumps the
-epoch, which fences any zombie of an earlier holder. (Without a slot, a sink
-driven directly, the id is per attempt: ``...<run>.<epoch>.<partition>.<attempt>``.)
-
+its partition (:mod:`coordinator.slots`) and reuses it once the holder's
+transaction is complete and ``CommitPolicy.slot_release_lag`` more epochs are
+committed, so the broker keeps O(partitions x epochs in flight) transactional
+ids, not one per attempt ever run (what FLIP-511 did for Flink's Kafka sink).
+The next holder's InitProducerId (without keep_prepared_txn, in either mode)
+aborts whatever an earlier holder left open and bumps the epoch, which fences
+any zombie of an earlier holder. (Without a slot, a sink driven directly, the
+id is per attempt: ``<prefix>.<app>.<query>.<run>.<epoch>.<partition>.<attempt>``.)
 One race remains: an attempt paused between claiming its slot (the task's
-``open``) and its first InitProducerId (its first row) for longer than it takes
-its epoch to settle without it and ``slot_release_lag`` later epochs to commit
-can, on resuming, fence the slot's next holder. That holder's task then fails
-before its pre-commit (Spark retries it), or, if it had prepared already, its
-commit fails loudly (CommitFailed: the epoch is FAILED, see
-docs/sink-contract.md); never silently.
-
-pre_commit flushes and *prepares*
-the transaction (KIP-939): the records are durable on the broker and invisible
-to read_committed consumers. The handle is plain data (the bootstrap servers
-and the PreparedTxn JSON: transactional id, producer id, producer epoch); the
-coordinator's process commits or aborts it with
-``Producer.complete_prepared``, which takes the prepared transaction over as a
-new producer instance (InitProducerId with keep_prepared_txn) and ends it.
+``open``) and its first InitProducerId (its first row) for longer than its
+epoch takes to settle without it plus ``slot_release_lag`` later commits can,
+on resuming, fence the slot's next holder. That holder's task then fails
+before its pre-commit (Spark retries it), or its commit fails loudly
+(CommitFailed: the epoch is FAILED, see docs/sink-contract.md); never silently.
 
 Usage::
 
@@ -43,36 +39,34 @@ Usage::
 Any read_committed consumer (confluent-kafka ``isolation.level=read_committed``,
 the default there) then sees every row exactly once.
 
-Brokers: today this sink works with the built-in broker (``twophase broker``,
-or ``twophase.broker.Broker`` embedded) and no other. It needs KIP-939, and no
-Apache Kafka release ships it: its client API and coordinator support were
-taken out before the 4.1, 4.2, 4.3 and 4.4 releases (apache/kafka pull
-requests 19985, 21159, 21902, 23356), and the coordinator still answers
-keep_prepared_txn with UNSUPPORTED_VERSION (KAFKA-20739). The client refuses a
-broker whose InitProducerId is older than v6. On the built-in broker a 2PC
-transaction is never aborted by the transaction timeout, so an epoch whose
-commit waits for a driver restart, a coordinator failover or a restart of the
-broker itself is still committable when the coordinator gets to it.
+Two commit modes (sinks/log_modes.py; docs/log-sink.md has the whole story):
 
-A later issue adds a mode for real Kafka clusters: an ordinary transaction,
-flushed at pre-commit and committed later from another process with EndTxn and
-the stored producer id and epoch (what Flink's Kafka sink does through
-reflection). That works only inside ``transaction.max.timeout.ms`` (15
-minutes by default): the broker aborts every transaction older than its
-``transaction.timeout.ms``, pre-committed or not, so an epoch not committed by
-then (driver down longer than that, coordinator failover, a long ZooKeeper or
-broker outage) would be lost while Spark's checkpoint already says it is done.
-That is the transaction timeout hole of Flink's Kafka sink; its only
-mitigation is a timeout above the worst-case recovery time, which also keeps
-read_committed consumers stalled that long behind a dead writer's open
-transaction.
+- ``prepared`` (KIP-939; the built-in broker): pre_commit *prepares* the
+  transaction, which then never times out; commit takes it over as a new
+  producer instance (InitProducerId with keep_prepared_txn) and ends it. An
+  epoch whose commit waits for a driver restart, a coordinator failover or a
+  broker restart is still committed. No Apache Kafka release ships KIP-939
+  (taken out before 4.1, 4.2, 4.3 and 4.4: apache/kafka pull requests 19985,
+  21159, 21902, 23356; KAFKA-20739).
+- ``classic`` (every Kafka release): an ordinary transaction opened with the
+  longest timeout the broker allows (its transaction.max.timeout.ms, 15 minutes
+  by default), committed with EndTxn and the handle's producer id and epoch,
+  as Flink's KafkaSink does through reflection. Exactly once as long as the
+  commit comes within the timeout. A commit that comes later finds the
+  transaction aborted by the broker: CommitFailed, saying which transaction,
+  how old and which timeout; the epoch becomes FAILED and ``twophase status``
+  shows it, never a silent loss (Flink's sink loses such data silently), and
+  ``twophase replay`` runs the epoch again where that is exactly once.
+
+``commit_mode="auto"`` (the default) picks ``prepared`` where the broker offers
+it and ``classic`` otherwise.
 
 Attempts that died without closing (a SIGKILLed driver takes its tasks along)
-leave transactions open, and a 2PC transaction never times out: it would hold
-back the last stable offset, so read_committed consumers would stall behind it.
-The coordinator calls :meth:`LogSink.abort_unregistered` for each of them once
-their epoch is settled; a new instance of the attempt's transactional id
-aborts whatever it left open.
+leave transactions open, holding back the last stable offset, so read_committed
+consumers stall behind them (a prepared one forever). The coordinator calls
+:meth:`LogSink.abort_unregistered` for each of them once their epoch is
+settled; a new instance of the attempt's transactional id aborts whatever it
+left open.
 """
 
 from __future__ import annotations
@@ -81,6 +75,7 @@ import hashlib
 import inspect
 import json
 import re
+import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Union
@@ -88,8 +83,11 @@ from typing import Any, Union
 from kio.schema.errors import ErrorCode
 
 from twophase.client import Admin, KafkaError, PreparedTxn, PreparedTxnLost, Producer
+from twophase.client.security import as_security, secrets_in
 from twophase.sink import AbortFailed, CommitFailed, TwoPhaseCommitSink, TxnContext
 from twophase.wire.compression import codec_id
+
+from .log_modes import COMMIT_MODES, BrokerModes, CommitMode, aborted_in_words, is_without_two_phase
 
 Extractor = Union[str, Callable[[Any], Any], None]
 Headers = Union[Mapping[str, Any], Iterable[tuple[str, Any]], Callable[[Any], Iterable[tuple[str, Any]]], None]
@@ -97,16 +95,25 @@ Headers = Union[Mapping[str, Any], Iterable[tuple[str, Any]], Callable[[Any], It
 MAX_TRANSACTIONAL_ID = 249   # like topic names; Kafka itself stores ids as int16-length strings
 _MAX_HEAD = 160              # prefix.app.query, leaving room for run, epoch, partition, attempt
 _PREFIX = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_modes = BrokerModes()  # per process (a Spark Python worker serves many tasks)
 
 
 @dataclass(frozen=True)
 class LogHandle:
-    """A prepared transaction: everything commit and abort need, in any process."""
+    """A pre-committed transaction: everything commit and abort need, in any process.
+
+    ``mode`` says how it was pre-committed ("prepared": KIP-939; "classic": flushed, committed by
+    EndTxn before ``timeout_ms`` from ``opened_at`` passes).
+    """
 
     bootstrap: str
     transactional_id: str
     prepared: str | None  # PreparedTxn.to_json(); None if the attempt wrote nothing
     records: int
+    mode: str = "prepared"
+    opened_at: float | None = None  # classic: when the transaction began (seconds since the epoch)
+    timeout_ms: int | None = None   # classic: its transaction timeout
+    security: str | dict[str, str] | None = None  # where the TLS/SASL settings come from; never a password
 
 
 @dataclass
@@ -116,6 +123,8 @@ class LogTxn:
     ctx: TxnContext
     transactional_id: str
     producer: Producer | None = None   # opened on the first row: empty partitions cost nothing
+    mode: str | None = None            # "prepared" or "classic", once the producer is open
+    opened_at: float | None = None
     records: int = 0
     provenance: list[tuple[str, bytes]] = field(default_factory=list)
 
@@ -136,6 +145,13 @@ def transactional_id(prefix: str, ctx: TxnContext) -> str:
     if len(tid) > MAX_TRANSACTIONAL_ID:
         raise ValueError(f"transactional id {tid!r} is longer than {MAX_TRANSACTIONAL_ID}: run id too long")
     return tid
+
+
+def _complete(handle: LogHandle, txn: PreparedTxn, commit: bool) -> None:
+    if handle.mode == "classic":
+        Producer.complete_flushed(handle.bootstrap, txn, commit=commit, security=handle.security)
+    else:
+        Producer.complete_prepared(handle.bootstrap, txn, commit=commit, security=handle.security)
 
 
 def _to_bytes(value: Any) -> bytes | None:
@@ -179,6 +195,16 @@ class LogSink(TwoPhaseCommitSink):
         provenance: add headers twophase.app / .run / .epoch / .partition / .attempt.
         transactional_id_prefix: first part of every transactional id this sink makes.
         producer: further twophase.client.Producer settings (linger_ms, batch_size, retries, ...).
+        commit_mode: "auto" (KIP-939 where the broker offers it, else classic), "prepared" (KIP-939
+            only: refuses a broker without it) or "classic" (ordinary transactions committed with
+            EndTxn within their timeout); see sinks/log_modes.py and docs/log-sink.md.
+        transaction_timeout_ms: classic mode's transaction timeout; None means the longest the broker
+            allows (its transaction.max.timeout.ms).
+        security: TLS and SASL settings under Kafka's names (docs/security.md): a source,
+            "file:/etc/twophase/client.properties" or "env:KAFKA_" (KAFKA_SASL_PASSWORD, ...), read
+            where a producer opens (executors, the coordinator's process), or a mapping without
+            passwords. The sink is stored in ZooKeeper and its handles too: they name the source,
+            never a secret.
     """
 
     commit_concurrency = 8  # each commit is its own producer instance and connection
@@ -186,7 +212,8 @@ class LogSink(TwoPhaseCommitSink):
     def __init__(self, bootstrap: str, topic: str, *, key: Extractor = None, value: Extractor = None,
                  serializer: Callable[[Any], bytes] | None = None, headers: Headers = None,
                  provenance: bool = False, transactional_id_prefix: str = "twophase",
-                 producer: Mapping[str, Any] | None = None) -> None:
+                 producer: Mapping[str, Any] | None = None, commit_mode: CommitMode = "auto",
+                 transaction_timeout_ms: int | None = None, security: str | Mapping[str, str] | None = None) -> None:
         if not bootstrap:
             raise ValueError("bootstrap servers are required")
         if not topic:
@@ -197,7 +224,19 @@ class LogSink(TwoPhaseCommitSink):
         for name, extractor in (("key", key), ("value", value)):
             if extractor is not None and not (callable(extractor) or isinstance(extractor, str)):
                 raise TypeError(f"{name} must be a column name, a callable or None")
-        reserved = {"transactional_id", "enable_2pc"} & set(producer or {})
+        if commit_mode not in COMMIT_MODES:
+            raise ValueError(f"commit_mode must be one of {', '.join(COMMIT_MODES)}, not {commit_mode!r}")
+        if transaction_timeout_ms is not None and (isinstance(transaction_timeout_ms, bool) or not isinstance(
+                transaction_timeout_ms, int) or transaction_timeout_ms < 1):
+            raise ValueError(f"transaction_timeout_ms must be a positive number of ms, not {transaction_timeout_ms!r}")
+        if isinstance(security, Mapping):
+            secrets = secrets_in(security)
+            if secrets:
+                raise ValueError(f"security settings {secrets} are secrets, and the sink is stored in ZooKeeper: "
+                                 "give security='file:PATH' or 'env:PREFIX' (docs/security.md)")
+            security = dict(security)
+        as_security(security)  # ValueError naming a bad setting, or an unreadable source, here on the driver
+        reserved = {"transactional_id", "enable_2pc", "transaction_timeout_ms", "security"} & set(producer or {})
         if reserved:
             raise ValueError(f"producer settings {sorted(reserved)} are the sink's to choose")
         # Checked here, on the driver: the producer itself opens only in a task, on its first row.
@@ -216,14 +255,17 @@ class LogSink(TwoPhaseCommitSink):
         self.provenance = provenance
         self.transactional_id_prefix = transactional_id_prefix
         self.producer_settings = dict(producer or {})
+        self.commit_mode = commit_mode
+        self.transaction_timeout_ms = transaction_timeout_ms
+        self.security = security
 
     # -- task side ------------------------------------------------------------
 
     def begin_transaction(self, ctx: TxnContext) -> LogTxn:
         """Start a transaction with the attempt's transactional id; the producer opens on the first row.
 
-        Its InitProducerId (enable_2pc, not keeping a prepared transaction) aborts whatever an earlier
-        holder of the slot's id left open and bumps the epoch, fencing that holder's zombies.
+        Its InitProducerId (without keep_prepared_txn) aborts whatever an earlier holder of the slot's
+        id left open and bumps the epoch, fencing that holder's zombies.
         """
         txn = LogTxn(ctx, transactional_id(self.transactional_id_prefix, ctx))
         if self.provenance:
@@ -234,7 +276,7 @@ class LogSink(TwoPhaseCommitSink):
     def write(self, txn: LogTxn, row: Any) -> None:
         """Send one row to the topic inside the attempt's Kafka transaction."""
         if txn.producer is None:
-            txn.producer = self._open_producer(txn.transactional_id)
+            self._open_producer(txn)
         value = _extract(self.value, row) if self.value is not None else _row_dict(row)
         txn.producer.send(self.topic, value=self.serializer(value), key=_to_bytes(_extract(self.key, row)),
                           headers=self._headers(row) + txn.provenance)
@@ -246,20 +288,51 @@ class LogSink(TwoPhaseCommitSink):
         The handle carries the prepared transaction (producer id and epoch) as
         JSON, or None if no row was written.
         """
-        prepared = None
-        if txn.producer is not None:
-            try:
-                prepared = txn.producer.prepare_transaction().to_json()
-            finally:
-                txn.producer.close()
-                txn.producer = None
-        return LogHandle(self.bootstrap, txn.transactional_id, prepared, txn.records)
+        if txn.producer is None:
+            return LogHandle(self.bootstrap, txn.transactional_id, None, txn.records, txn.mode or "prepared",
+                             security=self.security)
+        producer = txn.producer
+        try:
+            prepared = producer.prepare_transaction().to_json()
+        finally:
+            producer.close()
+            txn.producer = None
+        return LogHandle(self.bootstrap, txn.transactional_id, prepared, txn.records, txn.mode,
+                         txn.opened_at if txn.mode == "classic" else None,
+                         producer.transaction_timeout_ms if txn.mode == "classic" else None, self.security)
 
-    def _open_producer(self, tid: str) -> Producer:
-        producer = Producer(self.bootstrap, transactional_id=tid, enable_2pc=True, **self.producer_settings)
+    def _open_producer(self, txn: LogTxn) -> None:
+        """Open the attempt's transactional producer in the sink's commit mode (auto: the broker's)."""
+        mode = self.commit_mode if self.commit_mode != "auto" else _modes.known(self.bootstrap) or "prepared"
+        try:
+            txn.producer = self._begin(txn.transactional_id, mode)
+        except KafkaError as e:
+            if self.commit_mode != "auto" or not is_without_two_phase(e):
+                raise
+            mode = "classic"  # the broker has no KIP-939: every Apache Kafka release
+            txn.producer = self._begin(txn.transactional_id, mode)
+        if self.commit_mode == "auto":
+            _modes.learn(self.bootstrap, mode)
+        txn.mode, txn.opened_at = mode, time.time()
+
+    def _begin(self, tid: str, mode: str) -> Producer:
+        if mode == "prepared":
+            producer = Producer(self.bootstrap, transactional_id=tid, enable_2pc=True, security=self.security,
+                                **self.producer_settings)
+        else:
+            timeout = self.transaction_timeout_ms or _modes.max_timeout_ms(self.bootstrap, self.security)
+            producer = Producer(self.bootstrap, transactional_id=tid, transaction_timeout_ms=timeout,
+                                security=self.security, **self.producer_settings)
         try:
             producer.init_transactions()
             producer.begin_transaction()
+        except KafkaError as e:
+            producer.close()
+            if e.code == ErrorCode.invalid_transaction_timeout:
+                raise ValueError(f"broker {self.bootstrap} refused a transaction timeout of "
+                                 f"{producer.transaction_timeout_ms} ms: set LogSink(transaction_timeout_ms=...) to "
+                                 "at most its transaction.max.timeout.ms") from e
+            raise
         except BaseException:
             producer.close()
             raise
@@ -282,12 +355,18 @@ class LogSink(TwoPhaseCommitSink):
 
         Raises CommitFailed if the transaction was aborted or replaced by someone else.
         """
-        if handle.prepared is not None:
-            try:
-                Producer.complete_prepared(handle.bootstrap, PreparedTxn.from_json(handle.prepared), commit=True)
-            except PreparedTxnLost as e:
-                raise CommitFailed(f"{handle.records} prepared records of {handle.transactional_id} "
-                                   f"are lost: {e}") from e
+        if handle.prepared is None:
+            return
+        txn = PreparedTxn.from_json(handle.prepared)
+        try:
+            _complete(handle, txn, commit=True)
+        except PreparedTxnLost as e:
+            if handle.mode == "classic":
+                raise CommitFailed(aborted_in_words(
+                    handle.transactional_id, f"producer {txn.producer_id} epoch {txn.producer_epoch}",
+                    handle.records, handle.opened_at, handle.timeout_ms) + f" [{e}]") from e
+            raise CommitFailed(f"{handle.records} prepared records of {handle.transactional_id} "
+                               f"are lost: {e}") from e
 
     def abort(self, handle: LogHandle) -> None:
         """Abort the prepared transaction; a no-op if it is gone already.
@@ -297,7 +376,7 @@ class LogSink(TwoPhaseCommitSink):
         if handle.prepared is None:
             return
         try:
-            Producer.complete_prepared(handle.bootstrap, PreparedTxn.from_json(handle.prepared), commit=False)
+            _complete(handle, PreparedTxn.from_json(handle.prepared), commit=False)
         except PreparedTxnLost:
             pass  # aborted or replaced already: gone either way
         except KafkaError as e:
@@ -320,11 +399,12 @@ class LogSink(TwoPhaseCommitSink):
 
         The dead attempt's intent still holds its slot (it is released only once the intent is
         dropped), so whatever is open under the slot's id is this attempt's, or a zombie's of an
-        earlier holder: never a live attempt's. An id the broker never saw (the attempt died before its first row) or one with nothing open
-        is left alone, so cleaning up does not create transactional ids of its own.
+        earlier holder: never a live attempt's. An id the broker never saw (the attempt died before
+        its first row) or one with nothing open is left alone, so cleaning up does not create
+        transactional ids of its own.
         """
         tid = transactional_id(self.transactional_id_prefix, ctx)
-        with Admin(self.bootstrap) as admin:
+        with Admin(self.bootstrap, security=self.security) as admin:
             try:
                 [described] = admin.describe_transactions([tid])
             except KafkaError as e:

@@ -42,3 +42,45 @@ def last_completed_epoch(checkpoint: str) -> int | None:
     """The highest batch id with commits/N, or None before the first batch completes."""
     done = completed_epochs(checkpoint)
     return done[-1] if done else None
+
+
+# Spark's state store files per version: HDFS-backed (<v>.delta, <v>.snapshot), RocksDB (<v>.changelog, <v>.zip).
+_STATE_SUFFIXES = (".delta", ".snapshot", ".changelog", ".zip")
+
+
+def missing_state(checkpoint: str, version: int) -> list[str]:
+    """State store directories of the checkpoint that no longer hold state ``version`` (the state
+    batch ``version`` starts from, so re-running that batch needs it); [] for a stateless query or
+    version 0 (empty state)."""
+    root = os.path.join(local_path(checkpoint), "state")
+    if version == 0 or not os.path.isdir(root):
+        return []
+    wanted = {f"{version}{suffix}" for suffix in _STATE_SUFFIXES}
+    missing = []
+    for directory, _, files in os.walk(root):
+        versioned = [f for f in files if f.split(".", 1)[0].isdigit() and f.endswith(_STATE_SUFFIXES)]
+        if versioned and not wanted & set(files):
+            missing.append(os.path.relpath(directory, root))
+    return sorted(missing)
+
+
+def rewind(checkpoint: str, batch: int) -> list[str]:
+    """Make Spark run ``batch`` again on its next start: remove commits/K for K >= batch and offsets/K
+    for K > batch (offsets/``batch`` stays: Spark re-runs the batch with exactly those offsets).
+    Returns the removed files, relative to the checkpoint. Idempotent."""
+    root = local_path(checkpoint)
+    doomed = [os.path.join("commits", str(k)) for k in completed_epochs(checkpoint) if k >= batch]
+    doomed += [os.path.join("offsets", str(k)) for k in started_epochs(checkpoint) if k > batch]
+    for relative in doomed:
+        for path in (os.path.join(root, relative), _crc_of(os.path.join(root, relative))):
+            try:
+                os.remove(path)
+            except FileNotFoundError:
+                pass
+    return doomed
+
+
+def _crc_of(path: str) -> str:
+    """Hadoop's checksum file beside ``path`` (written by Spark's local file system)."""
+    directory, name = os.path.split(path)
+    return os.path.join(directory, f".{name}.crc")

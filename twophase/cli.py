@@ -2,9 +2,11 @@
 
     twophase status --zk HOSTS --app NAME [--root /twophase] [--json]
     twophase recover --zk HOSTS --app NAME [--checkpoint DIR] [--dry-run] [--retry-failed] [--json]
+    twophase replay --zk HOSTS --app NAME --checkpoint DIR --epoch N [--dry-run]
     twophase coordinator --zk HOSTS [--root /twophase]
-    twophase broker --data-dir DIR [--port 9092]
-    twophase txns --bootstrap-server HOST:PORT list|describe|abort
+    twophase broker --data-dir DIR [--port 9092] [--security-protocol SASL_SSL ...]
+    twophase broker-users add|remove|list --users-file FILE [NAME]
+    twophase txns --bootstrap-server HOST:PORT [--command-config FILE] list|describe|abort
 
 Exit codes of status and recover: 0 fine; 1 an epoch is FAILED or blocked, or (recover) a sink
 call failed; 2 the command could not run or found the app's records unusable (a bad option, no such
@@ -36,12 +38,13 @@ from coordinator.app import AppCoordinator, CommitPolicy, PassOptions
 from coordinator.daemon import CoordinatorDaemon
 from coordinator.fence import Fenced
 from coordinator.layout import DEFAULT_ROOT, AppPaths
+from coordinator.replay import ReplayRefused, plan_replay, replay
 from coordinator.report import (AbortReason, AttemptAborted, AttemptCleanedUp, EpochBlocked, EpochCommitted,
                                 EpochSkipped, Operation, OperationFailed, Record, SkipReason, as_json)
 from coordinator.status import AppStatus, read_status
 from coordinator.zk import RecordError, children, connect
-from twophase.broker.cli import add_broker_parser
-from twophase.cli_args import app_name, positive_int, positive_seconds
+from twophase.broker.cli import add_broker_parser, add_users_parser
+from twophase.cli_args import app_name, int_from, positive_int, positive_seconds
 from twophase.client.cli import add_txns_parser
 from twophase.signing import SignatureError, Signer, load_secret
 
@@ -122,6 +125,7 @@ _ABORTED_BECAUSE = {
     AbortReason.SUPERSEDED: "its run did not complete the epoch",
     AbortReason.INCOMPLETE: "Spark never completed the epoch and will re-run it",
     AbortReason.LATE: "registered after the epoch was committed",
+    AbortReason.REPLAYED: "the epoch is replayed: Spark re-runs it",
 }
 _SKIPPED_BECAUSE = {
     SkipReason.INCOMPLETE: "not completed by Spark; left open",
@@ -191,6 +195,34 @@ def cmd_recover(args: argparse.Namespace, client: KazooClient, signer: Signer) -
     return 0 if report.ok else 1
 
 
+def cmd_replay(args: argparse.Namespace, client: KazooClient, signer: Signer) -> int:
+    """``twophase replay``: make Spark run a FAILED epoch again; exit 1 if an abort failed (run it again)."""
+    paths = AppPaths(args.root, args.app)
+    _require_app(client, paths)
+    query_id = _checkpoint_query_id(args.checkpoint)
+    try:
+        plan = plan_replay(read_status(client, paths, signer), query_id, args.epoch, args.checkpoint)
+    except ReplayRefused as e:
+        raise CliError(f"epoch {args.epoch} of query {query_id} cannot be replayed: {e}") from None
+    later = f" and the later epochs {', '.join(map(str, plan.later_epochs))}" if plan.later_epochs else ""
+    if args.dry_run:
+        print(f"[dry-run] would rewind {args.checkpoint} to batch {plan.epoch} and abort the pre-commits of epoch "
+              f"{plan.epoch}{later}")
+        return 0
+    app = AppCoordinator(client, args.root, args.app, signer, f"replay {socket.gethostname()}:{os.getpid()}")
+    app.verify_sink()
+    removed, report = replay(app, plan)
+    for line in report.records:
+        print(describe(line))
+    if not report.ok:
+        print("some pre-commits could not be aborted yet: run `twophase replay` again", file=sys.stderr)
+        return 1
+    print(f"removed from the checkpoint: {', '.join(removed) or 'nothing (rewound already)'}")
+    print(f"epoch {plan.epoch}{later} discarded; restart the query: Spark runs batch {plan.epoch} again from "
+          f"offsets/{plan.epoch}")
+    return 0
+
+
 def cmd_coordinator(args: argparse.Namespace, client: KazooClient, signer: Signer) -> int:
     """``twophase coordinator``: run an HA coordinator daemon until SIGTERM or SIGINT."""
     client.stop()  # the daemon manages its own session
@@ -232,6 +264,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print what was done as JSON")
     p.set_defaults(func=cmd_recover)
 
+    p = sub.add_parser("replay", help="make Spark run a FAILED epoch again from its recorded offsets")
+    common(p)
+    p.add_argument("--checkpoint", required=True, help="the query's Spark checkpoint directory")
+    p.add_argument("--epoch", type=int_from(0), required=True, help="the FAILED epoch (batch id)")
+    p.add_argument("--dry-run", action="store_true", help="check and print what would be done, change nothing")
+    p.set_defaults(func=cmd_replay)
+
     p = sub.add_parser("coordinator", help="run an HA coordinator daemon (leader election among daemons)")
     common(p, app=False)
     p.add_argument("--poll-interval", type=positive_seconds, default=2.0,
@@ -241,6 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_coordinator)
 
     add_broker_parser(sub).set_defaults(needs_zookeeper=False)
+    add_users_parser(sub).set_defaults(needs_zookeeper=False)
     add_txns_parser(sub).set_defaults(needs_zookeeper=False)
     return parser
 

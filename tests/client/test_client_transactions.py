@@ -14,7 +14,7 @@ from confluent_kafka import Consumer as ConfluentConsumer
 from confluent_kafka import Producer as ConfluentProducer
 from confluent_kafka import TopicPartition
 
-from twophase.client import (Admin, Consumer, KafkaConnectionError, KafkaTimeout, PreparedTxn, PreparedTxnLost,
+from twophase.client import (Admin, Consumer, KafkaConnectionError, KafkaError, KafkaTimeout, PreparedTxn, PreparedTxnLost,
                              Producer, ProducerFenced, TransactionStateError)
 from twophase.wire.api_keys import ApiKey
 
@@ -147,13 +147,25 @@ def test_complete_prepared_of_an_unknown_id(broker):
     Producer.complete_prepared(broker.bootstrap, handle, commit=False)
 
 
-def test_prepare_needs_2pc_and_an_open_transaction(broker, topic):
+def test_a_flushed_ordinary_transaction_is_completed_from_another_client(broker, topic):
+    """Without enable_2pc, prepare_transaction flushes an ordinary transaction; complete_flushed ends
+    it with EndTxn and the handle's producer id and epoch (classic two-phase commit, no KIP-939)."""
     with Producer(broker.bootstrap, transactional_id=f"tx-{topic}") as p:
         p.init_transactions()
         p.begin_transaction()
-        with pytest.raises(TransactionStateError, match="enable_2pc"):
-            p.prepare_transaction()
-        p.abort_transaction()
+        p.send(topic, value=b"flushed")
+        handle = p.prepare_transaction()
+    assert _our_values(broker, {topic: 1}, "read_committed", 0) == []
+    Producer.complete_flushed(broker.bootstrap, PreparedTxn.from_json(handle.to_json()), commit=True)
+    Producer.complete_flushed(broker.bootstrap, handle, commit=True)   # idempotent
+    assert _our_values(broker, {topic: 1}, "read_committed", 1) == [b"flushed"]
+    with pytest.raises(KafkaError, match="already committed"):
+        Producer.complete_flushed(broker.bootstrap, handle, commit=False)
+    with pytest.raises(PreparedTxnLost, match="does not know"):
+        Producer.complete_flushed(broker.bootstrap, PreparedTxn("never-used", 12345, 0), commit=True)
+
+
+def test_prepare_needs_an_open_transaction(broker, topic):
     with Producer(broker.bootstrap, transactional_id=f"tx2-{topic}", enable_2pc=True) as p:
         p.init_transactions()
         with pytest.raises(TransactionStateError, match="in transaction state ready"):

@@ -30,6 +30,7 @@ import dataclasses
 import json
 import logging
 import os
+import ssl
 import threading
 import time
 import uuid
@@ -41,10 +42,13 @@ from kio.schema.errors import ErrorCode
 from .groups import GroupCoordinator
 from .server import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_RECEIVE_TIMEOUT_MS, ByteBudget, Dispatcher, KafkaServer
 from .group_commit import GroupCommit
+from .security import Authenticator, server_ssl_context
 from .storage import LogConfig, LogManager, MetadataFileError, TopicInfo, run_flushes
 from .txn import TXN_DIR, Failpoint, TransactionCoordinator, TxnSettings, open_transactions
+from .users import UsersFile
 from twophase.durable import atomic_write
 from twophase.wire.errors import KafkaError
+from twophase.wire.security import SASL_MECHANISMS, sasl_mechanism, security_protocol, uses_sasl, uses_tls
 
 log = logging.getLogger("twophase.broker")
 
@@ -90,6 +94,15 @@ class BrokerConfig:
     # Record bytes of Fetch responses being read or sent at once, across all connections.
     fetch_bytes_in_flight: int = 4 * DEFAULT_FETCH_MAX_BYTES
     group_initial_rebalance_delay_ms: int = 3_000  # a new group waits this long for more members
+    # The listener's security (docs/security.md): Kafka's PLAINTEXT, SSL, SASL_PLAINTEXT or SASL_SSL.
+    # TLS needs the broker's certificate (PEM; its key in ssl_key, or in the same file); SASL a
+    # users file (twophase.broker.users) and the mechanisms it enables.
+    security_protocol: str = "PLAINTEXT"
+    ssl_certificate: str | None = None
+    ssl_key: str | None = None
+    ssl_key_password: str | None = dataclasses.field(default=None, repr=False)
+    sasl_mechanisms: tuple[str, ...] = SASL_MECHANISMS
+    users_file: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
@@ -111,6 +124,35 @@ class BrokerConfig:
                                        or self.fsync < 0):
             raise ValueError(f"fsync must be 'always' or an interval in ms, not {self.fsync!r}")
         self.transaction_settings()  # validates them
+        self._check_security()
+
+    def _check_security(self) -> None:
+        protocol = security_protocol(self.security_protocol, "security_protocol")
+        object.__setattr__(self, "security_protocol", protocol)  # as given, in any case
+        if isinstance(self.sasl_mechanisms, str) or not self.sasl_mechanisms:
+            raise ValueError(f"sasl_mechanisms must be a non-empty sequence of {', '.join(SASL_MECHANISMS)}, "
+                             f"not {self.sasl_mechanisms!r}")
+        mechanisms = tuple(dict.fromkeys(sasl_mechanism(m, "sasl_mechanisms") for m in self.sasl_mechanisms))
+        object.__setattr__(self, "sasl_mechanisms", mechanisms)
+        if uses_tls(protocol) and not self.ssl_certificate:
+            raise ValueError(f"security_protocol {protocol} needs ssl_certificate (and ssl_key, unless the "
+                             "certificate's file holds the key)")
+        if not uses_tls(protocol) and (self.ssl_certificate or self.ssl_key or self.ssl_key_password):
+            raise ValueError(f"ssl_certificate/ssl_key are set, but security_protocol {protocol} has no TLS")
+        if uses_sasl(protocol) and not self.users_file:
+            raise ValueError(f"security_protocol {protocol} needs users_file (add users with: twophase "
+                             "broker-users add --users-file FILE NAME)")
+        if not uses_sasl(protocol) and self.users_file:
+            raise ValueError(f"users_file is set, but security_protocol {protocol} has no SASL")
+
+    def listener_security(self) -> tuple[ssl.SSLContext | None, Authenticator | None]:
+        """The listener's TLS context and SASL authenticator (None where the protocol has none);
+        ValueError naming the file that does not load."""
+        context = (server_ssl_context(self.ssl_certificate, self.ssl_key, self.ssl_key_password)
+                   if uses_tls(self.security_protocol) else None)
+        authenticator = (Authenticator(UsersFile(self.users_file), self.sasl_mechanisms)
+                         if uses_sasl(self.security_protocol) else None)
+        return context, authenticator
 
     def topic_defaults(self) -> LogConfig:
         """The LogConfig new topics start from: ``log_config`` with its flush setting replaced by ``fsync``."""
@@ -182,10 +224,12 @@ class Broker:
         touched. Everything after the bind is synchronous: the event loop serves no connection
         before storage is open.
         """
+        ssl_context, authenticator = self.config.listener_security()
         server = KafkaServer(Dispatcher(self), self.config.host, self.config.port, self.config.max_request_bytes,
                              idle_timeout_ms=self.config.connections_max_idle_ms,
                              max_queued_request_bytes=self.config.queued_max_request_bytes,
-                             receive_timeout_ms=self.config.request_receive_timeout_ms)
+                             receive_timeout_ms=self.config.request_receive_timeout_ms,
+                             ssl_context=ssl_context, authenticator=authenticator)
         await server.start()
         self._server = server
         try:
@@ -209,9 +253,15 @@ class Broker:
             raise
         self._tasks = [asyncio.create_task(self._periodic()), asyncio.create_task(self.transactions.run_periodic())]
         topics = self.logs.topics()
-        log.info("broker %d listening on %s:%d (advertised %s), data %s, %d topics, fsync %s, cluster %s",
-                 self.node_id, self.config.host, self.port, self.bootstrap, self.data_dir, len(topics),
-                 self.config.fsync, self.cluster_id)
+        log.info("broker %d listening on %s:%d (advertised %s), %s, data %s, %d topics, fsync %s, cluster %s",
+                 self.node_id, self.config.host, self.port, self.bootstrap, self._listener_description(authenticator),
+                 self.data_dir, len(topics), self.config.fsync, self.cluster_id)
+
+    def _listener_description(self, authenticator: Authenticator | None) -> str:
+        if authenticator is None:
+            return self.config.security_protocol
+        return (f"{self.config.security_protocol} ({', '.join(authenticator.mechanisms)}; "
+                f"{len(authenticator.users)} users in {authenticator.users.path})")
 
     async def stop_async(self) -> None:
         """Close every connection, flush and close storage. Idempotent. Storage is closed (its files and

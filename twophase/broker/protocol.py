@@ -108,6 +108,7 @@ class Request:
     body: Any
     peer: str = ""
     gone: Any = None  # asyncio.Future done once the client has gone away (None outside the server)
+    sasl: Any = None  # the connection's SaslSession on a SASL listener (twophase.broker.security), else None
     # Called once the response has been written (or the connection closed): say, to give back the
     # fetch budget a response's records hold.
     after_answer: list[Callable[[], None]] = dataclasses.field(default_factory=list)

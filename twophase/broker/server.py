@@ -32,6 +32,11 @@ What happens to bad input:
 - an ApiVersions request in a version we do not speak: the v0 UNSUPPORTED_VERSION answer;
 - an exception inside a handler: logged with its traceback, the connection is closed.
 
+Security (twophase.broker.security): with an ``ssl_context`` the listener is TLS; with an
+``authenticator`` it is SASL: each connection has a SASL session, a request other than ApiVersions,
+SaslHandshake and SaslAuthenticate before it is authenticated closes the connection (logged at
+INFO with the peer), and so does a failed authentication, once its answer is written.
+
 Example::
 
     server = KafkaServer(dispatch, "127.0.0.1", 0)
@@ -47,6 +52,7 @@ import collections
 import contextlib
 import logging
 import mmap
+import ssl
 import struct
 from collections.abc import Awaitable, Callable
 
@@ -55,6 +61,7 @@ from twophase.wire.codec import DecodeFailed, decode_request, encode_response, p
 
 from .apis import api_versions
 from .protocol import API_BY_KEY, Request
+from .security import Authenticator
 
 log = logging.getLogger("twophase.broker")
 
@@ -111,6 +118,7 @@ class _Connection(asyncio.BufferedProtocol):
         self.answered = asyncio.Event()  # set while ``handling`` is 0
         self.answered.set()
         self.close_reason: str | None = None
+        self.sasl = None  # the SASL session on a SASL listener (set with the transport)
         self.gone: asyncio.Future = loop.create_future()
         self.closed: asyncio.Future = loop.create_future()
         self._ahead = bytearray(READ_AHEAD_BYTES)
@@ -134,6 +142,8 @@ class _Connection(asyncio.BufferedProtocol):
         self.transport = transport
         address = transport.get_extra_info("peername")
         self.peer = f"{address[0]}:{address[1]}" if isinstance(address, tuple) else str(address)
+        if self._server.authenticator is not None:
+            self.sasl = self._server.authenticator.session(self.peer)
         self._server._connections.add(self)
         self.task = self._loop.create_task(self._server._serve(self))
 
@@ -162,7 +172,9 @@ class _Connection(asyncio.BufferedProtocol):
         self._eof = True  # Kafka has no half-closed connections: the client is gone
         self._mark_gone()
         self._wake()
-        return True  # answers to requests already read may still be written
+        # Answers to requests already read may still be written; over TLS the transport closes anyway
+        # (and asyncio warns if asked to keep it open).
+        return self.transport.get_extra_info("sslcontext") is None
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._eof = True
@@ -286,8 +298,10 @@ class Dispatcher:
     def __init__(self, broker) -> None:
         self.broker = broker
 
-    def decode(self, frame: bytes | memoryview, peer: str, gone: asyncio.Future | None = None) -> Request | memoryview:
-        """The request in ``frame``, or its response if it needs no handler; CloseConnection if it is not valid."""
+    def decode(self, frame: bytes | memoryview, peer: str, gone: asyncio.Future | None = None,
+               sasl=None) -> Request | memoryview:
+        """The request in ``frame``, or its response if it needs no handler; CloseConnection if it is not
+        valid, or not allowed before the connection's SASL session (``sasl``) is authenticated."""
         try:
             api_key, version, correlation_id = peek_header(frame)
         except DecodeFailed as exc:
@@ -300,11 +314,14 @@ class Dispatcher:
                 return encode_response(correlation_id, api_versions.unsupported_version_response())
             raise CloseConnection(f"{api.name} v{version} is not supported "
                                   f"(v{api.min_version}-v{api.max_version} are)")
+        if sasl is not None and not sasl.permits(api_key):
+            raise CloseConnection(f"{api.name} before SASL authentication (only ApiVersions, SaslHandshake and "
+                                  "SaslAuthenticate are served until then)")
         try:
             header, body = decode_request(frame, api.request_type(version))
         except DecodeFailed as exc:
             raise CloseConnection(f"malformed {api.name} v{version} request: {exc}") from None
-        return Request(api, version, correlation_id, header.client_id, body, peer, gone)
+        return Request(api, version, correlation_id, header.client_id, body, peer, gone, sasl)
 
     async def handle(self, decoded: Request | memoryview) -> memoryview | None:
         """The response frame for what ``decode`` returned (None when no response is due)."""
@@ -433,7 +450,8 @@ class KafkaServer:
                  port: int = 0, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, *,
                  idle_timeout_ms: int = DEFAULT_IDLE_TIMEOUT_MS,
                  max_queued_request_bytes: int = DEFAULT_MAX_QUEUED_REQUEST_BYTES,
-                 receive_timeout_ms: int = DEFAULT_RECEIVE_TIMEOUT_MS) -> None:
+                 receive_timeout_ms: int = DEFAULT_RECEIVE_TIMEOUT_MS, ssl_context: ssl.SSLContext | None = None,
+                 authenticator: Authenticator | None = None) -> None:
         if max_request_bytes < MIN_REQUEST_BYTES:
             raise ValueError(f"max_request_bytes must be at least {MIN_REQUEST_BYTES}")
         if idle_timeout_ms <= 0:
@@ -447,6 +465,8 @@ class KafkaServer:
         self.idle_timeout = idle_timeout_ms / 1000
         self.receive_timeout = receive_timeout_ms / 1000
         self.budget = ByteBudget(max_queued_request_bytes)
+        self.ssl_context = ssl_context
+        self.authenticator = authenticator
         self._requests_started = 0  # orders the requests received in steps (ByteBudget)
         self._server: asyncio.base_events.Server | None = None
         self._connections: set[_Connection] = set()
@@ -461,7 +481,10 @@ class KafkaServer:
         """Bind and listen; returns the bound port (useful with port 0)."""
         loop = asyncio.get_running_loop()
 
-        self._server = await loop.create_server(lambda: _Connection(self, loop), self.host, self.port)
+        # A TLS handshake that has not finished within the receive timeout is given up (a client that
+        # connects and sends nothing holds no more than that).
+        tls = {"ssl": self.ssl_context, "ssl_handshake_timeout": self.receive_timeout} if self.ssl_context else {}
+        self._server = await loop.create_server(lambda: _Connection(self, loop), self.host, self.port, **tls)
         self.port = self._server.sockets[0].getsockname()[1]
         self._idle_sweeper = asyncio.create_task(self._close_idle_connections())
         return self.port
@@ -584,7 +607,7 @@ class KafkaServer:
                 frame, held = got
                 del got
                 try:
-                    request = self.dispatch.decode(frame, conn.peer, conn.gone)
+                    request = self.dispatch.decode(frame, conn.peer, conn.gone, conn.sasl)
                 except CloseConnection:
                     self.budget.release(held)
                     while pipeline:  # answer what came before; nothing after it is handled
@@ -600,6 +623,8 @@ class KafkaServer:
                     pipeline.append((asyncio.ensure_future(start(request)), held, after))
                 else:
                     await answer(start(request), held, after)
+                    if conn.sasl is not None and conn.sasl.failed:
+                        return "SASL authentication failed"
                 del request
         except CloseConnection as exc:
             log.info("closing connection from %s: %s", conn.peer, exc)

@@ -19,20 +19,25 @@ from twophase.wire.errors import KafkaError
 from .admin import Admin, TransactionDescription, TransactionListing
 from .consumer import EARLIEST, LATEST, Consumer, Message
 from .errors import (
+    AuthenticationError,
     CorruptRecordBatch,
     KafkaConnectionError,
     KafkaTimeout,
     OffsetOutOfRange,
     PreparedTxnLost,
     ProducerFenced,
+    SaslAuthenticationError,
+    SslAuthenticationError,
     TransactionStateError,
 )
 from .producer import Producer
+from .security import SecuritySettings, load_security
 from .transactions import PreparedTxn
 
 __all__ = [
-    "EARLIEST", "LATEST", "Admin", "Consumer", "CorruptRecordBatch", "KafkaConnectionError", "KafkaError", "KafkaTimeout",
+    "EARLIEST", "LATEST", "Admin", "AuthenticationError", "Consumer", "CorruptRecordBatch", "KafkaConnectionError", "KafkaError", "KafkaTimeout",
     "Message", "OffsetOutOfRange", "PreparedTxn",
-    "PreparedTxnLost", "Producer", "ProducerFenced", "TransactionDescription", "TransactionListing",
-    "TransactionStateError",
+    "PreparedTxnLost", "Producer", "ProducerFenced", "SaslAuthenticationError", "SecuritySettings",
+    "SslAuthenticationError", "TransactionDescription", "TransactionListing", "TransactionStateError",
+    "load_security",
 ]

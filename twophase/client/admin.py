@@ -26,14 +26,21 @@ from twophase.wire.api_keys import ApiKey
 from twophase.wire.errors import KafkaError
 
 from .cluster import Cluster, CoordinatorType
-from .connection import MS, Connection, message, part
+from .connection import MS, Connection
 from .consumer import ISOLATION_LEVELS, LATEST
-from .errors import check
+from .errors import RetriableError, check
+from .messages import message, part
 from .retry import retry
+from .security import SecuritySettings, as_security
 from .transactions import init_producer_id
 
 OPEN_STATES = ("Ongoing", "PrepareCommit", "PrepareAbort")  # a transaction the coordinator holds open
+_MARKERS_BEING_WRITTEN = ("PrepareCommit", "PrepareAbort")
 DEFAULT_MAX_TRANSACTION_TIMEOUT_MS = 15 * 60 * 1000  # Kafka's transaction.max.timeout.ms default
+# The timeout a fencing InitProducerId registers: no transaction follows it, and a broker refuses any
+# timeout above its transaction.max.timeout.ms (INVALID_TRANSACTION_TIMEOUT), which may be seconds.
+_FENCING_TIMEOUT_MS = 1_000
+_BROKER_RESOURCE = 4  # DescribeConfigs resource type
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,7 +117,8 @@ class Admin:
     hanging transactions (KIP-664).
 
     Each call retries retriable errors for up to ``request_timeout_ms`` and
-    raises KafkaError otherwise.
+    raises KafkaError otherwise. ``security``: TLS and SASL settings, as the
+    :class:`~twophase.client.Producer` takes them.
 
     Usage::
 
@@ -125,9 +133,11 @@ class Admin:
                 admin.abort_hanging(h.topic, h.partition, h.producer_id, h.producer_epoch)
             admin.delete_topics(["orders"])
     """
-    def __init__(self, bootstrap: str, *, request_timeout_ms: int = 30_000, client_id: str = "twophase-admin") -> None:
+    def __init__(self, bootstrap: str, *, request_timeout_ms: int = 30_000, client_id: str = "twophase-admin",
+                 security: SecuritySettings | Mapping[str, str] | str | None = None) -> None:
         self.request_timeout_s = request_timeout_ms / 1000
-        self.cluster = Cluster(bootstrap, client_id=client_id, request_timeout_s=self.request_timeout_s)
+        self.cluster = Cluster(bootstrap, client_id=client_id, request_timeout_s=self.request_timeout_s,
+                               security=as_security(security))
 
     def _any(self, call, what: str):
         return retry(lambda: call(self.cluster.any_connection()), self.request_timeout_s, what)
@@ -263,6 +273,23 @@ class Admin:
             _ms(t.transaction_start_time),
             tuple(sorted((topic.topic, int(p)) for topic in t.topics for p in topic.partitions)))
 
+    def describe_settled(self, transactional_id: str) -> TransactionDescription | None:
+        """The coordinator's view of ``transactional_id`` once no markers are being written (it waits
+        out PrepareCommit and PrepareAbort); None if the coordinator does not know the id (expired or
+        never registered: nothing is open)."""
+        def describe() -> TransactionDescription | None:
+            try:
+                [described] = self.describe_transactions([transactional_id])
+            except KafkaError as exc:
+                if exc.code != ErrorCode.transactional_id_not_found:
+                    raise
+                return None
+            if described.state in _MARKERS_BEING_WRITTEN:
+                raise RetriableError(f"{transactional_id} is in {described.state}")
+            return described
+
+        return retry(describe, self.request_timeout_s, f"describing {transactional_id}")
+
     def abort_transaction(self, transactional_id: str) -> None:
         """Fence ``transactional_id`` and abort whatever it left open, a prepared 2PC transaction too.
 
@@ -273,14 +300,41 @@ class Admin:
         def call(conn: Connection) -> None:
             two_phase = conn.version(ApiKey.INIT_PRODUCER_ID, 6) >= 6
             try:
-                init_producer_id(conn, transactional_id, 60_000, enable_2pc=two_phase)
+                init_producer_id(conn, transactional_id, _FENCING_TIMEOUT_MS, enable_2pc=two_phase)
             except KafkaError as e:
                 if not two_phase or e.code != ErrorCode.transactional_id_authorization_failed:
                     raise
-                init_producer_id(conn, transactional_id, 60_000)
+                init_producer_id(conn, transactional_id, _FENCING_TIMEOUT_MS)
 
         self.cluster.coordinator_call(transactional_id, CoordinatorType.TRANSACTION, call, self.request_timeout_s,
                                        f"aborting {transactional_id!r}")
+
+    # --- configs ------------------------------------------------------------------------------
+
+    def describe_broker_configs(self, names: Iterable[str] | None = None) -> dict[str, str]:
+        """The settings of the broker this client is connected to, by Kafka's names (all, or ``names``
+        that it has): DescribeConfigs on the broker resource. KafkaError if the broker refuses (no
+        DESCRIBE_CONFIGS permission, or a broker without the API).
+
+        Example::
+
+            admin.describe_broker_configs(["transaction.max.timeout.ms"])   # {"transaction.max.timeout.ms": "900000"}
+        """
+        keys = None if names is None else tuple(names)
+
+        def call() -> dict[str, str]:
+            if not self.cluster.broker_ids():
+                self.cluster.refresh([])
+            node = min(self.cluster.broker_ids())  # cluster-wide settings: any broker answers for all
+            conn = self.cluster.connection(node)
+            v = conn.version(ApiKey.DESCRIBE_CONFIGS, 4, 1)
+            resource = part(ApiKey.DESCRIBE_CONFIGS, v, "DescribeConfigsResource", resource_type=_BROKER_RESOURCE,
+                            resource_name=str(node), configuration_keys=keys)
+            [result] = conn.request(message(ApiKey.DESCRIBE_CONFIGS, v, resources=(resource,))).results
+            check(result.error_code, f"DescribeConfigs(broker {node})")
+            return {c.name: c.value for c in result.configs}
+
+        return retry(call, self.request_timeout_s, "DescribeConfigs")
 
     # --- hanging transactions (KIP-664) -------------------------------------------------------
 

@@ -7,6 +7,9 @@
                                                             [--max-transaction-timeout MIN]
     twophase txns --bootstrap-server HOST:PORT abort --topic T --partition P --producer-id X --producer-epoch E
 
+``--command-config FILE`` (before the subcommand) reads TLS and SASL settings from a Kafka
+``client.properties`` file (twophase.client.security), as Kafka's own tools do.
+
 ``find-hanging`` and ``abort --topic`` are KIP-664's ``kafka-transactions.sh`` commands: a hanging
 transaction is open on a partition while no transaction coordinator holds it open (its
 transaction log was lost, say), so only a marker written on the partition ends it.
@@ -34,6 +37,7 @@ from .admin import (
     HangingTransaction,
     TransactionDescription,
 )
+from .security import load_security
 
 _COLUMNS = ("TRANSACTIONAL ID", "STATE", "PRODUCER", "EPOCH", "AGE", "TIMEOUT", "PARTITIONS")
 
@@ -120,7 +124,8 @@ def _abort_transactional_id(admin: Admin, args) -> int:
 def run_txns(args) -> int:
     """Run the chosen ``txns`` subcommand; a KafkaError or ValueError is printed and returns 1."""
     try:
-        with Admin(args.bootstrap_server, request_timeout_ms=int(args.timeout * 1000)) as admin:
+        security = load_security(f"file:{args.command_config}") if args.command_config else None
+        with Admin(args.bootstrap_server, request_timeout_ms=int(args.timeout * 1000), security=security) as admin:
             return args.txns_func(admin, args)
     except (KafkaError, ValueError) as exc:
         print(f"twophase txns {args.txns_command}: {exc}", file=sys.stderr)
@@ -131,6 +136,9 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the ``txns`` options and its list/describe/abort subcommands to ``p``."""
     p.add_argument("--bootstrap-server", required=True, metavar="HOST:PORT",
                    help="a broker to start from (Kafka or the built-in one)")
+    p.add_argument("--command-config", metavar="FILE",
+                   help="client.properties with TLS/SASL settings (security.protocol, sasl.mechanism, "
+                        "sasl.username, sasl.password, ssl.ca.location, ...)")
     p.add_argument("--timeout", type=positive_seconds, default=30.0, help="seconds to retry each request (default %(default)s)")
     sub = p.add_subparsers(dest="txns_command", required=True)
     q = sub.add_parser("list", help="transactions the brokers know, with state, age and partitions")

@@ -19,9 +19,11 @@ from kio.schema.errors import ErrorCode
 from twophase.wire.api_keys import ApiKey
 from twophase.wire.errors import KafkaError
 
-from .connection import Connection, message, part
+from .connection import Connection
 from .errors import KafkaConnectionError, RetriableError, check
+from .messages import message, part
 from .retry import retry
+from .security import PLAINTEXT, SecuritySettings
 
 
 class CoordinatorType(enum.IntEnum):
@@ -44,8 +46,10 @@ def parse_bootstrap(bootstrap: str) -> list[tuple[str, int]]:
 class Cluster:
     """Metadata and connections, shared by a client's threads (a lock guards the caches)."""
 
-    def __init__(self, bootstrap: str, *, client_id: str = "twophase", request_timeout_s: float = 30.0) -> None:
+    def __init__(self, bootstrap: str, *, client_id: str = "twophase", request_timeout_s: float = 30.0,
+                 security: SecuritySettings = PLAINTEXT) -> None:
         self.bootstrap = parse_bootstrap(bootstrap)
+        self.security = security
         self.client_id = client_id
         self.request_timeout_s = request_timeout_s
         self._lock = threading.RLock()
@@ -59,7 +63,8 @@ class Cluster:
     def _connect(self, host: str, port: int) -> Connection:
         if self._closed:  # a client thread still running after close() must not open what nobody closes
             raise KafkaConnectionError(f"cannot connect to {host}:{port}: the client is closed")
-        return Connection(host, port, client_id=self.client_id, timeout_s=self.request_timeout_s)
+        return Connection(host, port, client_id=self.client_id, timeout_s=self.request_timeout_s,
+                          security=self.security)
 
     def any_connection(self) -> Connection:
         """A live connection to some broker (known brokers first, then the bootstrap list)."""

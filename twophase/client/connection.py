@@ -1,4 +1,5 @@
-"""A blocking connection to one broker: request framing, correlation ids, ApiVersions negotiation.
+"""A blocking connection to one broker: TLS, request framing, correlation ids, ApiVersions negotiation,
+SASL authentication.
 
 Requests are kio message objects of whatever version :meth:`Connection.version` picked (the highest
 both sides speak within the client's range). One request is in flight per connection at a time;
@@ -6,7 +7,7 @@ callers that must not wait behind a long-polling Fetch (heartbeats) use their ow
 
 Example::
 
-    conn = Connection("127.0.0.1", 9092)
+    conn = Connection("127.0.0.1", 9092)          # or security=load_security("file:client.properties")
     v = conn.version(ApiKey.METADATA, 12)
     response = conn.request(message(ApiKey.METADATA, v, topics=None, allow_auto_topic_creation=False))
     conn.close()
@@ -16,34 +17,28 @@ from __future__ import annotations
 
 import datetime
 import socket
+import ssl
 import struct
 import threading
 from typing import Any
 
-from kio.index import load_request_schema, load_response_schema
+from kio.index import load_response_schema
 from kio.schema.api_versions.v0.request import ApiVersionsRequest as ApiVersionsRequestV0
 from kio.schema.api_versions.v3.request import ApiVersionsRequest as ApiVersionsRequestV3
 from kio.schema.errors import ErrorCode
 from kio.serial import entity_reader
 
-from twophase.wire.codec import build, encode_request, nested
+from twophase.wire.codec import encode_request
 from twophase.wire.errors import KafkaError
 
-from .errors import KafkaConnectionError, check
+from .errors import KafkaConnectionError, SslAuthenticationError, check
+from .sasl import authenticate
+from .security import PLAINTEXT, SecuritySettings
 
 _SIZE = struct.Struct(">i")
 MAX_RESPONSE_BYTES = 1 << 30
 MS = datetime.timedelta(milliseconds=1)
-
-
-def message(api_key: int, version: int, **fields: Any) -> Any:
-    """A request of ``api_key`` in ``version``; fields that version lacks are dropped."""
-    return build(load_request_schema(api_key, version), **fields)
-
-
-def part(api_key: int, version: int, class_name: str, /, **fields: Any) -> Any:
-    """A nested entity (``class_name``) of the request of ``api_key`` in ``version``."""
-    return build(nested(load_request_schema(api_key, version), class_name), **fields)
+_NAME_MISMATCH = (62, 64)  # OpenSSL's X509_V_ERR_HOSTNAME_MISMATCH, X509_V_ERR_IP_ADDRESS_MISMATCH
 
 
 def read_exactly(sock: socket.socket, n: int) -> memoryview:
@@ -84,9 +79,11 @@ def decode_response(frame: bytes | memoryview, request: Any, correlation_id: int
 
 
 class Connection:
-    """One TCP connection to a broker; thread-safe (requests are serialized)."""
+    """One TCP (or TLS) connection to a broker; thread-safe (requests are serialized). With a
+    ``security`` protocol of SASL it is authenticated before the constructor returns."""
 
-    def __init__(self, host: str, port: int, *, client_id: str = "twophase", timeout_s: float = 30.0) -> None:
+    def __init__(self, host: str, port: int, *, client_id: str = "twophase", timeout_s: float = 30.0,
+                 security: SecuritySettings = PLAINTEXT) -> None:
         self.host, self.port = host, port
         self.client_id = client_id
         self.timeout_s = timeout_s
@@ -99,13 +96,33 @@ class Connection:
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.closed = False
         try:
+            if security.tls:
+                self._sock = self._wrap(self._sock, security)
             self.versions = self._negotiate()
+            if security.sasl:
+                authenticate(self, security)
         except BaseException:
             self.close()
             raise
 
     def __repr__(self) -> str:
         return f"Connection({self.host}:{self.port})"
+
+    def _wrap(self, sock: socket.socket, security: SecuritySettings) -> ssl.SSLSocket:
+        """``sock`` after a TLS handshake that verified the broker's certificate (and host name)."""
+        context = security.ssl_context()
+        try:
+            return context.wrap_socket(sock, server_hostname=self.host)
+        except ssl.SSLCertVerificationError as exc:
+            trusted = (f"the CA certificates in {security.ssl_ca_location}" if security.ssl_ca_location
+                       else "the system's CA certificates (ssl.ca.location is not set)")
+            what = ("its certificate does not name this host (ssl.endpoint.identification.algorithm=https)"
+                    if exc.verify_code in _NAME_MISMATCH else "its certificate was not trusted")
+            raise SslAuthenticationError(f"TLS to {self.host}:{self.port}: {what}, checked against {trusted}: "
+                                         f"{exc.verify_message}") from None
+        except (OSError, ssl.SSLError) as exc:  # not a TLS listener, reset mid-handshake
+            raise KafkaConnectionError(f"TLS handshake with {self.host}:{self.port} failed (is it a TLS "
+                                       f"listener?): {exc}") from None
 
     def _negotiate(self) -> dict[int, tuple[int, int]]:
         response = self.request(ApiVersionsRequestV3(client_software_name="twophase", client_software_version="1"))

@@ -42,7 +42,7 @@ import dataclasses
 import heapq
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import NamedTuple
 
 from kio.schema.errors import ErrorCode
@@ -66,10 +66,12 @@ from twophase.wire.records import (
 )
 
 from .cluster import Cluster
-from .connection import MS, message, part
+from .connection import MS
 from .errors import CorruptRecordBatch, OffsetOutOfRange, error_for
 from .group import GroupMember, TopicPartitionKey
+from .messages import message, part
 from .retry import retry
+from .security import SecuritySettings, as_security
 
 log = logging.getLogger("twophase.client")
 
@@ -195,13 +197,16 @@ class Consumer:
     ``auto_offset_reset`` ("earliest", "latest" or "none") is where a partition without a committed
     offset starts, and where a position out of range moves; with "none" the first is a KafkaError and the
     second an :class:`OffsetOutOfRange` from ``poll`` (the position stays until the caller seeks).
+
+    ``security``: TLS and SASL settings, as the :class:`~twophase.client.Producer` takes them.
     """
     def __init__(self, bootstrap: str, *, group_id: str | None = None, isolation_level: str = "read_uncommitted",
                  auto_offset_reset: str = "earliest", max_wait_ms: int = 500, min_bytes: int = 1,
                  max_partition_bytes: int = 1 << 20, max_bytes: int = 50 << 20, session_timeout_ms: int = 10_000,
                  rebalance_timeout_ms: int = 30_000, heartbeat_interval_ms: int = 1_000,
                  request_timeout_ms: int = 30_000, client_id: str = "twophase-consumer",
-                 max_inflated_batch_bytes: int = DEFAULT_MAX_INFLATED_BYTES, on_corrupt: str = "raise") -> None:
+                 max_inflated_batch_bytes: int = DEFAULT_MAX_INFLATED_BYTES, on_corrupt: str = "raise",
+                 security: SecuritySettings | Mapping[str, str] | str | None = None) -> None:
         if isolation_level not in ISOLATION_LEVELS:
             raise ValueError(f"isolation_level must be read_committed or read_uncommitted, not {isolation_level!r}")
         if auto_offset_reset not in _RESET:
@@ -217,7 +222,8 @@ class Consumer:
         self.max_partition_bytes, self.max_bytes = max_partition_bytes, max_bytes
         self.max_inflated_batch_bytes, self.on_corrupt = max_inflated_batch_bytes, on_corrupt
         self.corrupt_batches_skipped = 0  # batches (and runs of refused offsets) skipped under on_corrupt="skip"
-        self._cluster = Cluster(bootstrap, client_id=client_id, request_timeout_s=request_timeout_ms / 1000)
+        self._cluster = Cluster(bootstrap, client_id=client_id, request_timeout_s=request_timeout_ms / 1000,
+                                security=as_security(security))
         self._group = (GroupMember(self._cluster, group_id, session_timeout_ms=session_timeout_ms,
                                    rebalance_timeout_ms=rebalance_timeout_ms,
                                    heartbeat_interval_ms=heartbeat_interval_ms) if group_id else None)

@@ -31,6 +31,23 @@ class KafkaConnectionError(RetriableError):
     """The connection to a broker failed or was closed."""
 
 
+class AuthenticationError(KafkaError):
+    """The client could not authenticate with the broker, or the broker with the client: not retried
+    (another attempt with the same settings fails the same way)."""
+
+
+class SaslAuthenticationError(AuthenticationError):
+    """SASL authentication failed (SASL_AUTHENTICATION_FAILED, 58): a wrong user or password, or a
+    mechanism the broker does not enable (UNSUPPORTED_SASL_MECHANISM, 33) or a SASL exchange out of
+    order (ILLEGAL_SASL_STATE, 34); ``code`` says which."""
+
+    code = 58
+
+
+class SslAuthenticationError(AuthenticationError):
+    """The broker's TLS certificate was not trusted, or does not name the host connected to."""
+
+
 class KafkaTimeout(KafkaError):
     """An operation did not succeed before its deadline (the last error is the cause)."""
 

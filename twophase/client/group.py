@@ -33,8 +33,9 @@ from twophase.wire.api_keys import ApiKey
 from twophase.wire.errors import KafkaError
 
 from .cluster import Cluster, CoordinatorType
-from .connection import MS, Connection, message, part
+from .connection import MS, Connection
 from .errors import RetriableError, check, error_for
+from .messages import message, part
 from .retry import retry
 
 log = logging.getLogger("twophase.client")

@@ -22,31 +22,33 @@ from __future__ import annotations
 import logging
 import random
 import time
+from collections.abc import Mapping
 
 from kio.schema.errors import ErrorCode
 
 from twophase.wire.api_keys import ApiKey
 from twophase.wire.errors import KafkaError
 
-from .admin import Admin, TransactionDescription
+from .admin import Admin
 from .cluster import CoordinatorType
-from .connection import Connection, message
-from .errors import PreparedTxnLost, ProducerFenced, RetriableError, check
-from .retry import retry
+from .connection import Connection
+from .errors import PreparedTxnLost, ProducerFenced, check
+from .messages import message
+from .security import SecuritySettings
 from .transactions import PreparedTxn, init_producer_id
 
 log = logging.getLogger("twophase.client")
 
-_IN_FLIGHT_STATES = ("PrepareCommit", "PrepareAbort")
 _ENDED_STATES = ("CompleteAbort", "CompleteCommit", "Empty", "Dead")
 _ATTEMPTS = 5  # starts over after being fenced by a concurrent completion
 
 
-def complete_prepared(bootstrap: str, handle: PreparedTxn, commit: bool, *, request_timeout_ms: int = 30_000) -> None:
+def complete_prepared(bootstrap: str, handle: PreparedTxn, commit: bool, *, request_timeout_ms: int = 30_000,
+                      security: SecuritySettings | Mapping[str, str] | str | None = None) -> None:
     """Commit or abort ``handle``'s transaction; idempotent. Raises PreparedTxnLost when a commit is
     asked for a transaction that was aborted or replaced, KafkaError(INVALID_TXN_STATE) when an abort
-    is asked for one that was committed."""
-    with Admin(bootstrap, request_timeout_ms=request_timeout_ms) as admin:
+    is asked for one that was committed. ``security``: as the Producer's."""
+    with Admin(bootstrap, request_timeout_ms=request_timeout_ms, security=security) as admin:
         for attempt in range(_ATTEMPTS):
             if _settled(admin, handle, commit):
                 return
@@ -61,26 +63,10 @@ def complete_prepared(bootstrap: str, handle: PreparedTxn, commit: bool, *, requ
                 time.sleep(random.uniform(0.05, 0.2))  # let the winner finish its EndTxn first
 
 
-def _describe(admin: Admin, handle: PreparedTxn) -> TransactionDescription | None:
-    """The coordinator's view, once no markers are being written; None if it does not know the id."""
-    def describe():
-        try:
-            [described] = admin.describe_transactions([handle.transactional_id])
-        except KafkaError as exc:
-            if exc.code != ErrorCode.transactional_id_not_found:
-                raise
-            return None  # expired or never registered: nothing open
-        if described.state in _IN_FLIGHT_STATES:
-            raise RetriableError(f"{handle.transactional_id} is in {described.state}")
-        return described
-
-    return retry(describe, admin.request_timeout_s, f"describing {handle.transactional_id}")
-
-
 def _settled(admin: Admin, handle: PreparedTxn, commit: bool) -> bool:
     """True if the transaction already ended the way asked; PreparedTxnLost or INVALID_TXN_STATE if it
     ended the other way; False if it may still be open."""
-    described = _describe(admin, handle)
+    described = admin.describe_settled(handle.transactional_id)
     if described is None:
         if commit:
             raise PreparedTxnLost(f"{handle.transactional_id}: the coordinator does not know this transactional id")

@@ -22,7 +22,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from kio.schema.errors import ErrorCode
 
@@ -32,11 +32,14 @@ from twophase.wire.errors import KafkaError
 from twophase.wire.records import INT32_MAX, record_batch
 
 from .cluster import Cluster, CoordinatorType
-from .connection import MS, Connection, message, part
+from .connection import MS, Connection
 from .errors import KafkaTimeout, ProducerFenced, TransactionStateError, check, error_for
+from .flushed import complete_flushed
+from .messages import message, part
 from .partitioner import StickyPartitions, partition_for_key
 from .prepared import complete_prepared
 from .retry import retry
+from .security import SecuritySettings, as_security
 from .transactions import PreparedTxn, TxnState, TxnStateMachine, init_producer_id
 
 log = logging.getLogger("twophase.client")
@@ -65,14 +68,19 @@ class Producer:
     attempts); ``transaction_timeout_ms`` is the broker-side timeout of a non-2PC transaction;
     ``enable_2pc`` registers the producer for KIP-939 (its transactions never time out and can be
     prepared); ``compression`` is Kafka's compression.type: None or "none", "gzip", "snappy", "lz4" or
-    "zstd" (ValueError for another name).
+    "zstd" (ValueError for another name). ``security``: TLS and SASL settings, a
+    :class:`~twophase.client.security.SecuritySettings` or a mapping of Kafka's names
+    (``{"security.protocol": "SASL_SSL", "sasl.mechanism": "SCRAM-SHA-256", ...}``), or a source
+    (``"file:client.properties"``, ``"env:KAFKA_"``) for :func:`~twophase.client.security.load_security`;
+    None is PLAINTEXT.
     """
 
     def __init__(self, bootstrap: str, *, transactional_id: str | None = None, enable_2pc: bool = False,
                  transaction_timeout_ms: int = 60_000, linger_ms: int = 5, batch_size: int = 64 * 1024,
                  acks: str | int = "all", request_timeout_ms: int = 30_000, delivery_timeout_ms: int = 120_000,
                  retries: int | None = None, compression: str | None = None,
-                 client_id: str = "twophase-producer") -> None:
+                 client_id: str = "twophase-producer",
+                 security: SecuritySettings | Mapping[str, str] | str | None = None) -> None:
         if acks not in ("all", -1):
             raise ValueError(f"the producer is idempotent, which needs acks='all', not {acks!r}")
         compression_id = codec_id("none" if compression is None else compression)
@@ -87,7 +95,8 @@ class Producer:
         self.delivery_timeout_s = delivery_timeout_ms / 1000
         self.retries = retries
         self._compression = compression_id
-        self._cluster = Cluster(bootstrap, client_id=client_id, request_timeout_s=self.request_timeout_s)
+        self._cluster = Cluster(bootstrap, client_id=client_id, request_timeout_s=self.request_timeout_s,
+                                security=as_security(security))
         self._txn = TxnStateMachine()
         self._producer_id = -1
         self._producer_epoch = -1
@@ -352,9 +361,12 @@ class Producer:
         self._txn.transition(TxnState.IN_TRANSACTION)
 
     def prepare_transaction(self) -> PreparedTxn:
-        """Flush and hand out what another process needs to finish this transaction (KIP-939)."""
-        if not self.enable_2pc:
-            raise TransactionStateError("prepare_transaction needs enable_2pc=True")
+        """Flush and hand out what another process needs to finish this transaction.
+
+        With ``enable_2pc`` (KIP-939) the transaction never times out; finish it with
+        :meth:`complete_prepared`. Without, it is an ordinary transaction that the broker aborts once
+        ``transaction_timeout_ms`` passes; finish it before then with :meth:`complete_flushed`.
+        """
         self._txn.require(TxnState.IN_TRANSACTION, action="prepare_transaction")
         self.flush()
         self._txn.transition(TxnState.PREPARED)
@@ -412,11 +424,18 @@ class Producer:
             raise
 
     @staticmethod
-    def complete_prepared(bootstrap: str, handle: PreparedTxn, commit: bool, *,
-                          request_timeout_ms: int = 30_000) -> None:
+    def complete_prepared(bootstrap: str, handle: PreparedTxn, commit: bool, *, request_timeout_ms: int = 30_000,
+                          security: SecuritySettings | Mapping[str, str] | str | None = None) -> None:
         """Commit or abort the prepared transaction ``handle`` from any process; idempotent. See
         :func:`twophase.client.prepared.complete_prepared`."""
-        complete_prepared(bootstrap, handle, commit, request_timeout_ms=request_timeout_ms)
+        complete_prepared(bootstrap, handle, commit, request_timeout_ms=request_timeout_ms, security=security)
+
+    @staticmethod
+    def complete_flushed(bootstrap: str, handle: PreparedTxn, commit: bool, *, request_timeout_ms: int = 30_000,
+                         security: SecuritySettings | Mapping[str, str] | str | None = None) -> None:
+        """Commit or abort the flushed ordinary transaction ``handle`` from any process; idempotent. See
+        :func:`twophase.client.flushed.complete_flushed`."""
+        complete_flushed(bootstrap, handle, commit, request_timeout_ms=request_timeout_ms, security=security)
 
     # --- closing ------------------------------------------------------------------------------
 

@@ -24,12 +24,15 @@ import enum
 import json
 from typing import Any
 
+from kio.schema.errors import ErrorCode
+
 from twophase.states import Transitions
 from twophase.wire.api_keys import ApiKey
 from twophase.wire.errors import KafkaError
 
-from .connection import MS, Connection, message
+from .connection import MS, Connection
 from .errors import TransactionStateError, check
+from .messages import message
 
 
 class TxnState(enum.Enum):
@@ -112,7 +115,8 @@ def init_producer_id(conn: Connection, transactional_id: str | None, timeout_ms:
     """
     v = conn.version(ApiKey.INIT_PRODUCER_ID, 6)
     if (enable_2pc or keep_prepared) and v < 6:
-        raise KafkaError(f"{conn} does not support two-phase commit (InitProducerId v{v} < 6)")
+        raise KafkaError(f"{conn} does not support two-phase commit (InitProducerId v{v} < 6)",
+                         ErrorCode.unsupported_version)
     response = conn.request(message(
         ApiKey.INIT_PRODUCER_ID, v, transactional_id=transactional_id, transaction_timeout=timeout_ms * MS,
         producer_id=-1, producer_epoch=-1, enable2_pc=enable_2pc, keep_prepared_txn=keep_prepared))

@@ -121,7 +121,8 @@ def read_range(r: KafkaRange) -> Iterator[pa.RecordBatch]:
     opts = r.options
     consumer = Consumer(opts.bootstrap, isolation_level=opts.isolation_level, auto_offset_reset="none",
                         max_partition_bytes=opts.max_partition_fetch_bytes, max_bytes=opts.fetch_max_bytes,
-                        request_timeout_ms=opts.request_timeout_ms, client_id=opts.client_id)
+                        request_timeout_ms=opts.request_timeout_ms, client_id=opts.client_id,
+                        security=opts.security)
     try:
         consumer.assign([(r.topic, r.partition)])
         consumer.seek(r.topic, r.partition, r.start)

@@ -97,7 +97,7 @@ class OffsetPlanner:
         self.options = options
         self.available: Offsets | None = None  # every readable offset the last latest_offsets saw (for lag)
         self.admin = Admin(options.bootstrap, request_timeout_ms=options.request_timeout_ms,
-                           client_id=options.client_id)
+                           client_id=options.client_id, security=options.security)
 
     def current_partitions(self) -> list[TopicPartition]:
         """The partitions the source reads now, from fresh metadata (topics that do not exist: none).

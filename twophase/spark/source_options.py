@@ -22,6 +22,8 @@ from collections.abc import Mapping
 
 from twophase.client import EARLIEST, LATEST
 from twophase.client.cluster import parse_bootstrap
+from twophase.client.security import SETTINGS as SECURITY_SETTINGS
+from twophase.client.security import as_security
 
 log = logging.getLogger("twophase.spark.source")
 
@@ -30,7 +32,7 @@ _STRATEGIES = ("subscribe", "subscribePattern", "assign")
 _KNOWN = ("kafka.bootstrap.servers", *_STRATEGIES, "startingOffsets", "endingOffsets", "maxOffsetsPerTrigger",
           "failOnDataLoss", "includeHeaders", "kafka.isolation.level", "kafkaConsumer.pollTimeoutMs",
           "kafka.client.id", "kafka.request.timeout.ms", "kafka.max.partition.fetch.bytes", "kafka.fetch.max.bytes",
-          "kafka.security.protocol")
+          *(f"kafka.{name}" for name in SECURITY_SETTINGS), "twophase.security")
 # Accepted and ignored, logged: Spark users set them, and they mean nothing here (no consumer group is
 # joined and no offset is committed to Kafka: the offsets live in Spark's checkpoint, as in Spark).
 _IGNORED = ("kafka.group.id", "groupIdPrefix")
@@ -64,6 +66,9 @@ class SourceOptions:
     request_timeout_ms: int = 30_000
     max_partition_fetch_bytes: int = 1 << 20
     fetch_max_bytes: int = 50 << 20
+    # TLS/SASL: Kafka-named settings (kafka.-prefixed options; a password among them stays out of reprs),
+    # or a source for load_security (the twophase.security option). Resolved where a client opens.
+    security: dict[str, str] | str | None = dataclasses.field(default=None, repr=False)
 
     def matches(self, topic: str) -> bool:
         """Whether ``topic`` is one this source reads (subscribe, subscribePattern or assign)."""
@@ -121,9 +126,7 @@ def parse_options(options: Mapping[str, str], *, streaming: bool | None) -> Sour
         fields["subscribe_pattern"] = pattern
     else:
         fields["assign"] = _assign(get("assign"))
-    if get("kafka.security.protocol") not in (None, "PLAINTEXT", "plaintext"):
-        raise SourceOptionError(f"option 'kafka.security.protocol': {get('kafka.security.protocol')!r} is not "
-                                "supported (twophase.client speaks PLAINTEXT only)")
+    fields["security"] = _security(given)
 
     starting = get("startingOffsets")
     if starting is not None:
@@ -162,6 +165,22 @@ def parse_options(options: Mapping[str, str], *, streaming: bool | None) -> Sour
     if get("kafka.client.id"):
         fields["client_id"] = get("kafka.client.id")
     return SourceOptions(**fields)
+
+
+def _security(given: Mapping[str, str]) -> dict[str, str] | str | None:
+    """The TLS/SASL settings of the options: kafka.-prefixed Kafka names, or a twophase.security source."""
+    inline = {name: given[f"kafka.{name}"] for name in SECURITY_SETTINGS if f"kafka.{name}" in given}
+    source = given.get("twophase.security")
+    if source is not None and inline:
+        raise SourceOptionError(f"option 'twophase.security' and the options {sorted('kafka.' + n for n in inline)} "
+                                "both set TLS/SASL settings: give one")
+    security = source if source is not None else inline or None
+    try:
+        as_security(security)
+    except ValueError as exc:
+        option = "twophase.security" if source is not None else "kafka.<security settings>"
+        raise SourceOptionError(f"option {option!r}: {exc}") from None
+    return security
 
 
 def _assign(text: str) -> tuple[tuple[str, int], ...]:
