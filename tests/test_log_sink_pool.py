@@ -1,6 +1,7 @@
 """LogSink's pooled transactional ids (one per slot), through the harness against the real built-in
-broker: the ids on the broker stay bounded, every row is read once, zombies of an earlier holder of a
-slot are fenced by the next holder's InitProducerId, and the one residual race fails loudly."""
+broker, in both commit modes: the ids on the broker stay bounded, every row is read once, zombies of
+an earlier holder of a slot are fenced by the next holder's InitProducerId, and the one residual race
+fails loudly."""
 
 from __future__ import annotations
 
@@ -12,15 +13,18 @@ import pytest
 from coordinator.report import Operation, OperationFailed
 from coordinator.state import EpochState
 from sinks.log import LogSink, transactional_id
-from tests.broker.conftest import broker, broker_factory, topic  # noqa: F401  (fixtures)
+from tests.broker.conftest import broker_factory, topic  # noqa: F401  (fixtures)
 from tests.harness import Pipeline
 from tests.test_log_sink import all_ids, committed_ids
 from twophase.client import Admin, KafkaError, ProducerFenced
 from twophase.sink import TxnContext
 
 
-@pytest.fixture
-def sink(broker, topic) -> LogSink:
+@pytest.fixture(params=["prepared", "classic"])
+def sink(request, broker_factory, topic) -> LogSink:
+    """A LogSink in each commit mode: KIP-939 prepared transactions, or ordinary ones ended by EndTxn
+    (a broker without two-phase commit, as Kafka is)."""
+    broker = broker_factory(**({} if request.param == "prepared" else {"transaction_two_phase_commit": False}))
     broker.create_topic(topic, 3)
     return LogSink(broker.bootstrap, topic, key="id")
 
