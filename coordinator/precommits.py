@@ -63,6 +63,12 @@ class Attempt:
     zxid: int          # creation order across the whole ensemble
 
 
+class IntentGone(RuntimeError):
+    """An attempt's intent was cleaned up by the coordinator before it registered (a zombie that outlived
+    its epoch): it must neither register nor abort its handle, whose transactional id (named by its
+    slot) may be another attempt's by now."""
+
+
 class PrecommitRegistry:
     """The pre-commits of one query in ZooKeeper: writers record them, the coordinator reads them.
 
@@ -152,6 +158,10 @@ class PrecommitRegistry:
                 raise RuntimeError(f"recording the intent {ctx.name} failed unexpectedly: "
                                    f"{created_intent!r}, {created_slot!r}")
 
+    def holds_intent(self, ctx: TxnContext) -> bool:
+        """False once the coordinator cleaned this attempt up (it settled the epoch without it)."""
+        return self._client.retry(self._client.exists, f"{self._paths.intents(ctx.epoch)}/{ctx.name}") is not None
+
     def unregistered(self, epoch: int, attempts: Sequence[Attempt]) -> list[TxnContext]:
         """Attempts that began a transaction but hold no registered pre-commit, each in its slot."""
         registered = {a.name for a in attempts}
@@ -177,9 +187,17 @@ class PrecommitRegistry:
         name = ctx.name
         attempt_path = f"{self._paths.attempts(ctx.epoch)}/{name}"
         txn = self._client.transaction()
+        txn.check(f"{self._paths.intents(ctx.epoch)}/{name}", -1)  # exists: the attempt still holds its slot
         txn.create(attempt_path, self._signer.dumps({"handle": handle, "won": True}, attempt_path))
         txn.create(f"{self._paths.winners(ctx.epoch)}/{winner_name(ctx)}", name.encode())
-        errors = [r for r in txn.commit() if isinstance(r, Exception) and not isinstance(r, RolledBackError)]
+        intent, *created = txn.commit()
+        if isinstance(intent, NoNodeError):
+            if self.winner(ctx) == name:
+                return True  # our own earlier try went through, and the coordinator finished it since
+            raise IntentGone(f"attempt {name} was cleaned up by the coordinator while it ran (its epoch was "
+                             "settled without it): it registers nothing and leaves its transaction alone, "
+                             "whose transactional id may belong to another attempt now")
+        errors = [r for r in created if isinstance(r, Exception) and not isinstance(r, RolledBackError)]
         if not errors:
             return True
         if any(isinstance(e, NoNodeError) for e in errors):  # first registration of this epoch

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from coordinator.precommits import PrecommitRegistry
+from coordinator.precommits import IntentGone, PrecommitRegistry
 from twophase.sink import TwoPhaseCommitSink, TxnContext
 
 
@@ -64,9 +64,21 @@ class TaskAttempt:
             self.sink.abort_transaction(txn)
             self.registry.drop_intent(self.ctx)  # cleaned up already: nothing for abort_unregistered
             return
+        if not self.registry.holds_intent(self.ctx):
+            # A zombie that outlived its epoch: it ends its own transaction with its own producer (which
+            # fences nobody: refused if its id moved on) and registers nothing.
+            gone = IntentGone(f"attempt {self.ctx.name} was cleaned up by the coordinator while it ran: "
+                              "its epoch was settled without it; its rows are discarded")
+            try:
+                self.sink.abort_transaction(txn)
+            except Exception as e:
+                raise gone from e
+            raise gone
         handle = self.sink.pre_commit(txn)
         try:
             self.won = self.registry.register(self.ctx, handle)
+        except IntentGone:
+            raise  # a zombie: its slot, so its transactional id, may be another attempt's now
         except BaseException:
             self.sink.abort(handle)
             raise

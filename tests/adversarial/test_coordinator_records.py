@@ -152,7 +152,8 @@ def test_a_bare_pickle_in_the_sink_node_is_reported_and_never_loaded(pipe, zk, z
 
 def test_a_pre_commit_copied_from_another_app_is_refused(pipe, zk, zk_server, zk_root, tmp_path, capsys):
     other = publish_other_app(zk, zk_root, tmp_path).query(QUERY)
-    PrecommitRegistry(zk, other, SIGNER).register(TxnContext("other", QUERY, "r1", 0, 0, 0), {"file": "/elsewhere"})
+    registry = PrecommitRegistry(zk, other, SIGNER)
+    registry.register(registry.intend(TxnContext("other", QUERY, "r1", 0, 0, 0)), {"file": "/elsewhere"})
     name = "r1.0.0.0"  # the same attempt name in both apps
     zk.set(f"{pipe.qp.attempts(0)}/{name}", zk.get(f"{other.attempts(0)}/{name}")[0])
     before = tree(zk, pipe.paths.base)
