@@ -89,8 +89,10 @@ def test_as_security():
     s = SecuritySettings.from_config(SASL_SSL)
     assert as_security(s) is s
     assert as_security(SASL_SSL) == s
+    with pytest.raises(ValueError, match="security source must be file:PATH or env:PREFIX"):
+        as_security("SASL_SSL")   # a string is a source
     with pytest.raises(TypeError, match="security must be"):
-        as_security("SASL_SSL")
+        as_security(9093)
 
 
 # -- sources -----------------------------------------------------------------------------------

@@ -178,7 +178,8 @@ def _security(given: Mapping[str, str]) -> dict[str, str] | str | None:
     try:
         as_security(security)
     except ValueError as exc:
-        option = "twophase.security" if source is not None else "kafka.<security settings>"
+        named = [f"kafka.{name}" for name in inline if name in str(exc)]
+        option = "twophase.security" if source is not None else (named or ["kafka.security.protocol"])[0]
         raise SourceOptionError(f"option {option!r}: {exc}") from None
     return security
 
