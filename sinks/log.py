@@ -262,15 +262,20 @@ class LogSink(TwoPhaseCommitSink):
     # -- task side ------------------------------------------------------------
 
     def begin_transaction(self, ctx: TxnContext) -> LogTxn:
-        """Start a transaction with the attempt's transactional id; the producer opens on the first row.
+        """Start a transaction with the attempt's transactional id.
 
-        Its InitProducerId (without keep_prepared_txn) aborts whatever an earlier holder of the slot's
-        id left open and bumps the epoch, fencing that holder's zombies.
+        With a slot the producer opens here: its InitProducerId (without keep_prepared_txn) takes the
+        slot's id over at once, aborting whatever an earlier holder left open and bumping the epoch,
+        which fences that holder's zombies; and a zombie of this attempt has only the time from
+        claiming the slot to here to fence a later holder (docs/sink-contract.md). Without a slot (a
+        per-attempt id) it opens on the first row, so that empty partitions leave no id behind.
         """
         txn = LogTxn(ctx, transactional_id(self.transactional_id_prefix, ctx))
         if self.provenance:
             txn.provenance = [(f"twophase.{name}", str(getattr(ctx, name)).encode())
                               for name in ("app", "run_id", "epoch", "partition", "attempt")]
+        if ctx.slot is not None:
+            self._open_producer(txn)
         return txn
 
     def write(self, txn: LogTxn, row: Any) -> None:
@@ -286,10 +291,13 @@ class LogSink(TwoPhaseCommitSink):
         """Flush and prepare the Kafka transaction, close the producer; return the handle.
 
         The handle carries the prepared transaction (producer id and epoch) as
-        JSON, or None if no row was written.
+        JSON, or None if no row was written (the broker then has no transaction open).
         """
-        if txn.producer is None:
-            return LogHandle(self.bootstrap, txn.transactional_id, None, txn.records, txn.mode or "prepared",
+        if txn.records == 0:
+            if txn.producer is not None:
+                txn.producer.close()
+                txn.producer = None
+            return LogHandle(self.bootstrap, txn.transactional_id, None, 0, txn.mode or "prepared",
                              security=self.security)
         producer = txn.producer
         try:

@@ -15,10 +15,11 @@ from coordinator.report import Operation, OperationFailed
 from coordinator.state import EpochState
 from sinks.log import LogSink, transactional_id
 from tests.broker.conftest import broker_factory, topic  # noqa: F401  (fixtures)
-from tests.harness import Pipeline
+from tests.harness import QUERY, Pipeline
 from tests.test_log_sink import all_ids, committed_ids
 from twophase.client import Admin, KafkaError, ProducerFenced
 from twophase.sink import TxnContext
+from twophase.task import TaskAttempt
 
 
 @pytest.fixture(params=["prepared", "classic"])
@@ -127,20 +128,24 @@ def test_a_delayed_zombie_is_fenced_and_nothing_it_wrote_becomes_visible(zk, zk_
 
 
 def test_the_residual_race_fails_the_next_holders_commit_loudly(zk, zk_root, sink):
-    """A zombie paused after claiming its slot and before its first InitProducerId (its first row)
-    across the settling of its epoch and slot_release_lag more commits fences the slot's next holder:
-    here the holder had prepared, so its commit fails (CommitFailed: the epoch is FAILED), never silently."""
+    """A zombie paused after claiming its slot and before its InitProducerId (inside open: a sink with a
+    slot opens its producer in begin_transaction) across the settling of its epoch and slot_release_lag
+    more commits fences the slot's next holder: here the holder had prepared, so its commit fails
+    (CommitFailed: the epoch is FAILED), never silently; the zombie itself registers nothing."""
     pipe = Pipeline(zk, zk_root, sink)
     app = pipe.coordinator()
-    zombie = pipe.begin("r1", 0, 0)                            # claimed slot 0; no row yet, no producer
+    zombie = TaskAttempt(sink, pipe.registry, TxnContext("app", QUERY, "r1", 0, 0, 0))
+    zombie.registry.ensure_run("r1")
+    zombie.ctx = pipe.registry.intend(zombie.ctx)             # claimed slot 0; paused before begin_transaction
     assert pipe.task("r1", 0, 0, rows_of(0, 0), attempt=1)
     pipe.barrier(0, "r1")
     assert app.reconcile().ok                                 # its cleanup finds nothing open under slot 0
     run_epoch(pipe, app, 1)
     holder = pipe.begin("r1", 2, 0)
-    assert holder.ctx.slot == 0 and pipe.finish(holder, rows_of(2, 0))   # prepared and registered
-    with pytest.raises(IntentGone):                           # its epoch was settled without it
-        resume(pipe, zombie, range(1000, 1005))               # InitProducerId aborts the holder's prepared txn
+    assert holder.ctx.slot == zombie.ctx.slot == 0 and pipe.finish(holder, rows_of(2, 0))   # prepared, registered
+    zombie._txn = sink.begin_transaction(zombie.ctx)          # resumes: its InitProducerId aborts the holder's
+    with pytest.raises(IntentGone):
+        resume(pipe, zombie, range(1000, 1005))
     pipe.barrier(2, "r1")
     report = app.reconcile()
     assert [(r.epoch, r.operation, r.permanent) for r in report.records if isinstance(r, OperationFailed)] == [
