@@ -46,7 +46,7 @@ from coordinator.zk import RecordError, children, dump, epoch_numbers, read_epoc
 from twophase.checkpoint import completed_epochs
 from twophase.cli_args import check_positive_seconds
 from twophase.signing import Signer
-from twophase.sink import AbortFailed, CommitFailed, TwoPhaseCommitSink
+from twophase.sink import AbortFailed, CommitFailed, CommitOutcomeUnknown, TwoPhaseCommitSink
 
 log = logging.getLogger("twophase.coordinator")
 
@@ -247,6 +247,12 @@ class AppCoordinator:
         barrier = read_epoch(self.client, qp.barrier)
         checkpoint = options.checkpoint or read_object(self.client, qp.base, {}).get("checkpoint")
         in_checkpoint = self._checkpoint_epochs(checkpoint)
+        replaying = read_epoch(self.client, qp.replay)
+        if replaying >= 0:
+            reason = f"`twophase replay` of epoch {replaying} is unfinished: run it again"
+            log.error("app %s query %s: %s; phase two waits", self.app, qp.query_id, reason)
+            this_pass.records.append(EpochBlocked(qp.query_id, pending[0], reason))
+            return
         for epoch in pending:
             work = self._load(qp, registry, epoch)
             if work is None:
@@ -446,7 +452,8 @@ class AppCoordinator:
                     this_pass.records.append(OperationFailed(work.query_id, work.epoch, ctx.name, Operation.CLEANUP,
                                                              repr(error), tries, isinstance(error, PERMANENT)))
                     return False
-                work.registry.drop_intent(ctx)
+                if not work.registry.drop_unregistered_intent(ctx):
+                    continue  # it registered meanwhile: a zombie's handle, aborted as late with the epoch
             this_pass.records.append(AttemptCleanedUp(work.query_id, work.epoch, ctx.name, dry_run))
         return True
 
@@ -463,7 +470,8 @@ class AppCoordinator:
                 log.warning("app %s: failure record %s unreadable (%s); its try count restarts", self.app, path, e)
                 previous = {"count": 0}
             failure = {"operation": operation.value, "error": repr(error), "count": previous["count"] + tries,
-                       "at": time.time(), "permanent": permanent}
+                       "at": time.time(), "permanent": permanent,
+                       "outcome_unknown": isinstance(error, CommitOutcomeUnknown)}
             log.error("app %s epoch %d: %s of %s failed %d times (%d in all): %r; epoch stays uncommitted",
                       self.app, work.epoch, operation.value, attempt, tries, failure["count"], error)
             txn = self.fence.transaction()
@@ -536,13 +544,14 @@ class AppCoordinator:
 
     def discard_epochs(self, query_id: str, first: int) -> PassReport:
         """Abort every pre-commit of the query's epochs from ``first`` on, clean up after their dead
-        attempts and delete their records, as if Spark had never run them (``twophase replay``, once the
-        checkpoint is rewound). Latest first, so that an interrupted run leaves the lowest epoch to find
-        again; it stops at the first sink call that fails (run it again)."""
+        attempts and delete their records, as if Spark had never run them (``twophase replay``, before
+        it rewinds the checkpoint). Earliest first: an abort of epoch ``first`` that finds a handle
+        committed stops it before any later epoch is touched; it stops at the first sink call that
+        fails (run it again)."""
         this_pass = _Pass(PassOptions(recovering=True))
         qp = self.paths.query(query_id)
         registry = PrecommitRegistry(self.client, qp, self.signer)
-        for epoch in reversed([n for n in epoch_numbers(self.client, qp.epochs) if n >= first]):
+        for epoch in [n for n in epoch_numbers(self.client, qp.epochs) if n >= first]:
             work = self._load(qp, registry, epoch)
             if work is None:
                 continue

@@ -10,6 +10,7 @@
     <root>/apps/<app>/queries/<query>/runs/<run>/halted  reason the driver stopped phase two; tasks refuse
     <root>/apps/<app>/queries/<query>/barrier    {"epoch": N, "run": R}  Spark reported N done
     <root>/apps/<app>/queries/<query>/watermark  {"epoch": N}  every epoch <= N is committed
+    <root>/apps/<app>/queries/<query>/replay     {"epoch": N}  `twophase replay` of N is unfinished
     <root>/apps/<app>/queries/<query>/epochs/<N:019d>                     epoch record
     <root>/apps/<app>/queries/<query>/epochs/<N>/intents/<run>.<N>.<p>.<a>    a task began a transaction
     <root>/apps/<app>/queries/<query>/epochs/<N>/attempts/<run>.<N>.<p>.<a>   signed pre-commit
@@ -95,6 +96,11 @@ class QueryPaths:
     def watermark(self) -> str:
         """Every epoch at or below it is committed."""
         return f"{self.base}/watermark"
+
+    @property
+    def replay(self) -> str:
+        """Exists while ``twophase replay`` of the epoch it names is unfinished: phase two waits."""
+        return f"{self.base}/replay"
 
     @property
     def epochs(self) -> str:

@@ -177,6 +177,28 @@ class PrecommitRegistry:
         except NoNodeError:
             pass
 
+    def drop_unregistered_intent(self, ctx: TxnContext) -> bool:
+        """Drop the intent of an attempt the coordinator cleaned up, unless it registered meanwhile (its
+        registration checked the intent): then the intent stays, and so its slot, until its registered
+        handle is committed or aborted. False in that case."""
+        return self._client.retry(self._drop_unregistered_intent, ctx)
+
+    def _drop_unregistered_intent(self, ctx: TxnContext) -> bool:
+        attempt = f"{self._paths.attempts(ctx.epoch)}/{ctx.name}"
+        txn = self._client.transaction()
+        txn.create(attempt)    # fails if it registered: ZooKeeper has no "check absent"
+        txn.delete(attempt)
+        txn.delete(f"{self._paths.intents(ctx.epoch)}/{ctx.name}")
+        created, _, deleted = txn.commit()
+        if isinstance(created, NodeExistsError):
+            return False
+        if isinstance(created, NoNodeError):   # no attempt registered yet in this epoch
+            self._client.ensure_path(self._paths.attempts(ctx.epoch))
+            return self._drop_unregistered_intent(ctx)
+        if isinstance(deleted, NoNodeError) or not isinstance(created, Exception):
+            return True   # dropped now, or by an earlier try whose answer was lost
+        raise RuntimeError(f"dropping the intent of {ctx.name} failed unexpectedly: {created!r}, {deleted!r}")
+
     def register(self, ctx: TxnContext, handle: Any) -> bool:
         """Record a pre-committed handle; True if this attempt won its partition."""
         return self._client.retry(self._register, ctx, handle)

@@ -65,6 +65,7 @@ class FailureStatus:
     count: int
     at: float | None
     permanent: bool
+    outcome_unknown: bool = False  # the sink could not tell whether an earlier try committed it
 
 
 @dataclass(frozen=True)
@@ -170,5 +171,5 @@ def _failure(client: KazooClient, qp: QueryPaths, epoch: int, attempt: str) -> F
     if isinstance(count, bool) or not isinstance(count, int):
         raise RecordError(f"znode {path}: \"count\" {count!r:.40} is not an integer")
     return FailureStatus(attempt, data.get("operation"), data.get("error"), count, data.get("at"),
-                         data.get("permanent", False))
+                         data.get("permanent", False), data.get("outcome_unknown", False) is True)
 

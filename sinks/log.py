@@ -1,7 +1,9 @@
 """Exactly-once records on a Kafka log: a TwoPhaseCommitSink over Kafka transactions.
 
 Each Spark task attempt writes its rows into a Kafka transaction of its own,
-under a transactional id of its own, so no two live attempts fence each other.
+under the transactional id of its slot (framework-assigned, unique among the
+attempts alive at once, reused once an attempt is finished: the broker keeps a
+bounded number of ids), so no two live attempts fence each other.
 pre_commit flushes the transaction: its records are durable on the broker and
 invisible to read_committed consumers. The handle is plain data (bootstrap
 servers, transactional id, producer id and epoch); the coordinator's process
@@ -18,7 +20,7 @@ aborts whatever an earlier holder left open and bumps the epoch, which fences
 any zombie of an earlier holder. (Without a slot, a sink driven directly, the
 id is per attempt: ``<prefix>.<app>.<query>.<run>.<epoch>.<partition>.<attempt>``.)
 One race remains: an attempt paused between claiming its slot (the task's
-``open``) and its first InitProducerId (its first row) for longer than its
+``open``) and its InitProducerId (in ``begin_transaction``) for longer than its
 epoch takes to settle without it plus ``slot_release_lag`` later commits can,
 on resuming, fence the slot's next holder. That holder's task then fails
 before its pre-commit (Spark retries it), or its commit fails loudly
@@ -82,9 +84,9 @@ from typing import Any, Union
 
 from kio.schema.errors import ErrorCode
 
-from twophase.client import Admin, KafkaError, PreparedTxn, PreparedTxnLost, Producer
+from twophase.client import Admin, KafkaError, PreparedTxn, PreparedTxnLost, Producer, TransactionUnknown
 from twophase.client.security import as_security, secrets_in
-from twophase.sink import AbortFailed, CommitFailed, TwoPhaseCommitSink, TxnContext
+from twophase.sink import AbortFailed, CommitFailed, CommitOutcomeUnknown, TwoPhaseCommitSink, TxnContext
 from twophase.wire.compression import codec_id
 
 from .log_modes import COMMIT_MODES, BrokerModes, CommitMode, aborted_in_words, is_without_two_phase
@@ -118,11 +120,11 @@ class LogHandle:
 
 @dataclass
 class LogTxn:
-    """One attempt's open Kafka transaction; its producer starts with the first row."""
+    """One attempt's open Kafka transaction (its producer opens at begin with a slot, else at the first row)."""
 
     ctx: TxnContext
     transactional_id: str
-    producer: Producer | None = None   # opened on the first row: empty partitions cost nothing
+    producer: Producer | None = None   # opened at begin with a slot, else on the first row
     mode: str | None = None            # "prepared" or "classic", once the producer is open
     opened_at: float | None = None
     records: int = 0
@@ -179,7 +181,7 @@ def _extract(extractor: Extractor, row: Any) -> Any:
 
 
 class LogSink(TwoPhaseCommitSink):
-    """Writes each row as one record to ``topic``; commits through KIP-939 prepared transactions.
+    """Writes each row as one record to ``topic`` in a Kafka transaction per task attempt, committed by the coordinator.
 
     Args:
         bootstrap: the brokers, "host:port[,host:port...]".
@@ -239,7 +241,7 @@ class LogSink(TwoPhaseCommitSink):
         reserved = {"transactional_id", "enable_2pc", "transaction_timeout_ms", "security"} & set(producer or {})
         if reserved:
             raise ValueError(f"producer settings {sorted(reserved)} are the sink's to choose")
-        # Checked here, on the driver: the producer itself opens only in a task, on its first row.
+        # Checked here, on the driver: the producer itself opens only in a task.
         unknown = set(producer or {}) - set(inspect.signature(Producer).parameters) - reserved
         if unknown:
             raise ValueError(f"unknown producer settings {sorted(unknown)} (twophase.client.Producer's "
@@ -282,6 +284,8 @@ class LogSink(TwoPhaseCommitSink):
         """Send one row to the topic inside the attempt's Kafka transaction."""
         if txn.producer is None:
             self._open_producer(txn)
+        if txn.opened_at is None:
+            txn.opened_at = time.time()  # the broker starts the transaction's clock at its first partition
         value = _extract(self.value, row) if self.value is not None else _row_dict(row)
         txn.producer.send(self.topic, value=self.serializer(value), key=_to_bytes(_extract(self.key, row)),
                           headers=self._headers(row) + txn.provenance)
@@ -321,7 +325,7 @@ class LogSink(TwoPhaseCommitSink):
             txn.producer = self._begin(txn.transactional_id, mode)
         if self.commit_mode == "auto":
             _modes.learn(self.bootstrap, mode)
-        txn.mode, txn.opened_at = mode, time.time()
+        txn.mode = mode
 
     def _begin(self, tid: str, mode: str) -> Producer:
         if mode == "prepared":
@@ -368,6 +372,9 @@ class LogSink(TwoPhaseCommitSink):
         txn = PreparedTxn.from_json(handle.prepared)
         try:
             _complete(handle, txn, commit=True)
+        except TransactionUnknown as e:
+            raise CommitOutcomeUnknown(f"{handle.records} records of Kafka transaction {handle.transactional_id}: "
+                                       f"{e}; check the topic before anything else (docs/log-sink.md)") from e
         except PreparedTxnLost as e:
             if handle.mode == "classic":
                 raise CommitFailed(aborted_in_words(
@@ -403,16 +410,19 @@ class LogSink(TwoPhaseCommitSink):
                 producer.close()
 
     def abort_unregistered(self, ctx: TxnContext) -> None:
-        """Abort what a dead attempt left open (a new instance of its id without keep_prepared_txn).
+        """End what a dead attempt left open (a new instance of its id without keep_prepared_txn).
 
-        The dead attempt's intent still holds its slot (it is released only once the intent is
-        dropped), so whatever is open under the slot's id is this attempt's, or a zombie's of an
-        earlier holder: never a live attempt's. An id the broker never saw (the attempt died before
-        its first row) or one with nothing open is left alone, so cleaning up does not create
-        transactional ids of its own.
+        With a slot the id is always fenced, open transaction or not: the dead attempt's intent still
+        holds the slot (it is released only once the intent is dropped), so the id is this attempt's
+        alone, and the epoch bump also stops a zombie of it (a paused task, not a dead one) from
+        preparing anything later. Without a slot (a per-attempt id) an id the broker never saw or one
+        with nothing open is left alone, so cleaning up does not create transactional ids of its own.
         """
         tid = transactional_id(self.transactional_id_prefix, ctx)
         with Admin(self.bootstrap, security=self.security) as admin:
+            if ctx.slot is not None:
+                admin.abort_transaction(tid)
+                return
             try:
                 [described] = admin.describe_transactions([tid])
             except KafkaError as e:

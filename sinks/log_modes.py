@@ -40,6 +40,8 @@ CommitMode = Literal["auto", "prepared", "classic"]
 COMMIT_MODES = ("auto", "prepared", "classic")
 # What a broker without KIP-939 answers a 2PC InitProducerId: too old a version, or Kafka 4.1+'s
 # refusal while transaction.two.phase.commit.enable is false.
+_READ_TTL_S = 600.0      # a timeout read from the broker is used this long
+_FALLBACK_TTL_S = 60.0   # Kafka's default, where it could not be read, this long
 NO_TWO_PHASE = frozenset({ErrorCode.unsupported_version, ErrorCode.transactional_id_authorization_failed})
 
 
@@ -49,7 +51,7 @@ class BrokerModes:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._modes: dict[str, str] = {}
-        self._timeouts: dict[str, int] = {}
+        self._timeouts: dict[str, tuple[int, float]] = {}  # bootstrap -> (timeout ms, valid until, monotonic)
 
     def known(self, bootstrap: str) -> str | None:
         """The mode ``auto`` resolved to for ``bootstrap`` in this process, if it has."""
@@ -64,21 +66,24 @@ class BrokerModes:
             self._modes[bootstrap] = mode
 
     def max_timeout_ms(self, bootstrap: str, security: str | Mapping[str, str] | None = None) -> int:
-        """The broker's ``transaction.max.timeout.ms``; Kafka's default where it cannot be read."""
+        """The broker's ``transaction.max.timeout.ms``, read again after ``_READ_TTL_S`` (an operator may
+        raise it); Kafka's default where it cannot be read, tried again after ``_FALLBACK_TTL_S``."""
+        now = time.monotonic()
         with self._lock:
-            if bootstrap in self._timeouts:
-                return self._timeouts[bootstrap]
+            cached = self._timeouts.get(bootstrap)
+            if cached is not None and cached[1] > now:
+                return cached[0]
         try:
             with Admin(bootstrap, security=security) as admin:
                 configs = admin.describe_broker_configs(["transaction.max.timeout.ms"])
-            timeout = int(configs["transaction.max.timeout.ms"])
+            timeout, ttl = int(configs["transaction.max.timeout.ms"]), _READ_TTL_S
         except (KafkaError, KeyError, ValueError) as e:
             log.warning("broker %s: cannot read transaction.max.timeout.ms (%s); using Kafka's default of %d ms "
                         "(set LogSink(transaction_timeout_ms=...) to choose)", bootstrap, e,
                         DEFAULT_MAX_TRANSACTION_TIMEOUT_MS)
-            timeout = DEFAULT_MAX_TRANSACTION_TIMEOUT_MS
+            timeout, ttl = DEFAULT_MAX_TRANSACTION_TIMEOUT_MS, _FALLBACK_TTL_S
         with self._lock:
-            self._timeouts[bootstrap] = timeout
+            self._timeouts[bootstrap] = (timeout, now + ttl)
         return timeout
 
 

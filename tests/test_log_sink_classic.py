@@ -21,7 +21,7 @@ from tests.broker.conftest import broker_factory, topic  # noqa: F401  (fixtures
 from tests.harness import QUERY, Pipeline, stage
 from tests.waiting import wait_until
 from twophase.client import Admin, KafkaError
-from twophase.sink import AbortFailed, CommitFailed, TxnContext
+from twophase.sink import AbortFailed, CommitFailed, CommitOutcomeUnknown, TxnContext
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT_MS = 3_000
@@ -212,3 +212,26 @@ def test_a_failed_epoch_is_replayed_exactly_once(zk, zk_server, zk_root, sink, t
     pipe.coordinator().reconcile()
     assert pipe.watermark() == 2
     assert committed_ids(sink) == list(range(30))
+
+
+def test_a_commit_retried_after_the_broker_forgot_the_id_is_an_unknown_outcome(broker_factory, topic):
+    """The coordinator died after its EndTxn and came back after transactional.id.expiration.ms: the
+    broker no longer knows the id, so whether the transaction committed cannot be told. That is
+    CommitOutcomeUnknown (never "aborted, none visible"), which `twophase replay` refuses."""
+    broker = broker_factory(transaction_two_phase_commit=False, transaction_max_timeout_ms=TIMEOUT_MS,
+                            transactional_id_expiration_ms=500, transaction_check_interval_ms=100)
+    broker.create_topic(topic, 1)
+    sink = LogSink(broker.bootstrap, topic, key="id")
+    handle = prepare(sink, ctx(), range(3))
+    sink.commit(handle)
+    with Admin(sink.bootstrap) as admin:
+        def forgotten():
+            try:
+                admin.describe_transactions([handle.transactional_id])
+            except KafkaError:
+                return True
+            return False
+        wait_until(forgotten, what="the broker to expire the idle transactional id")
+    with pytest.raises(CommitOutcomeUnknown, match="cannot be told"):
+        sink.commit(handle)
+    assert committed_ids(sink) == [0, 1, 2]

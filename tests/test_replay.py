@@ -16,7 +16,9 @@ from coordinator.replay import ReplayRefused, plan_replay
 from coordinator.status import read_status
 from sinks.files import FileSink
 from tests.harness import QUERY, SIGNER, Pipeline
+from tests.test_cli import twophase
 from twophase.checkpoint import missing_state, rewind
+from twophase.sink import AbortFailed
 
 
 @pytest.fixture
@@ -106,3 +108,61 @@ def test_missing_state_names_the_stores_without_the_version(tmp_path):
     assert missing_state(checkpoint, 4) == ["0/1"]
     assert missing_state(checkpoint, 0) == []
     assert missing_state(checkpoint_with(tmp_path / "stateless", []), 7) == []
+
+
+def test_rewind_removes_state_versions_above_the_batch(tmp_path):
+    checkpoint = checkpoint_with(tmp_path / "ckpt", range(4), state={"0/0": [1, 2, 3, 4], "0/1": [2, 3, 4]})
+    (tmp_path / "ckpt" / "state" / "0" / "0" / "3.snapshot").write_text("")
+    (tmp_path / "ckpt" / "state" / "0" / "0" / ".3.snapshot.crc").write_text("")
+    removed = rewind(checkpoint, 2)
+    assert {r for r in removed if r.startswith("state")} == {
+        "state/0/0/3.delta", "state/0/0/4.delta", "state/0/0/3.snapshot", "state/0/1/3.delta", "state/0/1/4.delta"}
+    assert sorted(os.listdir(tmp_path / "ckpt" / "state" / "0" / "0")) == ["1.delta", "2.delta"]
+
+
+def test_an_interrupted_replay_holds_phase_two_and_resumes(pipe, zk_server, zk_root, tmp_path):
+    """The mark stands between the aborts and the rewind: phase two of the query waits, and a second
+    `twophase replay` resumes (here the first stopped after marking)."""
+    fail_epoch_1(pipe)
+    assert pipe.task("r1", 2, 0, range(100, 105))
+    checkpoint = checkpoint_with(tmp_path / "ckpt", range(3))
+    pipe.zk.create(pipe.qp.replay, json.dumps({"epoch": 1}).encode())     # an earlier run died here
+    report = pipe.coordinator().reconcile()
+    assert not report.ok and "replay` of epoch 1 is unfinished" in report.records[-1].error
+    assert plan(pipe, checkpoint, epoch=1).epoch == 1
+    with pytest.raises(ReplayRefused, match="replay of epoch 1 is unfinished"):
+        plan_replay(read_status(pipe.zk, AppPaths(pipe.paths.root, "app"), SIGNER), QUERY, 2, checkpoint, 1)
+    done = twophase("replay", "--zk", zk_server.hosts, "--root", zk_root, "--app", "app", "--checkpoint",
+                    checkpoint, "--epoch", "1")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert not pipe.zk.exists(pipe.qp.replay) and not pipe.zk.exists(pipe.qp.epoch(2))
+    assert sorted(os.listdir(tmp_path / "ckpt" / "commits")) == [".0.crc", "0"]
+
+
+class RefusingFileSink(FileSink):
+    """A file sink whose abort refuses a committed handle, as the contract asks (FileSink's does not)."""
+
+    def abort(self, handle):
+        if os.path.exists(handle.final):
+            raise AbortFailed(f"{handle.final} is committed")
+        super().abort(handle)
+
+
+def test_an_abort_finding_the_epoch_committed_ends_the_replay_with_nothing_rewound(zk, zk_server, zk_root,
+                                                                                  tmp_path):
+    """A winner committed whose record survived (the coordinator died before deleting it) looks
+    pending to the plan; its abort finds it committed (AbortFailed): the replay stops, unmarked,
+    with the checkpoint and the later epochs untouched."""
+    pipe = Pipeline(zk, zk_root, RefusingFileSink(str(tmp_path / "out")))
+    fail_epoch_1(pipe)
+    [attempt] = pipe.registry.load(1)
+    os.makedirs(os.path.dirname(attempt.handle.final), exist_ok=True)
+    with open(attempt.handle.final, "w") as f:   # as if committed: FileSink's abort then raises AbortFailed
+        f.write("{}\n")
+    assert pipe.task("r1", 2, 0, range(100, 105))
+    checkpoint = checkpoint_with(tmp_path / "ckpt", range(3))
+    done = twophase("replay", "--zk", zk_server.hosts, "--root", zk_root, "--app", "app", "--checkpoint",
+                    checkpoint, "--epoch", "1")
+    assert done.returncode == 1 and "partly committed" in done.stderr, done.stdout + done.stderr
+    assert not pipe.zk.exists(pipe.qp.replay) and pipe.zk.exists(pipe.qp.epoch(2))
+    assert sorted(os.listdir(tmp_path / "ckpt" / "commits")) == [".0.crc", ".1.crc", ".2.crc", "0", "1", "2"]

@@ -341,3 +341,14 @@ def test_write_users_leaves_no_readable_temporary(tmp_path):
     path = str(tmp_path / "users.json")
     write_users(path, {})
     assert sorted(os.listdir(tmp_path)) == ["users.json"]
+
+
+def test_an_unknown_user_gets_the_same_salt_every_time(tmp_path):
+    """The salt in the server-first message must not tell unknown users from known ones by changing."""
+    from twophase.broker.security import Authenticator
+    from twophase.broker.users import UsersFile, add_user
+
+    add_user(str(tmp_path / "users.json"), "alice", "alice-pw")
+    authenticator = Authenticator(UsersFile(str(tmp_path / "users.json")), ("SCRAM-SHA-256",))
+    first, second = (authenticator.unknown_user("mallory", "SCRAM-SHA-256") for _ in range(2))
+    assert first.salt == second.salt != authenticator.unknown_user("eve", "SCRAM-SHA-256").salt

@@ -215,3 +215,14 @@ def test_status_shows_the_slots_held_per_partition(pipe, capsys):
 def test_a_bad_release_lag_is_refused_naming_the_setting(lag):
     with pytest.raises(ValueError, match="slot_release_lag"):
         CommitPolicy(slot_release_lag=lag)
+
+
+def test_the_coordinator_drops_an_intent_only_while_its_attempt_has_not_registered(pipe):
+    """Cleanup lists unregistered intents, cleans up, then drops them: an attempt registering in between
+    (its registration checks its intent) keeps its intent, so its slot, until its handle is finished."""
+    late = pipe.registry.intend(TxnContext("app", QUERY, "r1", 0, 0, 0))
+    gone = pipe.registry.intend(TxnContext("app", QUERY, "r1", 0, 1, 0))
+    assert pipe.registry.drop_unregistered_intent(gone)            # no attempt registered in the epoch yet
+    pipe.registry.register(late, {"handle": 1})
+    assert not pipe.registry.drop_unregistered_intent(late)
+    assert pipe.zk.get_children(pipe.qp.intents(0)) == [late.name]

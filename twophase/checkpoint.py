@@ -65,12 +65,17 @@ def missing_state(checkpoint: str, version: int) -> list[str]:
 
 
 def rewind(checkpoint: str, batch: int) -> list[str]:
-    """Make Spark run ``batch`` again on its next start: remove commits/K for K >= batch and offsets/K
-    for K > batch (offsets/``batch`` stays: Spark re-runs the batch with exactly those offsets).
-    Returns the removed files, relative to the checkpoint. Idempotent."""
+    """Make Spark run ``batch`` again on its next start: remove commits/K for K >= batch, offsets/K
+    for K > batch (offsets/``batch`` stays: Spark re-runs the batch with exactly those offsets), and
+    state store files of versions above ``batch`` (written by the batches being undone; Spark would
+    otherwise read a later version's snapshot of the discarded timeline). Returns the removed files,
+    relative to the checkpoint. Idempotent."""
     root = local_path(checkpoint)
     doomed = [os.path.join("commits", str(k)) for k in completed_epochs(checkpoint) if k >= batch]
     doomed += [os.path.join("offsets", str(k)) for k in started_epochs(checkpoint) if k > batch]
+    for directory, _, files in os.walk(os.path.join(root, "state")):
+        doomed += [os.path.relpath(os.path.join(directory, f), root) for f in files
+                   if f.endswith(_STATE_SUFFIXES) and f.split(".", 1)[0].isdigit() and int(f.split(".", 1)[0]) > batch]
     for relative in doomed:
         for path in (os.path.join(root, relative), _crc_of(os.path.join(root, relative))):
             try:

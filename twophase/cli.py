@@ -42,7 +42,7 @@ from coordinator.replay import ReplayRefused, plan_replay, replay
 from coordinator.report import (AbortReason, AttemptAborted, AttemptCleanedUp, EpochBlocked, EpochCommitted,
                                 EpochSkipped, Operation, OperationFailed, Record, SkipReason, as_json)
 from coordinator.status import AppStatus, read_status
-from coordinator.zk import RecordError, children, connect
+from coordinator.zk import RecordError, children, connect, read_epoch
 from twophase.broker.cli import add_broker_parser, add_users_parser
 from twophase.cli_args import app_name, int_from, positive_int, positive_seconds
 from twophase.client.cli import add_txns_parser
@@ -201,7 +201,8 @@ def cmd_replay(args: argparse.Namespace, client: KazooClient, signer: Signer) ->
     _require_app(client, paths)
     query_id = _checkpoint_query_id(args.checkpoint)
     try:
-        plan = plan_replay(read_status(client, paths, signer), query_id, args.epoch, args.checkpoint)
+        plan = plan_replay(read_status(client, paths, signer), query_id, args.epoch, args.checkpoint,
+                           read_epoch(client, paths.query(query_id).replay))
     except ReplayRefused as e:
         raise CliError(f"epoch {args.epoch} of query {query_id} cannot be replayed: {e}") from None
     later = f" and the later epochs {', '.join(map(str, plan.later_epochs))}" if plan.later_epochs else ""
@@ -215,7 +216,12 @@ def cmd_replay(args: argparse.Namespace, client: KazooClient, signer: Signer) ->
     for line in report.records:
         print(describe(line))
     if not report.ok:
-        print("some pre-commits could not be aborted yet: run `twophase replay` again", file=sys.stderr)
+        if any(isinstance(r, OperationFailed) and r.permanent for r in report.records):
+            print(f"epoch {plan.epoch} is partly committed (an abort found a handle committed): not replayed, "
+                  "nothing rewound; it stays FAILED for you to settle (docs/log-sink.md)", file=sys.stderr)
+        else:
+            print("some pre-commits could not be aborted yet: nothing rewound; run `twophase replay` again",
+                  file=sys.stderr)
         return 1
     print(f"removed from the checkpoint: {', '.join(removed) or 'nothing (rewound already)'}")
     print(f"epoch {plan.epoch}{later} discarded; restart the query: Spark runs batch {plan.epoch} again from "

@@ -81,6 +81,13 @@ class CommitFailed(Exception):
     """
 
 
+class CommitOutcomeUnknown(CommitFailed):
+    """A CommitFailed where the external system can no longer tell whether an earlier try committed
+    the handle (say, it forgot the transaction). The epoch is FAILED like any CommitFailed, and
+    ``twophase replay`` refuses it: running the epoch again might write its rows twice.
+    """
+
+
 class AbortFailed(Exception):
     """Raised by abort() when the handle can no longer be aborted: it was committed.
 

@@ -64,7 +64,12 @@ class TaskAttempt:
             self.sink.abort_transaction(txn)
             self.registry.drop_intent(self.ctx)  # cleaned up already: nothing for abort_unregistered
             return
-        if not self.registry.holds_intent(self.ctx):
+        try:
+            holds_intent = self.registry.holds_intent(self.ctx)
+        except BaseException:
+            self.sink.abort_transaction(txn)  # ZooKeeper gone: nothing may be registered; free the producer
+            raise
+        if not holds_intent:
             # A zombie that outlived its epoch: it ends its own transaction with its own producer (which
             # fences nobody: refused if its id moved on) and registers nothing.
             gone = IntentGone(f"attempt {self.ctx.name} was cleaned up by the coordinator while it ran: "

@@ -19,6 +19,8 @@ Example::
 from __future__ import annotations
 
 import enum
+import hashlib
+import hmac
 import logging
 import secrets
 import ssl
@@ -29,7 +31,7 @@ from scramp import ScramException, ScramMechanism
 from twophase.wire.api_keys import ApiKey
 from twophase.wire.security import parse_plain
 
-from .users import MIN_ITERATIONS, UsersFile, make_credential, verify_password
+from .users import MIN_ITERATIONS, ScramCredential, UsersFile, make_credential, verify_password
 
 log = logging.getLogger("twophase.broker")
 
@@ -56,6 +58,13 @@ class Authenticator:
     def __init__(self, users: UsersFile, mechanisms: tuple[str, ...]) -> None:
         self.users = users
         self.mechanisms = mechanisms
+        self._unknown_secret = secrets.token_bytes(32)
+
+    def unknown_user(self, user: str, mechanism: str) -> ScramCredential:
+        """A credential no password matches for a user that does not exist: the same salt every time
+        (derived from the name), so that two tries do not tell an unknown user from a known one."""
+        salt = hmac.new(self._unknown_secret, f"{mechanism}\0{user}".encode(), hashlib.sha256).digest()[:16]
+        return make_credential(secrets.token_urlsafe(32), mechanism, MIN_ITERATIONS, salt)
 
     def session(self, peer: str) -> SaslSession:
         """A new connection's authentication state."""
@@ -159,7 +168,7 @@ class SaslSession:
         self.user = user
         credential = self._authenticator.users.credential(user, self.mechanism)
         if credential is None:
-            credential = make_credential(secrets.token_urlsafe(32), self.mechanism, MIN_ITERATIONS)
+            credential = self._authenticator.unknown_user(user, self.mechanism)
         return credential.auth_info()
 
     def _invalid_credentials(self) -> str:

@@ -29,6 +29,7 @@ from .errors import (
     SaslAuthenticationError,
     SslAuthenticationError,
     TransactionStateError,
+    TransactionUnknown,
 )
 from .producer import Producer
 from .security import SecuritySettings, load_security
@@ -38,6 +39,6 @@ __all__ = [
     "EARLIEST", "LATEST", "Admin", "AuthenticationError", "Consumer", "CorruptRecordBatch", "KafkaConnectionError", "KafkaError", "KafkaTimeout",
     "Message", "OffsetOutOfRange", "PreparedTxn",
     "PreparedTxnLost", "Producer", "ProducerFenced", "SaslAuthenticationError", "SecuritySettings",
-    "SslAuthenticationError", "TransactionDescription", "TransactionListing", "TransactionStateError",
+    "SslAuthenticationError", "TransactionDescription", "TransactionListing", "TransactionStateError", "TransactionUnknown",
     "load_security",
 ]

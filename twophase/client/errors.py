@@ -64,6 +64,11 @@ class PreparedTxnLost(KafkaError):
     """A prepared transaction cannot be committed: it was aborted or replaced by someone else."""
 
 
+class TransactionUnknown(PreparedTxnLost):
+    """The transaction coordinator no longer knows the transactional id (it expired after
+    transactional.id.expiration.ms idle): whether the transaction committed cannot be told."""
+
+
 class CorruptRecordBatch(KafkaError):
     """A fetched batch the consumer cannot read (CORRUPT_MESSAGE): a bad CRC, records that do not parse,
     compressed records inflating past ``max_inflated_batch_bytes``, or offsets the broker refuses to

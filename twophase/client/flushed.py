@@ -36,7 +36,7 @@ from twophase.wire.errors import KafkaError
 from .admin import Admin
 from .cluster import CoordinatorType
 from .connection import Connection
-from .errors import PreparedTxnLost, check, error_for
+from .errors import PreparedTxnLost, TransactionUnknown, check, error_for
 from .messages import message
 from .security import SecuritySettings
 from .transactions import PreparedTxn
@@ -77,9 +77,12 @@ def complete_flushed(bootstrap: str, handle: PreparedTxn, commit: bool, *, reque
         now = admin.describe_settled(tid)
     committed = (now is not None and now.state == "CompleteCommit"
                  and (now.producer_id, now.producer_epoch) == (handle.producer_id, handle.producer_epoch))
+    if commit and now is None:
+        raise TransactionUnknown(f"{tid}: the coordinator no longer knows the id (EndTxn: {code.name.upper()}): "
+                                 f"whether producer {handle.producer_id} epoch {handle.producer_epoch} committed "
+                                 "cannot be told")
     if commit and not committed:
-        held = ("nothing: the coordinator does not know the id" if now is None else
-                f"{now.state} with producer {now.producer_id} epoch {now.producer_epoch}")
+        held = f"{now.state} with producer {now.producer_id} epoch {now.producer_epoch}"
         raise PreparedTxnLost(f"{tid}: the transaction of producer {handle.producer_id} epoch "
                               f"{handle.producer_epoch} is no longer open (EndTxn: {code.name.upper()}; "
                               f"the broker holds {held})")
