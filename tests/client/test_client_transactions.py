@@ -15,7 +15,7 @@ from confluent_kafka import Producer as ConfluentProducer
 from confluent_kafka import TopicPartition
 
 from twophase.client import (Admin, Consumer, KafkaConnectionError, KafkaError, KafkaTimeout, PreparedTxn, PreparedTxnLost,
-                             Producer, ProducerFenced, TransactionStateError)
+                             Producer, ProducerFenced, TransactionStateError, TransactionUnknown)
 from twophase.wire.api_keys import ApiKey
 
 from .conftest import confluent_drain, drain, refuse_requests
@@ -161,7 +161,7 @@ def test_a_flushed_ordinary_transaction_is_completed_from_another_client(broker,
     assert _our_values(broker, {topic: 1}, "read_committed", 1) == [b"flushed"]
     with pytest.raises(KafkaError, match="already committed"):
         Producer.complete_flushed(broker.bootstrap, handle, commit=False)
-    with pytest.raises(PreparedTxnLost, match="does not know"):
+    with pytest.raises(TransactionUnknown, match="no longer knows the id.*cannot be told"):
         Producer.complete_flushed(broker.bootstrap, PreparedTxn("never-used", 12345, 0), commit=True)
 
 
