@@ -59,16 +59,21 @@ def read_until_end(bootstrap: str, topic: str, partition: int = 0,
                    isolation_level: str = "read_uncommitted", timeout: float = 60.0) -> list[bytes]:
     """The values of ``topic``-``partition`` before its first END record (which the test wrote), with
     twophase.client; every record arrives in offset order, so seeing END means all before it were seen."""
-    values: list[bytes] = []
     with Consumer(bootstrap, isolation_level=isolation_level) as consumer:
         consumer.assign([(topic, partition)])
+        return values_until_end(consumer, timeout, f"END of {topic}-{partition} through twophase.client")
 
-        def saw_end() -> bool:
-            for m in consumer.poll(timeout_s=0.5):
-                if m.value == END:
-                    return True
-                values.append(m.value)
-            return False
 
-        wait_until(saw_end, timeout=timeout, what=f"END of {topic}-{partition} through twophase.client")
+def values_until_end(consumer: Consumer, timeout: float, what: str) -> list[bytes]:
+    """The values an assigned twophase.client consumer polls before the first END record."""
+    values: list[bytes] = []
+
+    def saw_end() -> bool:
+        for m in consumer.poll(timeout_s=0.5):
+            if m.value == END:
+                return True
+            values.append(m.value)
+        return False
+
+    wait_until(saw_end, timeout=timeout, what=what)
     return values

@@ -18,7 +18,7 @@ from confluent_kafka import OFFSET_BEGINNING, TopicPartition
 from confluent_kafka import Consumer as ConfluentConsumer
 from confluent_kafka import KafkaError as ConfluentError
 
-from tests.adversarial.reading import END, read_until_end
+from tests.adversarial.reading import END, read_until_end, values_until_end
 from tests.broker.batches import batch, batch_offsets
 from tests.waiting import wait_for, wait_until
 from twophase.broker.storage import LogConfig, PartitionLog
@@ -278,18 +278,9 @@ def test_skip_mode_reads_on_past_what_the_broker_refuses_as_damaged(broker_facto
 
     broker = broker_factory(data_dir=data_dir)
     caplog.set_level(logging.WARNING, logger="twophase.client")
-    got: list[bytes] = []
     with Consumer(broker.bootstrap, on_corrupt="skip") as consumer:
         consumer.assign([(topic, 0)])
-
-        def saw_end() -> bool:
-            for m in consumer.poll(timeout_s=0.5):
-                if m.value == END:
-                    return True
-                got.append(m.value)
-            return False
-
-        wait_until(saw_end, timeout=60, what="END through twophase.client, skipping the damage")
+        got = values_until_end(consumer, 60, "END through twophase.client, skipping the damage")
         skipped = consumer.corrupt_batches_skipped
     assert got[:damaged] == written[:damaged]
     assert got[len(got) - (len(written) - next_segment):] == written[next_segment:]
