@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 
 @dataclass(frozen=True)
@@ -70,6 +70,36 @@ class TxnContext:
         """
         run_id, epoch, partition, attempt = name.rsplit(".", 3)  # a run id may itself hold dots
         return cls(app, query_id, run_id, int(epoch), int(partition), int(attempt), slot)
+
+
+class RecordBatchLike(Protocol):
+    """What ``write_batch`` is given: a ``pyarrow.RecordBatch`` (the contract imports no pyarrow)."""
+
+    num_rows: int
+
+    def to_pylist(self) -> list[dict[str, Any]]: ...
+
+
+class Record(dict):
+    """One row of a batch handed to :meth:`TwoPhaseCommitSink.write`: a dict that also reads like
+    Spark's ``Row`` by name (``row["id"]``, ``row.id``, ``row.asDict()``), so a ``write`` written
+    for ``foreach`` keeps working on the batch path. Positional access (``row[0]``) is not offered::
+
+        row = Record({"id": 1, "name": "a"})
+        row.id, row["name"], row.asDict()     # 1, 'a', {'id': 1, 'name': 'a'}
+    """
+
+    __slots__ = ()
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def asDict(self, recursive: bool = False) -> dict[str, Any]:  # noqa: N802 - Spark's Row spells it so
+        """A plain dict of the row (nested structs are plain dicts already)."""
+        return dict(self)
 
 
 class CommitFailed(Exception):
@@ -118,6 +148,17 @@ class TwoPhaseCommitSink(ABC):
     @abstractmethod
     def write(self, txn: Any, row: Any) -> None:
         """Add one row to the transaction."""
+
+    def write_batch(self, txn: Any, batch: RecordBatchLike) -> None:
+        """Add a batch of rows (a ``pyarrow.RecordBatch``) to the transaction.
+
+        The batch path (``twophase.spark.write_stream``, ``format("twophase-kafka")``) calls
+        this once per Arrow batch instead of ``write`` per row. The default hands each row to
+        ``write`` as a :class:`Record`; override it to store the batch without a Python object
+        per row (FileSink writes Parquet from it, LogSink builds Kafka record batches).
+        """
+        for row in batch.to_pylist():
+            self.write(txn, Record(row))
 
     @abstractmethod
     def pre_commit(self, txn: Any) -> Any:

@@ -9,7 +9,7 @@ Usage::
     attempt = TaskAttempt(sink, PrecommitRegistry(client, query_paths, signer), ctx)
     if attempt.open():              # False: an earlier attempt of this run won the partition
         for row in rows:
-            attempt.write(row)
+            attempt.write(row)          # or attempt.write_batch(arrow_batch)
     attempt.close(None)             # pre-commit and register; close(error) discards instead
 """
 
@@ -54,6 +54,10 @@ class TaskAttempt:
     def write(self, row: Any) -> None:
         """Write one row into the transaction open() began."""
         self.sink.write(self._txn, row)
+
+    def write_batch(self, batch: Any) -> None:
+        """Write one Arrow record batch into the transaction open() began."""
+        self.sink.write_batch(self._txn, batch)
 
     def close(self, error: BaseException | None) -> None:
         """Pre-commit and register (error is None), or discard the open transaction."""
