@@ -1,10 +1,17 @@
-"""Spark integration: ``from twophase.spark import TwoPhaseSink``; ``register(spark)`` adds the
-``twophase-kafka`` source (twophase/spark/source.py) to a session."""
+"""Spark integration.
+
+- ``foreach(TwoPhaseSink(sink, app=..., zk=...))``: the row-at-a-time writer (twophase/spark/writer.py);
+- ``write_stream(df, sink, app=..., zk=...)`` and ``format("twophase-kafka")``: the batch path, Arrow
+  batches through ``write_batch`` (twophase/spark/streams.py); ``await_committed(query)`` waits for it;
+- ``register(spark)`` adds the ``twophase-kafka`` source and sink and the ``twophase`` sink to a session.
+"""
 
 from twophase.spark.driver import HookFailed
-from twophase.spark.source import register
+from twophase.spark.stream_sink import DriverHookMissing
+from twophase.spark.streams import await_committed, register, write_stream
 from twophase.spark.writer import ContinuousProcessingNotSupported, TwoPhaseSink
 from twophase.supervisor import Supervision
 from twophase.task import PhaseTwoHalted
 
-__all__ = ["ContinuousProcessingNotSupported", "HookFailed", "PhaseTwoHalted", "Supervision", "TwoPhaseSink", "register"]
+__all__ = ["ContinuousProcessingNotSupported", "DriverHookMissing", "HookFailed", "PhaseTwoHalted", "Supervision",
+           "TwoPhaseSink", "await_committed", "register", "write_stream"]

@@ -115,6 +115,12 @@ class DriverHook:
             return hook
 
     @classmethod
+    def current(cls, key: tuple[str, str, str]) -> DriverHook | None:
+        """The running hook of (zk, root, app), None if there is none (never acquired, or closed)."""
+        with cls._lock:
+            return cls._hooks.get(key)
+
+    @classmethod
     def close_all(cls) -> None:
         """Stop every hook of this driver (their coordinators finish the current step first)."""
         with cls._lock:

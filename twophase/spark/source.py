@@ -55,8 +55,10 @@ from pyspark.sql.types import (
 
 from twophase.client import EARLIEST, Consumer, Message, OffsetOutOfRange
 
+from .kafka_sink import kafka_stream_writer
 from .source_offsets import OffsetPlanner, Offsets, from_json, report_loss, to_json
 from .source_options import SourceOptions, parse_options
+from .stream_sink import TwoPhaseStreamWriter
 
 log = logging.getLogger("twophase.spark.source")
 
@@ -274,11 +276,7 @@ class KafkaSource(DataSource):
     def streamReader(self, schema: StructType) -> KafkaStreamReader:
         return KafkaStreamReader(parse_options(self.options, streaming=True))
 
+    def streamWriter(self, schema: StructType, overwrite: bool) -> TwoPhaseStreamWriter:  # noqa: N802
+        """Spark's Kafka sink, exactly once (twophase/spark/kafka_sink.py)."""
+        return kafka_stream_writer(self.options, schema)
 
-def register(spark) -> None:
-    """Register every data source of twophase (``twophase-kafka``) on the session ``spark``; idempotent:
-    one registered already is kept (registering again would log Spark's "replaced" WARNING)."""
-    manager = spark._jsparkSession.sessionState().dataSourceManager()  # no Python API asks whether one exists
-    for source in (KafkaSource,):
-        if not manager.dataSourceExists(source.name()):
-            spark.dataSource.register(source)

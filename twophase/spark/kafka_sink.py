@@ -1,0 +1,63 @@
+"""The ``twophase-kafka`` sink: Spark's Kafka sink contract, exactly once, over LogSink.
+
+``df.writeStream.format("twophase-kafka")`` takes the rows and options of Spark's Kafka sink (a
+``value`` column, optional ``key``, ``topic``, ``partition`` and ``headers`` columns;
+``kafka.bootstrap.servers``, ``topic``, ``kafka.``-prefixed producer settings under Kafka's names)
+plus the exactly-once options of twophase/spark/sink_options.py, and writes each task attempt's rows
+in one Kafka transaction (many topics may share it) that the coordinator commits once Spark has
+durably completed the batch. Options and the schema are checked when the query starts, before any
+row is written. docs/spark-writer.md lists them.
+
+Example::
+
+    register(spark)
+    (df.selectExpr("CAST(id AS STRING) AS key", "to_json(struct(*)) AS value")
+       .writeStream.format("twophase-kafka")
+       .option("kafka.bootstrap.servers", "127.0.0.1:9092").option("topic", "orders-out")
+       .option("kafka.linger.ms", "20")
+       .option("twophase.zk", "127.0.0.1:2181").option("twophase.app", "orders")
+       .option("checkpointLocation", "/data/ck/orders").start())
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from pyspark.sql.pandas.types import to_arrow_schema
+from pyspark.sql.types import StructType
+
+from sinks.log import LogSink
+from twophase.signing import load_secret
+from twophase.spark.driver import HookConfig
+from twophase.spark.sink_options import EXACTLY_ONCE, SPARK_OWN, WriterOptionError, exactly_once, lowered
+from twophase.spark.stream_sink import TwoPhaseStreamWriter
+
+# twophase.* options of this writer besides the exactly-once ones.
+KAFKA_TWOPHASE = ("twophase.security", "twophase.commitMode", "twophase.transactionalIdPrefix")
+_OWN = {name.lower() for name in ("topic", "kafka.bootstrap.servers", *SPARK_OWN, *EXACTLY_ONCE, *KAFKA_TWOPHASE)}
+
+
+def kafka_log_sink(options: Mapping[str, str]) -> LogSink:
+    """The LogSink the options call for; WriterOptionError naming an unknown or malformed option."""
+    given = lowered(options)
+    unknown = sorted(k for k in given if k not in _OWN and not k.startswith("kafka."))
+    if unknown:
+        raise WriterOptionError(f"unknown option(s) {unknown} for the twophase-kafka sink (docs/spark-writer.md)")
+    bootstrap = given.get("kafka.bootstrap.servers")
+    if not bootstrap:
+        raise WriterOptionError("option 'kafka.bootstrap.servers' is required")
+    return LogSink(bootstrap, given.get("topic") or "", key="key", value="value")
+
+
+def kafka_hook(options: Mapping[str, str]) -> tuple[HookConfig, LogSink]:
+    """The driver hook config and sink of a ``twophase-kafka`` query (WriterDiscovery's factory)."""
+    where = exactly_once(options, also=KAFKA_TWOPHASE)
+    return HookConfig(where.zk, where.root, where.app, load_secret(), where.coordinator), kafka_log_sink(options)
+
+
+def kafka_stream_writer(options: Mapping[str, str], schema: StructType) -> TwoPhaseStreamWriter:
+    """The stream writer of a ``twophase-kafka`` query, its options and schema checked."""
+    where = exactly_once(options, also=KAFKA_TWOPHASE)
+    sink = kafka_log_sink(options)
+    to_arrow_schema(schema, timezone="UTC")
+    return TwoPhaseStreamWriter(sink, where, load_secret())

@@ -1,0 +1,197 @@
+"""The batch path: Spark hands each task's rows to a TwoPhaseCommitSink as Arrow record batches.
+
+:class:`TwoPhaseStreamWriter` is a PySpark ``DataSourceStreamArrowWriter``. In each task it runs the
+same :class:`~twophase.task.TaskAttempt` as the ``foreach`` writer (``open``: halted? winner? intent
+and slot, ``begin_transaction``; then ``write_batch`` per Arrow batch instead of ``write`` per row;
+``close``: pre-commit and register), so the coordinator, the ZooKeeper layout, the recovery CLI and
+the failure cases are those of :class:`~twophase.spark.TwoPhaseSink`.
+
+Spark calls ``commit(messages, batchId)`` on the driver host *before* it writes ``commits/<batchId>``,
+and again for the same batch id if the driver dies in between (docs/spark-facts.md). So it commits
+nothing: the coordinator still commits an epoch only once Spark has durably completed it. It checks
+that a driver hook watches the run (else nothing would ever commit the pre-commits: the batch fails
+with the reason instead) and raises the run's halt reason if twophase halted it.
+
+Two data sources use it: ``twophase-kafka`` (twophase/spark/source.py, Spark's Kafka sink contract
+over :class:`~sinks.log.LogSink`) and ``twophase`` (:class:`SinkFormat`: any sink, stored in
+ZooKeeper by :func:`twophase.spark.write_stream`)::
+
+    from twophase.spark import write_stream
+    query = (write_stream(df, FileSink("/data/out", format="parquet"), app="orders", zk="127.0.0.1:2181")
+             .option("checkpointLocation", "/data/ck/orders").start())
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from kazoo.client import KazooClient
+from pyspark import TaskContext
+from pyspark.sql.datasource import DataSource, DataSourceStreamArrowWriter, WriterCommitMessage
+from pyspark.sql.types import StructType
+
+from coordinator.layout import AppPaths, QueryPaths
+from coordinator.precommits import PrecommitRegistry
+from coordinator.zk import shared_client
+from twophase.signing import Signer, load_secret
+from twophase.sink import TwoPhaseCommitSink, TxnContext
+from twophase.spark.sink_options import ExactlyOnce, exactly_once
+from twophase.spark.writer import ContinuousProcessingNotSupported
+from twophase.task import PhaseTwoHalted, TaskAttempt
+
+SINK_FORMAT = "twophase"
+# How long commit() waits for the driver hook to publish a run it has not seen yet: the hook sees a
+# query within a poll (0.25 s) and publishes its run once the first task recorded it.
+HOOK_WAIT = 60.0
+
+
+class DriverHookMissing(RuntimeError):
+    """No twophase driver hook watches the run, so nothing would ever commit its pre-commits."""
+
+
+@dataclass
+class AttemptReport(WriterCommitMessage):
+    """What one task attempt did, sent to the driver's ``commit``."""
+
+    query_id: str
+    run_id: str
+    epoch: int
+    partition: int
+    attempt: int
+    rows: int
+    won: bool | None  # None: skipped, an attempt of this run had won the partition already
+
+
+def task_context(app: str, partition: int | None = None, epoch: int | None = None) -> TxnContext:
+    """The running Spark task's attempt as a TxnContext (``partition`` and ``epoch`` default to the task's).
+
+    Raises ContinuousProcessingNotSupported under a continuous trigger: it has no epochs to commit on.
+    """
+    task = TaskContext.get()
+    if task.getLocalProperty("__is_continuous_processing") == "true":
+        raise ContinuousProcessingNotSupported(
+            "twophase needs micro-batch epochs as commit barriers; "
+            "use a micro-batch trigger instead of trigger(continuous=...)")
+    return TxnContext(
+        app=app,
+        query_id=task.getLocalProperty("sql.streaming.queryId"),
+        run_id=task.getLocalProperty("spark.jobGroup.id"),
+        epoch=int(task.getLocalProperty("streaming.sql.batchId")) if epoch is None else epoch,
+        partition=task.partitionId() if partition is None else partition,
+        attempt=task.attemptNumber(),
+    )
+
+
+class TwoPhaseStreamWriter(DataSourceStreamArrowWriter):
+    """Writes each task's Arrow batches through ``sink.write_batch`` in one two-phase transaction.
+
+    Built on the driver host by a data source's ``streamWriter`` and pickled to every task::
+
+        TwoPhaseStreamWriter(sink, ExactlyOnce("127.0.0.1:2181", "orders"), load_secret())
+    """
+
+    def __init__(self, sink: TwoPhaseCommitSink, where: ExactlyOnce, secret: bytes) -> None:
+        self.sink = sink
+        self.where = where
+        self._secret = secret
+
+    def __repr__(self) -> str:  # the secret stays out of logs and plans
+        return f"TwoPhaseStreamWriter({type(self.sink).__name__}, app={self.where.app!r})"
+
+    def _query(self, query_id: str) -> QueryPaths:
+        return AppPaths(self.where.root, self.where.app).query(query_id)
+
+    def write(self, iterator: Iterator) -> AttemptReport:
+        """In a task: open the attempt, write every batch, pre-commit and register (or abort on error)."""
+        ctx = task_context(self.where.app)
+        registry = PrecommitRegistry(shared_client(self.where.zk), self._query(ctx.query_id), Signer(self._secret))
+        attempt = TaskAttempt(self.sink, registry, ctx)
+        rows = 0
+        if not attempt.open():
+            for _ in iterator:  # an attempt of this run won the partition: its rows are written already
+                pass
+            return AttemptReport(ctx.query_id, ctx.run_id, ctx.epoch, ctx.partition, ctx.attempt, 0, None)
+        try:
+            for batch in iterator:
+                attempt.write_batch(batch)
+                rows += batch.num_rows
+        except BaseException as e:
+            attempt.close(e)
+            raise
+        attempt.close(None)
+        return AttemptReport(ctx.query_id, ctx.run_id, ctx.epoch, ctx.partition, ctx.attempt, rows, attempt.won)
+
+    def commit(self, messages: list[AttemptReport | None], batchId: int) -> None:  # noqa: N803 - Spark's name
+        """On the driver host, before Spark records the batch: check a driver hook will commit it.
+
+        Commits nothing (see the module doc). Raises DriverHookMissing if no hook published the run
+        within HOOK_WAIT, and PhaseTwoHalted if twophase halted it: the batch fails with the reason.
+        """
+        reports = [m for m in messages if m is not None]
+        if not reports:
+            return  # a batch without partitions pre-committed nothing
+        query = self._query(reports[0].query_id)
+        await_watched(shared_client(self.where.zk), query, reports[0].run_id, self.where.app, HOOK_WAIT)
+
+    def abort(self, messages: list[AttemptReport | None], batchId: int) -> None:  # noqa: N803 - Spark's name
+        """A task failed past its retries: nothing to do here. Failed attempts aborted their own
+        transactions; the coordinator aborts the registered ones once a later run redoes the epoch."""
+
+
+_watched: set[tuple[str, str]] = set()  # (query znode, run) a hook was seen publishing, in this worker
+
+
+def await_watched(client: KazooClient, query: QueryPaths, run_id: str, app: str, timeout: float) -> None:
+    """Wait until a driver hook publishes ``run_id`` alive; raise PhaseTwoHalted if the run is halted.
+
+    DriverHookMissing after ``timeout``: no hook runs for the app in the query's driver.
+    """
+    halted = query.halted(run_id)
+    data = client.retry(client.exists, halted)
+    if data is not None:
+        reason, _ = client.retry(client.get, halted)
+        raise PhaseTwoHalted(f"twophase stopped run {run_id} of app {app}: {reason.decode()}")
+    if (query.base, run_id) in _watched:
+        return
+    alive = f"{query.run(run_id)}/alive"
+    published = threading.Event()
+    deadline = time.monotonic() + timeout
+    while client.retry(client.exists, alive, watch=lambda _: published.set()) is None:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise DriverHookMissing(
+                f"no twophase driver hook watches run {run_id} of query {query.base.rsplit('/', 1)[-1]} (app "
+                f"{app}): nothing would commit its pre-commits. Call twophase.spark.register(spark) in the "
+                f"driver before starting the query, or start it with twophase.spark.write_stream(...)")
+        published.wait(min(left, 1.0))
+        published.clear()
+    _watched.add((query.base, run_id))
+
+
+class SinkFormat(DataSource):
+    """The ``twophase`` data source: any TwoPhaseCommitSink on the batch path.
+
+    The sink is the one :func:`twophase.spark.write_stream` stored (signed) for the app in ZooKeeper;
+    use that helper rather than this format directly::
+
+        write_stream(df, sink, app="orders", zk="127.0.0.1:2181")   # format("twophase") + its options
+    """
+
+    @classmethod
+    def name(cls) -> str:
+        return SINK_FORMAT
+
+    def streamWriter(self, schema: StructType, overwrite: bool) -> TwoPhaseStreamWriter:  # noqa: N802
+        where = exactly_once(self.options)
+        secret = load_secret()
+        client = shared_client(where.zk)
+        paths = AppPaths(where.root, where.app)
+        blob = client.retry(client.exists, paths.sink) and client.retry(client.get, paths.sink)[0]
+        if not blob:
+            raise DriverHookMissing(f"app {where.app} has no sink stored in ZooKeeper: start the query with "
+                                    "twophase.spark.write_stream(df, sink, app=..., zk=...)")
+        sink = Signer(secret).loads(blob, paths.sink, what=f"sink of app {where.app!r}")
+        return TwoPhaseStreamWriter(sink, where, secret)

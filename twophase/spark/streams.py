@@ -1,0 +1,94 @@
+"""The batch path's entry points: ``register``, ``write_stream``, ``await_committed``.
+
+- :func:`register` adds twophase's data sources to a session (``twophase-kafka``: Spark's Kafka
+  source and sink contract; ``twophase``: any TwoPhaseCommitSink) and starts the session's
+  :class:`~twophase.spark.discovery.WriterDiscovery`, which gives each query written through them
+  its app's driver hook (publisher, embedded coordinator).
+- :func:`write_stream` returns a ``DataStreamWriter`` that writes ``df`` through any sink, an Arrow
+  batch at a time, exactly once.
+- :func:`await_committed` blocks until every epoch a batch-path query completed is committed.
+
+Example::
+
+    from twophase.spark import await_committed, register, write_stream
+    register(spark)
+    query = (df.writeStream.format("twophase-kafka")
+             .option("kafka.bootstrap.servers", "127.0.0.1:9092").option("topic", "out")
+             .option("twophase.zk", "127.0.0.1:2181").option("twophase.app", "orders")
+             .option("checkpointLocation", "/data/ck/orders").start())
+    query = write_stream(df, FileSink("/data/out"), app="files", zk="127.0.0.1:2181") \\
+        .option("checkpointLocation", "/data/ck/files").start()
+    await_committed(query)
+"""
+
+from __future__ import annotations
+
+from pyspark.sql import DataFrame
+from pyspark.sql.streaming import DataStreamWriter, StreamingQuery
+
+from coordinator.app import CommitPolicy
+from coordinator.layout import DEFAULT_ROOT, AppPaths
+from coordinator.zk import shared_client
+from twophase.signing import load_secret
+from twophase.sink import TwoPhaseCommitSink
+from twophase.spark.discovery import WriterDiscovery, write_options
+from twophase.spark.driver import DriverHook, HookConfig
+from twophase.spark.kafka_sink import kafka_hook
+from twophase.spark.queries import QueryWatcher
+from twophase.spark.sink_options import check_app_settings, exactly_once
+from twophase.spark.source import KafkaSource
+from twophase.spark.stream_sink import SINK_FORMAT, SinkFormat
+from twophase.spark.waiter import await_watermark
+from twophase.supervisor import Supervision
+
+
+def register(spark) -> None:
+    """Register twophase's data sources (``twophase-kafka``, ``twophase``) on ``spark`` and start its
+    writer discovery. Idempotent: a source registered already is kept (registering again would log
+    Spark's "replaced" WARNING)."""
+    manager = spark._jsparkSession.sessionState().dataSourceManager()  # no Python API asks whether one exists
+    for source in (KafkaSource, SinkFormat):
+        if not manager.dataSourceExists(source.name()):
+            spark.dataSource.register(source)
+    WriterDiscovery.start(spark, {KafkaSource.name(): kafka_hook, SINK_FORMAT: lambda options: None})
+
+
+def write_stream(df: DataFrame, sink: TwoPhaseCommitSink, app: str, zk: str, *, root: str = DEFAULT_ROOT,
+                 coordinator: str = "embedded", policy: CommitPolicy | None = None,
+                 supervision: Supervision | None = None) -> DataStreamWriter:
+    """``df.writeStream`` set up to write through ``sink`` exactly once, an Arrow batch at a time.
+
+    Stores the sink (signed) for ``app`` and starts its driver hook, as ``TwoPhaseSink`` does; add
+    the checkpoint location, trigger and so on, then ``start()``. The secret comes from
+    :func:`twophase.signing.load_secret`'s usual places, in the driver and on the executors::
+
+        query = write_stream(df, FileSink("/data/out", format="parquet"), app="orders", zk="zk:2181") \\
+            .option("checkpointLocation", "/data/ck/orders").start()
+    """
+    if not isinstance(sink, TwoPhaseCommitSink):
+        raise TypeError(f"sink must be a TwoPhaseCommitSink, got {type(sink).__name__}")
+    check_app_settings(app, root, coordinator)
+    spark = df.sparkSession
+    register(spark)
+    config = HookConfig(zk, root, app, load_secret(), coordinator, policy or CommitPolicy(), supervision or Supervision())
+    WriterDiscovery.start(spark, {}).hold(DriverHook.acquire(config, sink, spark))
+    return (df.writeStream.format(SINK_FORMAT).option("twophase.zk", zk).option("twophase.app", app)
+            .option("twophase.root", root).option("twophase.coordinator", coordinator))
+
+
+def await_committed(query: StreamingQuery, timeout: float = 60.0) -> int | None:
+    """Block until every epoch Spark completed for a batch-path ``query`` is committed; return it.
+
+    None if the query completed no epoch. TimeoutError after ``timeout``; HookFailed at once if the
+    app's driver hook stopped for good.
+    """
+    last = QueryWatcher.snapshot_of(query._jsq).last_batch
+    if last is None:
+        return None
+    _, options = write_options(query._jsq)
+    where = exactly_once(options, also=options)
+    hook = DriverHook.current((where.zk, where.root, where.app))
+    watermark = AppPaths(where.root, where.app).query(str(query.id)).watermark
+    # Its own client: the discovery releases the hook (closing the hook's client) the moment all is committed.
+    return await_watermark(shared_client(where.zk), watermark, last, timeout, where.app,
+                           failure=lambda: hook.failure if hook is not None else None)
