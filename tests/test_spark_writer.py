@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import pytest
+from pyspark.errors import StreamingQueryException
 
 from examples.file_sink_query import INPUT_SCHEMA, FaultyFileSink, write_input
-from sinks.files import read_committed_rows
-from twophase.spark import await_committed, write_stream
+from sinks.files import FileSink, read_committed_rows
+from twophase.spark import TwoPhaseBatchSink, await_committed, write_stream
+from twophase.spark.stream_sink import NotInStream
 from twophase.verify import count_rows
 
 pytestmark = pytest.mark.spark
@@ -29,3 +31,41 @@ def test_write_stream_writes_every_row_exactly_once_through_retried_tasks(spark,
     assert await_committed(query, timeout=60) == 2
     report = count_rows(range(150), [r["id"] for r in read_committed_rows(str(tmp_path / "out"))])
     assert report.exact, report
+
+
+def test_foreach_batch_writes_one_micro_batch_to_two_sinks_each_exactly_once(spark, zk_server, zk_root, tmp_path):
+    for b in range(3):
+        write_input(str(tmp_path / "in"), b, range(b * 40, (b + 1) * 40))
+    with TwoPhaseBatchSink(FaultyFileSink(str(tmp_path / "all"), fail_rate=0.5), app="all", zk=zk_server.hosts,
+                           root=zk_root, spark=spark) as every, \
+         TwoPhaseBatchSink(FileSink(str(tmp_path / "even")), app="even", zk=zk_server.hosts, root=zk_root,
+                           spark=spark) as even:
+        def process(batch_df, batch_id):
+            every.write(batch_df, batch_id)
+            even.write(batch_df.filter("id % 2 = 0"), batch_id)
+
+        query = start(spark, lambda df: df.writeStream.foreachBatch(process), tmp_path)
+        query.awaitTermination()
+        assert every.await_committed(query, timeout=60) == 2 and even.await_committed(query, timeout=60) == 2
+    assert count_rows(range(120), [r["id"] for r in read_committed_rows(str(tmp_path / "all"))]).exact
+    assert count_rows(range(0, 120, 2), [r["id"] for r in read_committed_rows(str(tmp_path / "even"))]).exact
+
+
+def test_foreach_batch_refuses_a_second_write_of_one_micro_batch(spark, zk_server, zk_root, tmp_path):
+    write_input(str(tmp_path / "in"), 0, range(10))
+    with TwoPhaseBatchSink(FileSink(str(tmp_path / "out")), app="twice", zk=zk_server.hosts, root=zk_root,
+                           spark=spark) as target:
+        def process(batch_df, batch_id):
+            target.write(batch_df, batch_id)
+            target.write(batch_df, batch_id)
+
+        query = start(spark, lambda df: df.writeStream.foreachBatch(process), tmp_path)
+        with pytest.raises(StreamingQueryException, match="already wrote micro-batch 0"):
+            query.awaitTermination()
+
+
+def test_a_batch_dataframe_cannot_use_the_exactly_once_writer(spark, zk_server, zk_root, tmp_path):
+    with TwoPhaseBatchSink(FileSink(str(tmp_path / "out")), app="batch", zk=zk_server.hosts, root=zk_root,
+                           spark=spark) as target:
+        with pytest.raises(NotInStream, match="foreachBatch"):
+            target.write(spark.range(3), 0)

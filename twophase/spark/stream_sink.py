@@ -30,7 +30,12 @@ from dataclasses import dataclass
 
 from kazoo.client import KazooClient
 from pyspark import TaskContext
-from pyspark.sql.datasource import DataSource, DataSourceStreamArrowWriter, WriterCommitMessage
+from pyspark.sql.datasource import (
+    DataSource,
+    DataSourceArrowWriter,
+    DataSourceStreamArrowWriter,
+    WriterCommitMessage,
+)
 from pyspark.sql.types import StructType
 
 from coordinator.layout import AppPaths, QueryPaths
@@ -50,6 +55,10 @@ HOOK_WAIT = 60.0
 
 class DriverHookMissing(RuntimeError):
     """No twophase driver hook watches the run, so nothing would ever commit its pre-commits."""
+
+
+class NotInStream(RuntimeError):
+    """A twophase writer ran outside a streaming query's micro-batch: there is no epoch to commit on."""
 
 
 @dataclass
@@ -75,6 +84,9 @@ def task_context(app: str, partition: int | None = None, epoch: int | None = Non
         raise ContinuousProcessingNotSupported(
             "twophase needs micro-batch epochs as commit barriers; "
             "use a micro-batch trigger instead of trigger(continuous=...)")
+    if epoch is None and task.getLocalProperty("streaming.sql.batchId") is None:
+        raise NotInStream("twophase writes the micro-batches of a streaming query: use writeStream, or write "
+                          "from foreachBatch with TwoPhaseBatchSink, not a batch DataFrame's write")
     return TxnContext(
         app=app,
         query_id=task.getLocalProperty("sql.streaming.queryId"),
@@ -85,13 +97,8 @@ def task_context(app: str, partition: int | None = None, epoch: int | None = Non
     )
 
 
-class TwoPhaseStreamWriter(DataSourceStreamArrowWriter):
-    """Writes each task's Arrow batches through ``sink.write_batch`` in one two-phase transaction.
-
-    Built on the driver host by a data source's ``streamWriter`` and pickled to every task::
-
-        TwoPhaseStreamWriter(sink, ExactlyOnce("127.0.0.1:2181", "orders"), load_secret())
-    """
+class _AttemptWriter:
+    """What the stream and the batch writer share: one TaskAttempt per task, Arrow batch by batch."""
 
     def __init__(self, sink: TwoPhaseCommitSink, where: ExactlyOnce, secret: bytes) -> None:
         self.sink = sink
@@ -99,7 +106,7 @@ class TwoPhaseStreamWriter(DataSourceStreamArrowWriter):
         self._secret = secret
 
     def __repr__(self) -> str:  # the secret stays out of logs and plans
-        return f"TwoPhaseStreamWriter({type(self.sink).__name__}, app={self.where.app!r})"
+        return f"{type(self).__name__}({type(self.sink).__name__}, app={self.where.app!r})"
 
     def _query(self, query_id: str) -> QueryPaths:
         return AppPaths(self.where.root, self.where.app).query(query_id)
@@ -124,21 +131,44 @@ class TwoPhaseStreamWriter(DataSourceStreamArrowWriter):
         attempt.close(None)
         return AttemptReport(ctx.query_id, ctx.run_id, ctx.epoch, ctx.partition, ctx.attempt, rows, attempt.won)
 
+    def _check_watched(self, messages: list[AttemptReport | None]) -> None:
+        reports = [m for m in messages if m is not None]
+        if reports:  # a batch without partitions pre-committed nothing
+            await_watched(shared_client(self.where.zk), self._query(reports[0].query_id), reports[0].run_id,
+                          self.where.app, HOOK_WAIT)
+
+
+class TwoPhaseStreamWriter(_AttemptWriter, DataSourceStreamArrowWriter):
+    """Writes each task's Arrow batches through ``sink.write_batch`` in one two-phase transaction.
+
+    Built on the driver host by a data source's ``streamWriter`` and pickled to every task::
+
+        TwoPhaseStreamWriter(sink, ExactlyOnce("127.0.0.1:2181", "orders"), load_secret())
+    """
+
     def commit(self, messages: list[AttemptReport | None], batchId: int) -> None:  # noqa: N803 - Spark's name
         """On the driver host, before Spark records the batch: check a driver hook will commit it.
 
         Commits nothing (see the module doc). Raises DriverHookMissing if no hook published the run
         within HOOK_WAIT, and PhaseTwoHalted if twophase halted it: the batch fails with the reason.
         """
-        reports = [m for m in messages if m is not None]
-        if not reports:
-            return  # a batch without partitions pre-committed nothing
-        query = self._query(reports[0].query_id)
-        await_watched(shared_client(self.where.zk), query, reports[0].run_id, self.where.app, HOOK_WAIT)
+        self._check_watched(messages)
 
     def abort(self, messages: list[AttemptReport | None], batchId: int) -> None:  # noqa: N803 - Spark's name
         """A task failed past its retries: nothing to do here. Failed attempts aborted their own
         transactions; the coordinator aborts the registered ones once a later run redoes the epoch."""
+
+
+class TwoPhaseBatchWriter(_AttemptWriter, DataSourceArrowWriter):
+    """The same, for a batch write inside ``foreachBatch`` (twophase/spark/foreach_batch.py): Spark runs
+    the function's jobs with the micro-batch's query, run and batch id, so the epoch is the batch id."""
+
+    def commit(self, messages: list[AttemptReport | None]) -> None:
+        """On the driver host: check a driver hook will commit the pre-commits (see TwoPhaseStreamWriter)."""
+        self._check_watched(messages)
+
+    def abort(self, messages: list[AttemptReport | None]) -> None:
+        """Nothing to do: see TwoPhaseStreamWriter.abort."""
 
 
 _watched: set[tuple[str, str]] = set()  # (query znode, run) a hook was seen publishing, in this worker
@@ -185,6 +215,13 @@ class SinkFormat(DataSource):
         return SINK_FORMAT
 
     def streamWriter(self, schema: StructType, overwrite: bool) -> TwoPhaseStreamWriter:  # noqa: N802
+        return TwoPhaseStreamWriter(*self._stored())
+
+    def writer(self, schema: StructType, overwrite: bool) -> TwoPhaseBatchWriter:
+        return TwoPhaseBatchWriter(*self._stored())
+
+    def _stored(self) -> tuple[TwoPhaseCommitSink, ExactlyOnce, bytes]:
+        """The app's stored sink (signature checked), where its state lives, and the secret."""
         where = exactly_once(self.options)
         secret = load_secret()
         client = shared_client(where.zk)
@@ -193,5 +230,4 @@ class SinkFormat(DataSource):
         if not blob:
             raise DriverHookMissing(f"app {where.app} has no sink stored in ZooKeeper: start the query with "
                                     "twophase.spark.write_stream(df, sink, app=..., zk=...)")
-        sink = Signer(secret).loads(blob, paths.sink, what=f"sink of app {where.app!r}")
-        return TwoPhaseStreamWriter(sink, where, secret)
+        return Signer(secret).loads(blob, paths.sink, what=f"sink of app {where.app!r}"), where, secret
