@@ -1,0 +1,282 @@
+#!/usr/bin/env python
+"""Rows/s of the batch path (Arrow batches through write_batch) against Spark's own sinks and the foreach path.
+
+Run (from the repo root)::
+
+    source scripts/env.sh
+    python bench/batch_path.py                       # 10 batches x 20k rows, 3 rounds
+    python bench/batch_path.py --rounds 1 --batches 4 # quick look
+
+Every writer runs the same query over the same input in one shared ``local[2]`` session: JSON files
+in (``examples.file_sink_query.write_input``, one file per micro-batch), ``repartition(4)``,
+``availableNow``. Writers, in a rotated order each round (after an untimed warm-up of each):
+
+- ``noop``: Spark's noop sink, the query's own ceiling;
+- ``spark json``: Spark's native JSON file sink (at-least-once per task, its own commit protocol);
+- ``foreach FileSink``: ``foreach(TwoPhaseSink(FileSink))``, the row-at-a-time path;
+- ``batch FileSink jsonl`` / ``parquet``: ``write_stream(df, FileSink(format=...))``;
+- ``plain arrow jsonl`` / ``parquet``: an at-least-once ``DataSourceStreamArrowWriter`` writing the same
+  bytes as FileSink (its own serializer) to one file per task, fsynced: the baseline of the batch
+  path's exactly-once overhead;
+- ``batch LogSink``: ``format("twophase-kafka")`` to the built-in broker (a ``twophase broker``
+  process, fsync 1000 ms), key = id, value = the row as JSON (``to_json`` in Spark).
+
+The clock runs from ``start()`` to ``awaitTermination()`` and, for exactly-once writers, until the
+last epoch is committed (``await_committed``). Every run's output is counted afterwards (outside
+the clock): every row exactly once. Targets (issue 14): batch FileSink jsonl >= Spark's JSON sink and
+>= 1.25x foreach FileSink; batch FileSink's overhead against the plain Arrow writer of its format <= 5 %;
+batch LogSink >= 0.8x batch FileSink jsonl.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+os.environ.setdefault("TWOPHASE_SECRET", "twophase-bench-secret-0123456789")
+os.environ.setdefault("PYSPARK_SUBMIT_ARGS", "--conf spark.ui.showConsoleProgress=false pyspark-shell")
+
+from broker_throughput import BrokerRunner  # noqa: E402
+from pyspark.sql.datasource import DataSource, DataSourceStreamArrowWriter, WriterCommitMessage  # noqa: E402
+
+from examples.file_sink_query import INPUT_SCHEMA, build_spark, write_input  # noqa: E402
+from sinks.files import FileSink, read_committed_rows  # noqa: E402
+from twophase.verify import count_rows  # noqa: E402
+from twophase.zkserver import ZooKeeperServer  # noqa: E402
+
+APP = "bench-batch-path"
+
+
+class PlainArrowWriter(DataSourceStreamArrowWriter):
+    """At least once: each task writes its batches with FileSink's own serializer to one file, fsynced."""
+
+    def __init__(self, path: str, file_format: str) -> None:
+        self.path = path
+        self.format = file_format
+
+    def write(self, iterator: Iterator) -> WriterCommitMessage:
+        from pyspark import TaskContext
+
+        task = TaskContext.get()
+        os.makedirs(self.path, exist_ok=True)
+        name = os.path.join(self.path, f"part-{task.getLocalProperty('streaming.sql.batchId')}-"
+                                       f"{task.partitionId()}-{task.attemptNumber()}.{self.format}")
+        with FileSink.batch_file(name, self.format) as out:  # the same bytes FileSink writes
+            for batch in iterator:
+                out.write(batch)
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return WriterCommitMessage()
+
+    def commit(self, messages, batchId) -> None:  # noqa: N803
+        pass
+
+    def abort(self, messages, batchId) -> None:  # noqa: N803
+        pass
+
+
+class PlainArrow(DataSource):
+    """``format("bench-plain-arrow")``: options ``path`` and ``format``."""
+
+    @classmethod
+    def name(cls) -> str:
+        return "bench-plain-arrow"
+
+    def streamWriter(self, schema, overwrite) -> PlainArrowWriter:  # noqa: N802
+        return PlainArrowWriter(self.options["path"], self.options["format"])
+
+
+@dataclass
+class Writer:
+    name: str
+    start: Callable[[object, str, str], object]   # (df, out, checkpoint) -> query
+    exactly_once: bool
+    read: Callable[[str], list[int]]               # out -> ids seen
+
+
+class Bench:
+    def __init__(self, spark, zk: str, bootstrap: str, workdir: Path) -> None:
+        self.spark = spark
+        self.zk = zk
+        self.bootstrap = bootstrap
+        self.workdir = workdir
+        self.root = f"/bench-{uuid.uuid4().hex[:8]}"
+        self._n = 0
+
+    def source(self, input_dir: str):
+        return (self.spark.readStream.schema(INPUT_SCHEMA).option("maxFilesPerTrigger", 1).json(input_dir)
+                .repartition(4))
+
+    def writers(self) -> list[Writer]:
+        from twophase.spark import TwoPhaseSink, write_stream
+
+        def files(path: str) -> list[int]:
+            return [r["id"] for r in read_committed_rows(path)]
+
+        def spark_json(path: str) -> list[int]:
+            return [r.id for r in self.spark.read.schema(INPUT_SCHEMA).json(path).select("id").collect()]
+
+        def plain(path: str) -> list[int]:
+            return [r.id for r in (self.spark.read.parquet(path) if any(n.endswith(".parquet") for n in os.listdir(path))
+                                   else self.spark.read.schema(INPUT_SCHEMA).json(path)).select("id").collect()]
+
+        def topic(out: str) -> list[int]:
+            from examples.log_sink_query import read_topic
+
+            return [int(m.key()) for m in read_topic(self.bootstrap, Path(out).name)]
+
+        def kafka(df, out, ck):
+            from twophase.client import Admin
+
+            with Admin(self.bootstrap) as admin:
+                admin.create_topics({Path(out).name: 4})
+            return (df.selectExpr("CAST(id AS STRING) AS key", "to_json(struct(*)) AS value")
+                    .writeStream.format("twophase-kafka").option("kafka.bootstrap.servers", self.bootstrap)
+                    .option("topic", Path(out).name).option("kafka.linger.ms", "5")
+                    .option("twophase.zk", self.zk).option("twophase.app", f"{APP}-log").option("twophase.root", self.root)
+                    .option("checkpointLocation", ck).trigger(availableNow=True).start())
+
+        def stream(writer):
+            return lambda df, out, ck: writer(df, out).option("checkpointLocation", ck).trigger(availableNow=True).start()
+
+        foreach = TwoPhaseSink(FileSink(str(self.workdir / "unused")), app=f"{APP}-foreach", zk=self.zk,
+                               root=self.root, spark=self.spark)
+        self._foreach_sink = foreach
+        return [
+            Writer("noop", stream(lambda df, out: df.writeStream.format("noop")), False, lambda out: []),
+            Writer("spark json", stream(lambda df, out: df.writeStream.format("json").option("path", out)),
+                   False, spark_json),
+            Writer("foreach FileSink", stream(lambda df, out: df.writeStream.foreach(self._foreach(out))), True, files),
+            Writer("batch FileSink jsonl", stream(lambda df, out: write_stream(
+                df, FileSink(out), app=f"{APP}-jsonl", zk=self.zk, root=self.root)), True, files),
+            Writer("plain arrow jsonl", stream(lambda df, out: df.writeStream.format("bench-plain-arrow")
+                                               .option("path", out).option("format", "jsonl")), False, plain),
+            Writer("batch FileSink parquet", stream(lambda df, out: write_stream(
+                df, FileSink(out, format="parquet"), app=f"{APP}-parquet", zk=self.zk, root=self.root)), True, files),
+            Writer("plain arrow parquet", stream(lambda df, out: df.writeStream.format("bench-plain-arrow")
+                                                 .option("path", out).option("format", "parquet")), False, plain),
+            Writer("batch LogSink", kafka, True, topic),
+        ]
+
+    def _foreach(self, out: str):
+        from twophase.spark import TwoPhaseSink
+
+        self._foreach_sink.close()
+        self._foreach_sink = TwoPhaseSink(FileSink(out), app=f"{APP}-foreach", zk=self.zk, root=self.root,
+                                          spark=self.spark)
+        return self._foreach_sink
+
+    def run(self, writer: Writer, input_dir: str) -> tuple[float, str]:
+        from twophase.spark import await_committed
+
+        self._n += 1
+        base = self.workdir / f"{self._n:03d}"
+        out, ck = str(base / f"out-{uuid.uuid4().hex[:6]}"), str(base / "ck")
+        t = time.perf_counter()
+        query = writer.start(self.source(input_dir), out, ck)
+        query.awaitTermination()
+        if writer.name == "foreach FileSink":
+            self._foreach_sink.await_committed(query, timeout=300)
+        elif writer.exactly_once:
+            await_committed(query, timeout=300)
+        return time.perf_counter() - t, out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", type=int, default=10)
+    parser.add_argument("--rows", type=int, default=20_000, help="rows per batch")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--master", default="local[2]")
+    parser.add_argument("--only", nargs="*", help="writer names to run (default: all)")
+    args = parser.parse_args(argv)
+
+    workdir = Path(tempfile.mkdtemp(prefix="twophase-batch-path-"))
+    total = args.batches * args.rows
+    failures: list[str] = []
+    times: dict[str, list[float]] = {}
+    with ZooKeeperServer() as zk, BrokerRunner(str(workdir / "broker"), "1000", in_process=False) as broker:
+        spark = build_spark(args.master)
+        from twophase.spark import register
+
+        register(spark)
+        spark.dataSource.register(PlainArrow)
+        try:
+            input_dir, warm_dir = str(workdir / "in"), str(workdir / "warm")
+            for b in range(args.batches):
+                write_input(input_dir, b, range(b * args.rows, (b + 1) * args.rows))
+            for b in range(2):
+                write_input(warm_dir, b, range(b * args.rows, (b + 1) * args.rows))
+            bench = Bench(spark, zk.hosts, broker.bootstrap, workdir)
+            writers = [w for w in bench.writers() if not args.only or w.name in args.only]
+            for w in writers:
+                seconds, _ = bench.run(w, warm_dir)
+                print(f"warm-up {w.name:24}: {seconds:6.2f} s", file=sys.stderr, flush=True)
+            load_before = os.getloadavg()[0]
+            for r in range(args.rounds):
+                order = writers[r % len(writers):] + writers[:r % len(writers)]
+                for w in order:
+                    seconds, out = bench.run(w, input_dir)
+                    if w.name != "noop":
+                        report = count_rows(range(total), w.read(out))
+                        if not report.exact:
+                            failures.append(f"{w.name} round {r + 1}: {report}")
+                    shutil.rmtree(Path(out).parent, ignore_errors=True)
+                    times.setdefault(w.name, []).append(seconds)
+                    print(f"round {r + 1} {w.name:24}: {seconds:6.2f} s {total / seconds:9.0f} rows/s",
+                          file=sys.stderr, flush=True)
+            load_after = os.getloadavg()[0]
+        finally:
+            from twophase.spark.driver import DriverHook
+
+            bench._foreach_sink.close()
+            DriverHook.close_all()
+            spark.stop()
+    shutil.rmtree(workdir, ignore_errors=True)
+
+    rate = {name: total / statistics.median(t) for name, t in times.items()}
+    print()
+    print(f"{args.batches} batches x {args.rows} rows = {total} rows per run, 4 tasks per batch, {args.master}, "
+          f"{args.rounds} round(s), rotated order")
+    print()
+    print(f"{'writer':<26}{'rows/s (median)':>16}{'min':>10}{'max':>10}")
+    print("-" * 62)
+    for name, t in times.items():
+        print(f"{name:<26}{rate[name]:>16.0f}{total / max(t):>10.0f}{total / min(t):>10.0f}")
+    print("-" * 62)
+
+    def ratio(a: str, b: str) -> float | None:
+        return rate[a] / rate[b] if a in rate and b in rate else None
+
+    checks = [
+        ("batch FileSink jsonl / spark json", ratio("batch FileSink jsonl", "spark json"), 1.0),
+        ("batch FileSink jsonl / foreach FileSink", ratio("batch FileSink jsonl", "foreach FileSink"), 1.25),
+        ("batch FileSink jsonl / plain arrow jsonl", ratio("batch FileSink jsonl", "plain arrow jsonl"), 0.95),
+        ("batch FileSink parquet / plain arrow parquet", ratio("batch FileSink parquet", "plain arrow parquet"), 0.95),
+        ("batch LogSink / batch FileSink jsonl", ratio("batch LogSink", "batch FileSink jsonl"), 0.8),
+    ]
+    for label, value, target in checks:
+        if value is not None:
+            print(f"{label:<46} {value:5.2f}  target >= {target:.2f}  {'PASS' if value >= target else 'MISS'}")
+    print(f"output check: {'every run exact' if not failures else 'NOT EXACT: ' + '; '.join(failures)}")
+    print(f"host: {os.cpu_count()} CPUs, 1-min load average {load_before:.1f} before the timed rounds, "
+          f"{load_after:.1f} after")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
