@@ -7,7 +7,9 @@ from pyspark.errors import StreamingQueryException
 
 from examples.file_sink_query import INPUT_SCHEMA, FaultyFileSink, write_input
 from sinks.files import FileSink, read_committed_rows
+from tests.waiting import wait_until
 from twophase.spark import TwoPhaseBatchSink, await_committed, write_stream
+from twophase.spark.driver import DriverHook
 from twophase.spark.stream_sink import NotInStream
 from twophase.verify import count_rows
 
@@ -31,6 +33,9 @@ def test_write_stream_writes_every_row_exactly_once_through_retried_tasks(spark,
     assert await_committed(query, timeout=60) == 2
     report = count_rows(range(150), [r["id"] for r in read_committed_rows(str(tmp_path / "out"))])
     assert report.exact, report
+    # The discovery lets the hook go once no query of the app runs and all it completed is committed.
+    wait_until(lambda: DriverHook.current((zk_server.hosts, zk_root, "batch")) is None,
+               what="the driver hook of the finished app to be released")
 
 
 def test_foreach_batch_writes_one_micro_batch_to_two_sinks_each_exactly_once(spark, zk_server, zk_root, tmp_path):
