@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import IO, Any, Callable
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from twophase.durable import fsync_dir
@@ -340,6 +341,11 @@ _STR_TYPES = (pa.types.is_timestamp, pa.types.is_date, pa.types.is_time, pa.type
 def _json_values(column: pa.Array) -> list[str]:
     """The JSON text of each value of ``column``, exactly as :func:`_encode` writes it inside a row."""
     kind = column.type
+    if pa.types.is_timestamp(kind) and kind.unit == "us" and kind.tz in (None, "UTC"):
+        # Spark's timestamps (UTC, or none for TIMESTAMP_NTZ), spelled by Arrow as str(datetime) spells
+        # them: a fraction only when it is not zero. Arrow's datetimes would cost ~3 us a value.
+        text = pc.replace_substring_regex(pc.strftime(column, "%Y-%m-%d %H:%M:%S"), r"\.000000$", "")
+        return pc.fill_null(pc.binary_join_element_wise('"', text, '+00:00"' if kind.tz else '"', ""), "null").to_pylist()
     values = column.to_pylist()
     if kind in _PLAIN or pa.types.is_integer(kind):
         return _encode(values)[1:-1].split(",") if values else []

@@ -10,6 +10,8 @@ import cloudpickle
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from pyspark.sql import Row
 
 from sinks.files import FileHandle, FileSink, read_committed_rows
@@ -446,3 +448,15 @@ def test_a_sink_and_handle_pickled_before_parquet_still_commit_and_clean_up(tmp_
 def test_bad_settings_are_refused_by_name(tmp_path, settings, named):
     with pytest.raises(ValueError, match=named.replace("(", r"\(")):
         FileSink(str(tmp_path), **settings)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.one_of(st.none(), st.datetimes(), st.datetimes().map(lambda t: t.replace(microsecond=0))),
+                min_size=1, max_size=20),
+       st.sampled_from([None, "UTC"]))
+def test_json_lines_of_any_timestamps_are_those_of_their_rows(tmp_path_factory, times, zone):
+    zoned = [t if t is None or zone is None else t.replace(tzinfo=datetime.timezone.utc) for t in times]
+    batch = batch_of(t=pa.array(zoned, pa.timestamp("us", tz=zone)))
+    path = tmp_path_factory.mktemp("times")
+    by_rows = json_written(path / "rows", lambda sink, txn: [sink.write(txn, Record(r)) for r in batch.to_pylist()])
+    assert json_written(path / "batch", lambda sink, txn: sink.write_batch(txn, batch)) == by_rows
