@@ -27,11 +27,12 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import repeat
 from json.encoder import encode_basestring_ascii
 from pathlib import Path
-from typing import IO, Any, Callable
+from typing import IO, Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -46,6 +47,8 @@ SUFFIXES = {"jsonl": ".jsonl", "parquet": ".parquet"}
 # A JSON line is json.dumps(row, default=str, separators=(",", ":")); one encoder object spares
 # json.dumps building a new one per row.
 _encode = json.JSONEncoder(default=str, separators=(",", ":")).encode
+
+ROW_GROUP_SIZE = 64 * 1024  # rows; Spark's Arrow batches are 10,000
 
 
 @dataclass(frozen=True)
@@ -96,23 +99,23 @@ class FileSink(TwoPhaseCommitSink):
     # Class defaults: a FileSink pickled (and stored in ZooKeeper) by an earlier version lacks these.
     format = "jsonl"
     schema: pa.Schema | None = None
-    row_group_size = 64 * 1024
+    row_group_size = ROW_GROUP_SIZE
 
     def __init__(
         self,
         path: str,
         fsync: bool = True,
         serializer: Callable[[Any], dict] | None = None,
-        format: str = "jsonl",  # noqa: A002 - Spark's writers call it format too
+        format: str = "jsonl",
         schema: pa.Schema | None = None,
-        row_group_size: int = 64 * 1024,
+        row_group_size: int = ROW_GROUP_SIZE,
     ) -> None:
         if format not in SUFFIXES:
             raise ValueError(f"FileSink format={format!r}: expected one of {', '.join(map(repr, SUFFIXES))}")
         if schema is not None and (format != "parquet" or not isinstance(schema, pa.Schema)):
             raise ValueError(f"FileSink schema= is a pyarrow.Schema for format='parquet'; got {type(schema).__name__} "
                              f"with format={format!r}")
-        if isinstance(row_group_size, bool) or not isinstance(row_group_size, int) or row_group_size < 1:
+        if not isinstance(row_group_size, int) or row_group_size < 1:
             raise ValueError(f"FileSink row_group_size={row_group_size!r}: expected a positive number of rows")
         # Absolute, because commit may run in another process with another cwd.
         self.path = os.path.abspath(path)

@@ -243,7 +243,8 @@ def test_crash_leftovers_are_invisible_and_cleaned_up(tmp_path, fmt):
     committed = sink.pre_commit(stage_batches(sink, ctx(partition=2), batch_of(id=[7])))
     sink.commit(committed)
     child = cloudpickle.dumps((sink, batch_of(id=[1, 2]), ctx(partition=0), ctx(partition=1)))
-    died = subprocess.run([sys.executable, "-c", CRASH], input=child, env={**os.environ, "PYTHONPATH": ROOT})
+    died = subprocess.run([sys.executable, "-c", CRASH], input=child, env={**os.environ, "PYTHONPATH": ROOT},
+                          check=False)
     assert died.returncode == 9
     leftovers = [f"_pending/run1.0.1.0.{fmt}", f"_staging/run1.0.0.0.{fmt}"]
     assert files_under(sink.path) == sorted([*leftovers, os.path.basename(committed.final)])
@@ -348,7 +349,7 @@ def test_parquet_refuses_nanoseconds_it_would_truncate(parquet_sink):
 
 
 def mixed_batch():
-    utc = datetime.timezone.utc
+    utc = datetime.UTC
     return pa.RecordBatch.from_pydict({
         "i": pa.array([1, None, -(2**63), 2**63 - 1], pa.int64()),
         "u8": pa.array([0, 255, None, 7], pa.uint8()),
@@ -455,7 +456,7 @@ def test_bad_settings_are_refused_by_name(tmp_path, settings, named):
                 min_size=1, max_size=20),
        st.sampled_from([None, "UTC"]))
 def test_json_lines_of_any_timestamps_are_those_of_their_rows(tmp_path_factory, times, zone):
-    zoned = [t if t is None or zone is None else t.replace(tzinfo=datetime.timezone.utc) for t in times]
+    zoned = [t if t is None or zone is None else t.replace(tzinfo=datetime.UTC) for t in times]
     batch = batch_of(t=pa.array(zoned, pa.timestamp("us", tz=zone)))
     path = tmp_path_factory.mktemp("times")
     by_rows = json_written(path / "rows", lambda sink, txn: [sink.write(txn, Record(r)) for r in batch.to_pylist()])

@@ -18,7 +18,7 @@ from twophase.sink import TxnContext
 
 pytestmark = pytest.mark.spark
 
-UTC = datetime.timezone.utc
+UTC = datetime.UTC
 # What Spark's Arrow batches carry: microsecond timestamps with the session's zone.
 SCHEMA = pa.schema([
     ("id", pa.int64()),
