@@ -451,7 +451,7 @@ def test_bad_settings_are_refused_by_name(tmp_path, settings, named):
         FileSink(str(tmp_path), **settings)
 
 
-@settings(max_examples=50, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(st.lists(st.one_of(st.none(), st.datetimes(), st.datetimes().map(lambda t: t.replace(microsecond=0))),
                 min_size=1, max_size=20),
        st.sampled_from([None, "UTC"]))
