@@ -274,7 +274,7 @@ def test_parquet_round_trip_of_spark_rows(parquet_sink):
 
 def test_parquet_keeps_a_batch_as_it_is(parquet_sink):
     sink = parquet_sink
-    batch = mixed_batch().drop_columns(["dur"])  # Parquet has no duration type
+    batch = mixed_batch()
     handle = sink.pre_commit(stage_batches(sink, ctx(), batch, batch.slice(1, 2)))
     sink.commit(handle)
     table = pq.read_table(handle.final)
