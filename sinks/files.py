@@ -349,7 +349,7 @@ def _json_values(column: pa.Array) -> list[str]:
         return pc.fill_null(column.cast(pa.string()), "null").to_pylist()
     if pa.types.is_timestamp(kind) and kind.unit == "us" and kind.tz in (None, "UTC"):
         # Spark's timestamps (UTC, or none for TIMESTAMP_NTZ), spelled by Arrow's casts as str(datetime)
-        # spells them (a fraction only when it is not zero): 0.2 us a value; datetime objects cost 4 us.
+        # spells them (a fraction only when it is not zero): ~0.3 us a value; datetime objects cost 4 us.
         wall = column.cast(pa.timestamp("us"))  # the same instants, UTC wall time without the zone
         text = pc.binary_join_element_wise(wall.cast(pa.date32()).cast(pa.string()),
                                            wall.cast(pa.time64("us")).cast(pa.string()), " ")
