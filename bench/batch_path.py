@@ -51,7 +51,7 @@ from broker_throughput import BrokerRunner  # noqa: E402
 from pyspark.sql.datasource import DataSource, DataSourceStreamArrowWriter, WriterCommitMessage  # noqa: E402
 
 from examples.file_sink_query import INPUT_SCHEMA, build_spark, write_input  # noqa: E402
-from sinks.files import FileSink, read_committed_rows  # noqa: E402
+from sinks.files import ROW_GROUP_SIZE, FileSink, _json_lines, _ParquetStaging, read_committed_rows  # noqa: E402
 from twophase.verify import count_rows  # noqa: E402
 from twophase.zkserver import ZooKeeperServer  # noqa: E402
 
@@ -72,9 +72,18 @@ class PlainArrowWriter(DataSourceStreamArrowWriter):
         os.makedirs(self.path, exist_ok=True)
         name = os.path.join(self.path, f"part-{task.getLocalProperty('streaming.sql.batchId')}-"
                                        f"{task.partitionId()}-{task.attemptNumber()}.{self.format}")
-        with FileSink.batch_file(name, self.format) as out:  # the same bytes FileSink writes
-            for batch in iterator:
-                out.write(batch)
+        # The same encoders FileSink uses, so both write the same bytes.
+        with open(name, "wb") as f:
+            if self.format == "parquet":
+                staging = _ParquetStaging(f, None, ROW_GROUP_SIZE)
+                for batch in iterator:
+                    staging.add_batch(batch)
+                staging.close()
+            else:
+                for batch in iterator:
+                    f.write(_json_lines(batch).encode())
+            f.flush()
+            os.fsync(f.fileno())
         fd = os.open(self.path, os.O_RDONLY)
         try:
             os.fsync(fd)

@@ -72,6 +72,14 @@ class FaultyFileSink(FileSink):
         if txn.fail and txn.rows >= 1:
             raise RuntimeError("injected failure: first attempt of this partition dies mid-write")
 
+    def write_batch(self, txn, batch) -> None:
+        """The batch path's write: slow per row if asked; raise after the first batch of a failing attempt."""
+        if self.slow_ms:
+            time.sleep(self.slow_ms / 1000 * batch.num_rows)
+        super().write_batch(txn, batch)
+        if txn.fail and txn.rows >= 1:
+            raise RuntimeError("injected failure: first attempt of this partition dies mid-batch")
+
 
 def build_spark(master: str = "local[2,4]"):
     """A local SparkSession bound to 127.0.0.1, without UI, with 4 shuffle partitions."""
