@@ -66,6 +66,7 @@ class _Held:
     """A hook the discovery holds, and the runs of its app it has seen."""
 
     hook: DriverHook
+    expected: int = 1  # holds made for queries not seen yet (write_stream before its start())
     runs: dict[tuple[str, str], object] = field(default_factory=dict)  # active (query, run) -> JVM handle
     finals: dict[str, int] = field(default_factory=dict)  # query -> last batch of its ended runs (-1: none)
 
@@ -113,6 +114,7 @@ class WriterDiscovery:
             if held is None:
                 self._held[hook.config.key] = _Held(hook)
                 return
+            held.expected += 1  # not released before that query is seen, ran and is committed
         hook.release()  # held already: one acquire is enough
 
     def _loop(self, stop: threading.Event) -> None:
@@ -153,6 +155,7 @@ class WriterDiscovery:
             held = self._held.get(hook_key)
             if held is not None:
                 held.runs[key] = jsq
+                held.expected = max(0, held.expected - 1)
 
     def _settle(self, active: Mapping[tuple[str, str], object]) -> None:
         """Release each hook whose app has no active query left and whose queries are all committed."""
@@ -168,11 +171,13 @@ class WriterDiscovery:
                     last = QueryWatcher.snapshot_of(jsq).last_batch
                     held.finals[run_key[0]] = max(-1 if last is None else last, held.finals.get(run_key[0], -1))
                     del held.runs[run_key]
-            if held.runs or not held.finals:
-                continue  # a query still runs, or none was seen yet (write_stream before start())
+            if held.runs or held.expected:
+                continue  # a query still runs, or one is yet to be seen (write_stream before start())
             if held.hook.failure is None and not self._committed(held):
                 continue
             with self._lock:
+                if held.expected:  # a write_stream took it up meanwhile
+                    continue
                 del self._held[hook_key]
             held.hook.release()
 
