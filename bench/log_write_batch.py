@@ -73,7 +73,7 @@ def sink_run(bootstrap: str, data: list[pa.RecordBatch], by_row: bool) -> tuple[
 
 def producer_run(bootstrap: str, data: list[pa.RecordBatch], bulk: bool) -> tuple[float, float]:
     topic = new_topic(bootstrap)
-    records = [(topic, None, k.encode(), v, None) for b in data
+    records = [(topic, None, k.encode(), v, None, None) for b in data
                for k, v in zip(b.column(0).to_pylist(), b.column(1).to_pylist())]
     with Producer(bootstrap) as producer:
         producer.send_many(records[:1])  # metadata and producer id outside the clock
@@ -83,7 +83,7 @@ def producer_run(bootstrap: str, data: list[pa.RecordBatch], bulk: bool) -> tupl
             for i in range(0, len(records), BATCH_ROWS):
                 producer.send_many(records[i:i + BATCH_ROWS])
         else:
-            for topic_, _, key, value, _ in records:
+            for topic_, _, key, value, _, _ in records:
                 producer.send(topic_, value=value, key=key)
         called = time.perf_counter()
         producer.flush()

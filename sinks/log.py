@@ -320,9 +320,9 @@ class LogSink(TwoPhaseCommitSink):
 
     def write(self, txn: LogTxn, row: Any) -> None:
         """Send one row inside the attempt's Kafka transaction."""
-        topic, partition, key, value, headers = self._record(row)
+        topic, partition, key, value, headers, timestamp = self._record(row)
         self._started(txn).send(topic, value=value, key=key, partition=partition,
-                                headers=(headers or []) + txn.provenance)
+                                headers=(headers or []) + txn.provenance, timestamp_ms=timestamp)
         txn.records += 1
 
     def write_batch(self, txn: LogTxn, batch: RecordBatchLike) -> None:
@@ -340,15 +340,15 @@ class LogSink(TwoPhaseCommitSink):
         else:
             records = [self._record(Record(row)) for row in batch.to_pylist()]
         if txn.provenance:
-            records = [(t, p, k, v, (h or []) + txn.provenance) for t, p, k, v, h in records]
+            records = [(t, p, k, v, (h or []) + txn.provenance, ts) for t, p, k, v, h, ts in records]
         txn.records += self._started(txn).send_many(records)
 
     def _record(self, row: Any) -> OutRecord:
-        """The (topic, partition, key, value, headers) record of one row."""
+        """The (topic, partition, key, value, headers, timestamp) record of one row."""
         if self.columns == "kafka":
             return kafka_record(row, self.topic)
         value = _extract(self.value, row) if self.value is not None else _row_dict(row)
-        return self.topic, None, _to_bytes(_extract(self.key, row)), self.serializer(value), self._headers(row)
+        return self.topic, None, _to_bytes(_extract(self.key, row)), self.serializer(value), self._headers(row), None
 
     def _started(self, txn: LogTxn) -> Producer:
         """The attempt's producer, opened on the first row where it was not at begin."""

@@ -1,4 +1,4 @@
-"""Spark's Kafka sink columns for LogSink: ``value``, ``key``, ``topic``, ``partition``, ``headers``.
+"""Spark's Kafka sink columns for LogSink: ``value``, ``key``, ``topic``, ``partition``, ``headers``, ``timestamp``.
 
 A row written with ``LogSink(..., columns="kafka")`` is what ``df.writeStream.format("kafka")`` takes,
 with the same rules (Spark's ``KafkaWriter``):
@@ -10,6 +10,8 @@ with the same rules (Spark's ``KafkaWriter``):
   row and overrides the column, as in Spark; without it every row needs a non-null ``topic``.
 - ``partition``: int, optional; null or absent lets the partitioner choose (murmur2 of the key).
 - ``headers``: array<struct<key: string, value: binary>>, optional.
+- ``timestamp``: timestamp, or double (seconds since the epoch), optional (SPARK-50160); null or
+  absent is the time of the write. Milliseconds, as Kafka keeps them; before 1970 is an error.
 
 Other columns are ignored. Strings are written as UTF-8. A schema is checked once, before anything is
 written (:func:`validate_kafka_schema`, Spark's messages); :func:`kafka_records` turns an Arrow
@@ -18,27 +20,32 @@ batch into producer records a column at a time, :func:`kafka_record` one row (``
     schema = pa.schema([("value", pa.string()), ("topic", pa.string())])
     validate_kafka_schema(schema, default_topic=None)
     validate_kafka_schema([("value", "int")], "out")   # ValueError: value attribute unsupported type int. ...
-    kafka_records(batch, "out")            # [(topic, partition, key, value, headers), ...]
+    kafka_records(batch, "out")            # [(topic, partition, key, value, headers, timestamp_ms), ...]
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable, Mapping
+from datetime import datetime, timedelta, timezone
 from typing import Any, Union
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from twophase.client.producer import OutRecord
 
-COLUMNS = ("topic", "key", "value", "headers", "partition")
+COLUMNS = ("topic", "key", "value", "headers", "partition", "timestamp")
 HEADERS_TYPE = "array<struct<key:string,value:binary>>"
 _ALLOWED = {"topic": ("string",), "key": ("string", "binary"), "value": ("string", "binary"),
-            "headers": (HEADERS_TYPE,), "partition": ("int",)}
+            "headers": (HEADERS_TYPE,), "partition": ("int",), "timestamp": ("double", "timestamp")}
 TOPIC_REQUIRED = ("topic option required when no 'topic' attribute is present. "
                   "Use the topic option for setting a topic.")
 NULL_TOPIC = "null topic present in the data. Use the topic option for setting a default topic."
 VALUE_REQUIRED = "Required attribute 'value' not found"
+NEGATIVE_TIMESTAMP = "timestamp before 1970 present in the data: Kafka's record timestamps are not negative"
+_EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
+_MS = timedelta(milliseconds=1)
 SchemaLike = Union[pa.Schema, Iterable[tuple[str, Union[pa.DataType, str]]]]
 
 _SIMPLE = {pa.string(): "string", pa.large_string(): "string", pa.binary(): "binary", pa.large_binary(): "binary",
@@ -122,7 +129,22 @@ def kafka_records(batch: pa.RecordBatch, default_topic: str | None) -> list[OutR
     headers = column("headers")
     if "headers" in names:
         headers = [None if hs is None else _headers(hs) for hs in headers]
-    return list(zip(topics, column("partition"), column("key"), column("value"), headers))
+    return list(zip(topics, column("partition"), column("key"), column("value"), headers, _timestamps(batch)))
+
+
+def _timestamps(batch: pa.RecordBatch) -> Iterable[int | None]:
+    """The ``timestamp`` column in ms since the epoch (truncated, as Spark does), None where null or absent."""
+    names = batch.schema.names
+    array = batch.column(names.index("timestamp")) if "timestamp" in names else None
+    if array is None or array.null_count == len(array):
+        return itertools.repeat(None, batch.num_rows)
+    if pa.types.is_timestamp(array.type):
+        ms = array.cast(pa.timestamp("ms", array.type.tz), safe=False).cast(pa.int64())
+    else:  # double: seconds
+        ms = pc.multiply(array, 1000.0).cast(pa.int64(), safe=False)
+    if pc.min(ms).as_py() < 0:
+        raise ValueError(NEGATIVE_TIMESTAMP)
+    return ms.to_pylist()
 
 
 def kafka_record(row: Any, default_topic: str | None) -> OutRecord:
@@ -146,7 +168,23 @@ def kafka_record(row: Any, default_topic: str | None) -> OutRecord:
         raise ValueError(_row_type_error("partition", partition))
     headers = fields.get("headers")
     return (topic, partition, _row_bytes(fields.get("key"), "key"), _row_bytes(fields["value"], "value"),
-            None if headers is None else _headers(headers))
+            None if headers is None else _headers(headers), _row_timestamp(fields.get("timestamp")))
+
+
+def _row_timestamp(value: Any) -> int | None:
+    """ms since the epoch of a ``timestamp`` value: a datetime (naive ones are local time, as PySpark
+    hands them over) or seconds (a double column)."""
+    if value is None:
+        return None
+    if isinstance(value, datetime):
+        ms = (value.astimezone(timezone.utc) - _EPOCH) // _MS
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        ms = int(value * 1000)
+    else:
+        raise ValueError(_row_type_error("timestamp", value))
+    if ms < 0:
+        raise ValueError(NEGATIVE_TIMESTAMP)
+    return ms
 
 
 def _row_bytes(value: Any, name: str) -> bytes | None:

@@ -4,7 +4,9 @@ time, against the real built-in broker; an independent confluent-kafka read_comm
 
 from __future__ import annotations
 
+import time
 import uuid
+from datetime import datetime, timezone
 
 import pyarrow as pa
 import pytest
@@ -22,6 +24,11 @@ HEADERS = pa.list_(pa.struct([("key", pa.string()), ("value", pa.binary())]))
 
 def ctx(attempt=0, partition=0) -> TxnContext:
     return TxnContext("app", "q-1", "r1", 0, partition, attempt)
+
+
+def timestamps(bootstrap, topic):
+    """value -> timestamp (ms) of every committed record of ``topic``."""
+    return {m.value(): m.timestamp()[1] for m in read_topic(bootstrap, topic)}
 
 
 def seen(bootstrap, topic, isolation="read_committed"):
@@ -134,6 +141,44 @@ def test_write_and_write_batch_produce_identical_records(broker):
     assert all(("twophase.epoch", b"0") in headers for _, _, _, headers in written)
 
 
+def test_a_timestamp_column_sets_the_record_timestamps_row_and_batch_alike(broker):
+    by_row, by_batch = new_topics(broker, 2, partitions=1)
+    moment = datetime(2026, 1, 2, 3, 4, 5, 678_901, tzinfo=timezone.utc)
+    ms = 1767323045678  # moment in ms, truncated
+    spark_like = pa.RecordBatch.from_pydict({   # to_arrow_schema(TimestampType): microseconds, UTC
+        "value": [b"ts", b"none"], "timestamp": pa.array([moment, None], pa.timestamp("us", tz="UTC"))})
+    as_double = pa.RecordBatch.from_pydict({"value": [b"seconds"], "timestamp": [ms / 1000]})
+    for t in (by_row, by_batch):
+        sink = LogSink(broker.bootstrap, t, columns="kafka")
+        txn = sink.begin_transaction(ctx())
+        for batch in (spark_like, as_double):
+            if t == by_batch:
+                sink.write_batch(txn, batch)
+            else:
+                for row in batch.to_pylist():
+                    sink.write(txn, Record(row))
+        sink.commit(sink.pre_commit(txn))
+    for t in (by_row, by_batch):
+        stamps = timestamps(broker.bootstrap, t)
+        assert (stamps[b"ts"], stamps[b"seconds"]) == (ms, ms)
+        assert abs(stamps[b"none"] - time.time() * 1000) < 3_600_000   # the time of the write
+    naive_local = datetime.fromtimestamp(ms / 1000)       # how PySpark hands a timestamp to foreach
+    assert kafka_record({"value": b"v", "timestamp": naive_local}, "t")[5] == ms
+
+
+def test_a_timestamp_before_1970_is_refused(broker):
+    [out] = new_topics(broker, 1, partitions=1)
+    sink = LogSink(broker.bootstrap, out, columns="kafka")
+    txn = sink.begin_transaction(ctx())
+    try:
+        with pytest.raises(ValueError, match="timestamp before 1970"):
+            sink.write_batch(txn, pa.RecordBatch.from_pydict({"value": [b"v"], "timestamp": [-1.5]}))
+        with pytest.raises(ValueError, match="timestamp before 1970"):
+            sink.write(txn, {"value": b"v", "timestamp": datetime(1969, 12, 31, tzinfo=timezone.utc)})
+    finally:
+        sink.abort_transaction(txn)
+
+
 def test_extract_columns_write_batch_matches_write(broker):
     by_row, by_batch = new_topics(broker, 2, partitions=2)
     data = [{"id": i, "name": f"n{i}"} for i in range(20)]
@@ -193,6 +238,9 @@ def test_a_partition_the_topic_lacks_is_an_error(broker):
      "headers attribute unsupported type array<struct<key:string,value:string>>"),
     ([("key", pa.binary())], "Required attribute 'value' not found"),
     ([("value", "binary"), ("partition", "bigint")], "partition must be a(n) int"),   # Spark's type names
+    ([("value", pa.binary()), ("timestamp", pa.int64())], "timestamp attribute unsupported type bigint. "
+                                                           "timestamp must be a(n) double or timestamp"),
+    ([("value", pa.binary()), ("timestamp", pa.timestamp("us"))], "unsupported type timestamp_ntz"),
 ])
 def test_bad_column_types_are_refused_with_sparks_messages(schema, message):
     with pytest.raises(ValueError) as e:
@@ -213,6 +261,7 @@ def test_a_topic_column_is_type_checked_only_without_the_topic_option():
     ({"value": b"x", "key": 2.0}, "key attribute unsupported type float"),
     ({"value": b"x", "partition": "1"}, "partition attribute unsupported type str"),
     ({"value": b"x", "partition": True}, "partition attribute unsupported type bool"),
+    ({"value": b"x", "timestamp": "2026-01-01"}, "timestamp attribute unsupported type str"),
     ({"value": b"x", "headers": [{"key": None, "value": b"v"}]}, "non-null keys"),
     ({"value": b"x", "headers": [{"key": "k", "value": "text"}]}, "headers must be a(n) array"),
     ({"key": b"x"}, "Required attribute 'value' not found"),
@@ -226,7 +275,7 @@ def test_bad_row_values_are_refused_on_the_foreach_path(row, message):
 def test_a_spark_row_like_value_reads_as_its_fields():
     record = kafka_record(Record({"value": bytearray(b"v"), "key": "k", "topic": "t",
                                   "headers": [("a", bytearray(b"1"))]}), None)
-    assert record == ("t", None, b"k", b"v", [("a", b"1")])
+    assert record == ("t", None, b"k", b"v", [("a", b"1")], None)
 
 
 @pytest.mark.parametrize("kwargs", [{"key": "id"}, {"value": "v"}, {"headers": {"a": "b"}},
@@ -246,10 +295,10 @@ def test_columns_must_be_known_and_extract_needs_a_topic():
 def test_send_many_queues_records_as_send_does(broker):
     [out] = new_topics(broker, 1, partitions=3)
     with Producer(broker.bootstrap) as producer:
-        assert producer.send_many((out, None, f"k{i}".encode(), b"v", None) for i in range(3000)) == 3000
-        producer.send_many([(out, 1, None, b"explicit", [("h", b"1")])])
+        assert producer.send_many((out, None, f"k{i}".encode(), b"v", None, None) for i in range(3000)) == 3000
+        producer.send_many([(out, 1, None, b"explicit", [("h", b"1")], None)])
         with pytest.raises(ValueError, match="has partitions 0..2, not 3"):
-            producer.send_many([(out, 3, None, b"x", None)])
+            producer.send_many([(out, 3, None, b"x", None, None)])
         producer.flush()
     records = seen(broker.bootstrap, out)
     assert len(records) == 3001 and (1, None, b"explicit", (("h", b"1"),)) in records

@@ -47,7 +47,7 @@ log = logging.getLogger("twophase.client")
 
 RECORD_OVERHEAD = 24  # rough per-record bytes beyond key, value and headers, for batch sizing
 Header = tuple[str, bytes | None]
-OutRecord = tuple[str, int | None, bytes | None, bytes | None, Sequence[Header] | None]  # send_many's records
+OutRecord = tuple[str, int | None, bytes | None, bytes | None, Sequence[Header] | None, int | None]  # send_many's
 SEND_MANY_CHUNK = 1024  # send_many lets the sender thread take the lock between chunks of this many records
 
 
@@ -140,24 +140,24 @@ class Producer:
                 self._cond.notify_all()
 
     def send_many(self, records: Iterable[OutRecord], timestamp_ms: int | None = None) -> int:
-        """Queue many ``(topic, partition, key, value, headers)`` records, each as :meth:`send` would
-        (partition None: by key, else sticky; headers a sequence of pairs or None); returns how many.
+        """Queue many ``(topic, partition, key, value, headers, timestamp_ms)`` records, each as
+        :meth:`send` would (partition None: by key, else sticky; headers a sequence of pairs or None;
+        timestamp None: ``timestamp_ms``, else now); returns how many.
 
         For bulk writers (a sink writing an Arrow batch): the state checks, the clock and each topic's
         metadata are read once per call and the lock taken once per :data:`SEND_MANY_CHUNK` records,
-        not per record. All records get one timestamp (``timestamp_ms``, else now). A record with a
-        partition the topic lacks raises ValueError; the records before it are queued (in a
-        transaction, abort it).
+        not per record. A record with a partition the topic lacks raises ValueError; the records
+        before it are queued (in a transaction, abort it).
         """
         if self.transactional_id is not None:
             self._txn.require(TxnState.IN_TRANSACTION, action="send")
         self._raise_errors()
-        timestamp = int(time.time() * 1000) if timestamp_ms is None else timestamp_ms
+        now = int(time.time() * 1000) if timestamp_ms is None else timestamp_ms
         counts: dict[str, int] = {}  # topic -> its number of partitions
         sent, records = 0, iter(records)
         while chunk := list(itertools.islice(records, SEND_MANY_CHUNK)):
             queued = []
-            for topic, partition, key, value, headers in chunk:
+            for topic, partition, key, value, headers, timestamp in chunk:
                 count = counts.get(topic)
                 if count is None:
                     count = counts[topic] = len(self._cluster.partitions(topic, create=True))
@@ -172,7 +172,7 @@ class Producer:
                     size += sum(len(n) + len(v or b"") for n, v in headers)
                 else:
                     headers = ()
-                queued.append((topic, partition, (timestamp, key, value, headers), size))
+                queued.append((topic, partition, (now if timestamp is None else timestamp, key, value, headers), size))
             wake = False
             with self._cond:
                 if self._closing:
