@@ -43,8 +43,11 @@ the default there) then sees every row exactly once.
 
 With ``columns="kafka"`` the rows are what Spark's own Kafka sink takes (sinks/log_columns.py):
 ``value`` (string or binary), optional ``key``, ``topic`` (per row; the sink's ``topic``, if set,
-overrides it as Spark's ``topic`` option does), ``partition`` and ``headers``. One transaction then
-spans every topic and partition the attempt's rows name, committed or aborted together::
+overrides it as Spark's ``topic`` option does), ``partition``, ``headers`` and ``timestamp``. One
+transaction then spans every topic and partition the attempt's rows name, committed or aborted
+together. Kafka's producer settings translate with sinks/log_settings.py::
+
+    from sinks.log_settings import log_sink_args
 
     sink = LogSink("127.0.0.1:9092", columns="kafka", **log_sink_args({"linger.ms": "20"}))
     out = df.selectExpr("CAST(id AS STRING) AS key", "to_json(struct(*)) AS value",
@@ -98,8 +101,8 @@ from typing import Any, Literal, Union
 from kio.schema.errors import ErrorCode
 
 from twophase.client import Admin, KafkaError, PreparedTxn, PreparedTxnLost, Producer, TransactionUnknown
-from twophase.client.security import as_security, secrets_in
 from twophase.client.producer import OutRecord
+from twophase.client.security import as_security, secrets_in
 from twophase.sink import (AbortFailed, CommitFailed, CommitOutcomeUnknown, Record, RecordBatchLike,
                            TwoPhaseCommitSink, TxnContext)
 from twophase.wire.compression import codec_id
@@ -203,7 +206,7 @@ class LogSink(TwoPhaseCommitSink):
 
     Example (Spark's Kafka sink columns; see the module docstring for ``key=``/``value=`` extractors)::
 
-        sink = LogSink("127.0.0.1:9092", "orders", columns="kafka")   # rows: value, key?, topic?, partition?, headers?
+        sink = LogSink("127.0.0.1:9092", "orders", columns="kafka")  # rows: value, key, topic, partition, ...
 
     Args:
         bootstrap: the brokers, "host:port[,host:port...]".
