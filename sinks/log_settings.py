@@ -29,7 +29,7 @@ from twophase.client.security import secrets_in
 from twophase.wire.compression import codec_id
 
 _MAX_INT32 = 2**31 - 1
-_BATCH_SIZE = inspect.signature(Producer).parameters["batch_size"].default
+_DEFAULTS = {name: p.default for name, p in inspect.signature(Producer).parameters.items()}
 
 
 def _int(low: int, high: int = _MAX_INT32, unit: str = "") -> Callable[[str, str], int]:
@@ -144,7 +144,12 @@ def log_sink_args(props: Mapping[str, str], prefix: str = "kafka.") -> dict[str,
         elif name == "max.request.size":
             max_request = value
     if max_request is not None:  # a Kafka batch never exceeds a request; nor does ours
-        producer["batch_size"] = min(producer.get("batch_size", _BATCH_SIZE), max_request)
+        producer["batch_size"] = min(producer.get("batch_size", _DEFAULTS["batch_size"]), max_request)
+    if "delivery_timeout_ms" in producer:  # Kafka's own check: a batch may linger, then wait a whole request
+        needed = sum(producer.get(k, _DEFAULTS[k]) for k in ("linger_ms", "request_timeout_ms"))
+        if producer["delivery_timeout_ms"] < needed:
+            raise ValueError(f"{prefix}delivery.timeout.ms={producer['delivery_timeout_ms']} should be at least "
+                             f"{prefix}linger.ms + {prefix}request.timeout.ms ({needed})")
     secrets = secrets_in(security)
     if secrets:
         raise ValueError(f"{', '.join(prefix + s for s in secrets)}: a password in the query's options would be "

@@ -21,6 +21,8 @@ from twophase.sink import TxnContext
     ({"acks": "-1"}, {"producer": {"acks": "all"}}),
     ({"retries": "3"}, {"producer": {"retries": 3}}),
     ({"delivery.timeout.ms": "60000"}, {"producer": {"delivery_timeout_ms": 60000}}),
+    ({"delivery.timeout.ms": "1500", "linger.ms": "500", "request.timeout.ms": "1000"},
+     {"producer": {"delivery_timeout_ms": 1500, "linger_ms": 500, "request_timeout_ms": 1000}}),
     ({"request.timeout.ms": " 5000 "}, {"producer": {"request_timeout_ms": 5000}}),
     ({"client.id": "spark-orders"}, {"producer": {"client_id": "spark-orders"}}),
     ({"max.request.size": "1048576"}, {"producer": {"batch_size": 64 * 1024}}),   # the default fits
@@ -48,6 +50,8 @@ def test_kafka_names_translate_to_log_sink_arguments(props, expected):
     ({"linger.ms": "-1"}, "kafka.linger.ms=-1 is out of range"),
     ({"retries": "1.5"}, "kafka.retries='1.5' is not a whole number"),
     ({"request.timeout.ms": "0"}, "kafka.request.timeout.ms=0 is out of range: 1.."),
+    ({"delivery.timeout.ms": "1000"}, "kafka.delivery.timeout.ms=1000 should be at least kafka.linger.ms + "
+                                      "kafka.request.timeout.ms (30005)"),
     ({"transaction.timeout.ms": "99999999999"}, "kafka.transaction.timeout.ms=99999999999 is out of range"),
     ({"max.in.flight.requests.per.connection": "6"}, "kafka.max.in.flight.requests.per.connection=6 is out of range"),
     ({"compression.type": "brotli"}, "kafka.compression.type='brotli'"),
