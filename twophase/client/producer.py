@@ -146,8 +146,8 @@ class Producer:
 
         For bulk writers (a sink writing an Arrow batch): the state checks, the clock and each topic's
         metadata are read once per call and the lock taken once per :data:`SEND_MANY_CHUNK` records,
-        not per record. A record with a partition the topic lacks raises ValueError; the records
-        before it are queued (in a transaction, abort it).
+        not per record. A record with a partition the topic lacks raises ValueError; earlier records
+        may be queued already (in a transaction, abort it).
         """
         if self.transactional_id is not None:
             self._txn.require(TxnState.IN_TRANSACTION, action="send")
