@@ -41,6 +41,22 @@ Usage::
 Any read_committed consumer (confluent-kafka ``isolation.level=read_committed``,
 the default there) then sees every row exactly once.
 
+With ``columns="kafka"`` the rows are what Spark's own Kafka sink takes (sinks/log_columns.py):
+``value`` (string or binary), optional ``key``, ``topic`` (per row; the sink's ``topic``, if set,
+overrides it as Spark's ``topic`` option does), ``partition``, ``headers`` and ``timestamp``. One
+transaction then spans every topic and partition the attempt's rows name, committed or aborted
+together. Kafka's producer settings translate with sinks/log_settings.py::
+
+    from sinks.log_settings import log_sink_args
+
+    sink = LogSink("127.0.0.1:9092", columns="kafka", **log_sink_args({"linger.ms": "20"}))
+    out = df.selectExpr("CAST(id AS STRING) AS key", "to_json(struct(*)) AS value",
+                        "IF(id % 10 = 0, 'audit', 'orders') AS topic")
+
+``write_batch`` (the Arrow path) builds the records a column at a time and hands them to the
+producer in bulk (``Producer.send_many``); ``write`` (``foreach``) takes one row, with the same
+columns and rules.
+
 Two commit modes (sinks/log_modes.py; docs/log-sink.md has the whole story):
 
 - ``prepared`` (KIP-939; the built-in broker): pre_commit *prepares* the
@@ -80,19 +96,24 @@ import re
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any, Literal, Union
 
 from kio.schema.errors import ErrorCode
 
 from twophase.client import Admin, KafkaError, PreparedTxn, PreparedTxnLost, Producer, TransactionUnknown
+from twophase.client.producer import OutRecord
 from twophase.client.security import as_security, secrets_in
-from twophase.sink import AbortFailed, CommitFailed, CommitOutcomeUnknown, TwoPhaseCommitSink, TxnContext
+from twophase.sink import (AbortFailed, CommitFailed, CommitOutcomeUnknown, Record, RecordBatchLike,
+                           TwoPhaseCommitSink, TxnContext)
 from twophase.wire.compression import codec_id
 
+from .log_columns import kafka_record, kafka_records, validate_kafka_schema
 from .log_modes import COMMIT_MODES, BrokerModes, CommitMode, aborted_in_words, is_without_two_phase
 
 Extractor = Union[str, Callable[[Any], Any], None]
 Headers = Union[Mapping[str, Any], Iterable[tuple[str, Any]], Callable[[Any], Iterable[tuple[str, Any]]], None]
+
+Columns = Literal["extract", "kafka"]
 
 MAX_TRANSACTIONAL_ID = 249   # like topic names; Kafka itself stores ids as int16-length strings
 _MAX_HEAD = 160              # prefix.app.query, leaving room for run, epoch, partition, attempt
@@ -183,9 +204,17 @@ def _extract(extractor: Extractor, row: Any) -> Any:
 class LogSink(TwoPhaseCommitSink):
     """Writes each row as one record to ``topic`` in a Kafka transaction per task attempt, committed by the coordinator.
 
+    Example (Spark's Kafka sink columns; see the module docstring for ``key=``/``value=`` extractors)::
+
+        sink = LogSink("127.0.0.1:9092", "orders", columns="kafka")  # rows: value, key, topic, partition, ...
+
     Args:
         bootstrap: the brokers, "host:port[,host:port...]".
-        topic: where the records go.
+        topic: where the records go; with ``columns="kafka"`` optional, and if given it overrides
+            the rows' ``topic`` column (Spark's ``topic`` option).
+        columns: "extract" (the default): each row becomes one record through ``key``, ``value``
+            and ``headers``. "kafka": rows are Spark Kafka sink rows (sinks/log_columns.py), and
+            ``key``, ``value``, ``serializer`` and ``headers`` must not be given.
         key: a column name or a callable on the row giving the record key (None: no key,
             so the client's partitioner spreads records).
         value: a column name or a callable; None means the whole row as JSON.
@@ -211,15 +240,26 @@ class LogSink(TwoPhaseCommitSink):
 
     commit_concurrency = 8  # each commit is its own producer instance and connection
 
-    def __init__(self, bootstrap: str, topic: str, *, key: Extractor = None, value: Extractor = None,
+    def __init__(self, bootstrap: str, topic: str | None = None, *, columns: Columns = "extract",
+                 key: Extractor = None, value: Extractor = None,
                  serializer: Callable[[Any], bytes] | None = None, headers: Headers = None,
                  provenance: bool = False, transactional_id_prefix: str = "twophase",
                  producer: Mapping[str, Any] | None = None, commit_mode: CommitMode = "auto",
                  transaction_timeout_ms: int | None = None, security: str | Mapping[str, str] | None = None) -> None:
         if not bootstrap:
             raise ValueError("bootstrap servers are required")
-        if not topic:
-            raise ValueError("topic is required")
+        if columns not in ("extract", "kafka"):
+            raise ValueError(f"columns must be 'extract' or 'kafka', not {columns!r}")
+        if columns == "kafka":
+            given = [name for name, v in (("key", key), ("value", value), ("serializer", serializer),
+                                          ("headers", headers)) if v is not None]
+            if given:
+                raise ValueError(f"{', '.join(given)}: with columns='kafka' the rows' own key, value and headers "
+                                 "columns are written")
+            if topic is not None and not (isinstance(topic, str) and topic):
+                raise ValueError(f"topic must be a topic name or None, not {topic!r}")
+        elif not topic:
+            raise ValueError("topic is required (or columns='kafka' with a topic column)")
         if not _PREFIX.match(transactional_id_prefix):
             raise ValueError(f"transactional_id_prefix {transactional_id_prefix!r}: "
                              "1-64 letters, digits, '_' or '-'")
@@ -250,6 +290,7 @@ class LogSink(TwoPhaseCommitSink):
             codec_id(producer["compression"])  # ValueError naming the codecs
         self.bootstrap = bootstrap
         self.topic = topic
+        self.columns = columns
         self.key = key
         self.value = value
         self.serializer = serializer or _to_bytes
@@ -281,15 +322,44 @@ class LogSink(TwoPhaseCommitSink):
         return txn
 
     def write(self, txn: LogTxn, row: Any) -> None:
-        """Send one row to the topic inside the attempt's Kafka transaction."""
+        """Send one row inside the attempt's Kafka transaction."""
+        topic, partition, key, value, headers, timestamp = self._record(row)
+        self._started(txn).send(topic, value=value, key=key, partition=partition,
+                                headers=(headers or []) + txn.provenance, timestamp_ms=timestamp)
+        txn.records += 1
+
+    def write_batch(self, txn: LogTxn, batch: RecordBatchLike) -> None:
+        """Send the rows of an Arrow batch inside the attempt's Kafka transaction, in bulk.
+
+        With ``columns="kafka"`` the records are built a column at a time (the schema checked first,
+        with Spark's messages); otherwise each row goes through the extractors as a :class:`Record`.
+        Either way the producer queues them with one call (``Producer.send_many``).
+        """
+        if batch.num_rows == 0:
+            return
+        if self.columns == "kafka":
+            validate_kafka_schema(batch.schema, self.topic)
+            records = kafka_records(batch, self.topic)
+        else:
+            records = [self._record(Record(row)) for row in batch.to_pylist()]
+        if txn.provenance:
+            records = [(t, p, k, v, (h or []) + txn.provenance, ts) for t, p, k, v, h, ts in records]
+        txn.records += self._started(txn).send_many(records)
+
+    def _record(self, row: Any) -> OutRecord:
+        """The (topic, partition, key, value, headers, timestamp) record of one row."""
+        if self.columns == "kafka":
+            return kafka_record(row, self.topic)
+        value = _extract(self.value, row) if self.value is not None else _row_dict(row)
+        return self.topic, None, _to_bytes(_extract(self.key, row)), self.serializer(value), self._headers(row), None
+
+    def _started(self, txn: LogTxn) -> Producer:
+        """The attempt's producer, opened on the first row where it was not at begin."""
         if txn.producer is None:
             self._open_producer(txn)
         if txn.opened_at is None:
             txn.opened_at = time.time()  # the broker starts the transaction's clock at its first partition
-        value = _extract(self.value, row) if self.value is not None else _row_dict(row)
-        txn.producer.send(self.topic, value=self.serializer(value), key=_to_bytes(_extract(self.key, row)),
-                          headers=self._headers(row) + txn.provenance)
-        txn.records += 1
+        return txn.producer
 
     def pre_commit(self, txn: LogTxn) -> LogHandle:
         """Flush and prepare the Kafka transaction, close the producer; return the handle.

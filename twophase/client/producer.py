@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import logging
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from kio.schema.errors import ErrorCode
 
@@ -46,6 +47,8 @@ log = logging.getLogger("twophase.client")
 
 RECORD_OVERHEAD = 24  # rough per-record bytes beyond key, value and headers, for batch sizing
 Header = tuple[str, bytes | None]
+OutRecord = tuple[str, int | None, bytes | None, bytes | None, Sequence[Header] | None, int | None]  # send_many's
+SEND_MANY_CHUNK = 1024  # send_many lets the sender thread take the lock between chunks of this many records
 
 
 @dataclasses.dataclass
@@ -133,21 +136,74 @@ class Producer:
                 raise KafkaError("producer is closed")
             if partition is None:
                 partition = self._sticky.partition(topic, len(partitions))
-            queue = self._queues.setdefault((topic, partition), collections.deque())
-            # The sender only needs waking when a batch starts (its linger clock) or fills up,
-            # not for every record.
-            wake = not queue or queue[-1].closed or queue[-1].size + size > self.batch_size
-            if wake:
-                if queue and not queue[-1].closed:
-                    queue[-1].closed = True
-                queue.append(_Batch(topic, partition, time.monotonic()))
-            batch = queue[-1]
-            batch.records.append((timestamp, key, value, headers))
-            batch.size += size
-            if batch.size >= self.batch_size:
-                batch.closed = wake = True
-            if wake:
+            if self._append(topic, partition, (timestamp, key, value, headers), size):
                 self._cond.notify_all()
+
+    def send_many(self, records: Iterable[OutRecord], timestamp_ms: int | None = None) -> int:
+        """Queue many ``(topic, partition, key, value, headers, timestamp_ms)`` records, each as
+        :meth:`send` would (partition None: by key, else sticky; headers a sequence of pairs or None;
+        timestamp None: ``timestamp_ms``, else now); returns how many.
+
+        For bulk writers (a sink writing an Arrow batch): the state checks, the clock and each topic's
+        metadata are read once per call and the lock taken once per :data:`SEND_MANY_CHUNK` records,
+        not per record. A record with a partition the topic lacks raises ValueError; earlier records
+        may be queued already (in a transaction, abort it).
+        """
+        if self.transactional_id is not None:
+            self._txn.require(TxnState.IN_TRANSACTION, action="send")
+        self._raise_errors()
+        now = int(time.time() * 1000) if timestamp_ms is None else timestamp_ms
+        counts: dict[str, int] = {}  # topic -> its number of partitions
+        sent, records = 0, iter(records)
+        while chunk := list(itertools.islice(records, SEND_MANY_CHUNK)):
+            queued = []
+            for topic, partition, key, value, headers, timestamp in chunk:
+                count = counts.get(topic)
+                if count is None:
+                    count = counts[topic] = len(self._cluster.partitions(topic, create=True))
+                if partition is None:
+                    if key is not None:
+                        partition = partition_for_key(key, count)
+                elif not 0 <= partition < count:
+                    raise ValueError(f"topic {topic!r} has partitions 0..{count - 1}, not {partition}")
+                size = RECORD_OVERHEAD + len(key or b"") + len(value or b"")
+                if headers:
+                    headers = tuple(headers)
+                    size += sum(len(n) + len(v or b"") for n, v in headers)
+                else:
+                    headers = ()
+                queued.append((topic, partition, (now if timestamp is None else timestamp, key, value, headers), size))
+            wake = False
+            with self._cond:
+                if self._closing:
+                    raise KafkaError("producer is closed")
+                for topic, partition, record, size in queued:
+                    if partition is None:
+                        partition = self._sticky.partition(topic, counts[topic])
+                    wake = self._append(topic, partition, record, size) or wake
+                if wake:
+                    self._cond.notify_all()
+            sent += len(queued)
+        return sent
+
+    def _append(self, topic: str, partition: int, record: tuple, size: int) -> bool:
+        """Add a record to the partition's open batch, starting one if there is none or it would overflow
+        (the lock held); True if the sender needs waking: a batch's linger clock started or it filled up,
+        which is not the case for most records."""
+        queue = self._queues.get((topic, partition))
+        if queue is None:
+            queue = self._queues[(topic, partition)] = collections.deque()
+        wake = not queue or queue[-1].closed or queue[-1].size + size > self.batch_size
+        if wake:
+            if queue and not queue[-1].closed:
+                queue[-1].closed = True
+            queue.append(_Batch(topic, partition, time.monotonic()))
+        batch = queue[-1]
+        batch.records.append(record)
+        batch.size += size
+        if batch.size >= self.batch_size:
+            batch.closed = wake = True
+        return wake
 
     def flush(self, timeout_s: float | None = None) -> None:
         """Send everything queued and wait for it; raises the first error of a failed send."""
