@@ -50,17 +50,18 @@ def kafka_writer(df, bootstrap: str, zk_hosts: str, root: str, tmp_path, **optio
 
 
 def test_per_row_topics_keys_and_headers_exactly_once(spark, zk_server, zk_root, tmp_path, broker_factory):
-    """Rows choose their topic (``topic`` column, the option as the default for nulls); keys and headers
-    arrive as written; every record once, in one transaction per task across both topics."""
+    """Rows choose their topic (the ``topic`` column; without the ``topic`` option, which would override
+    it as in Spark); keys and headers arrive as written; every record once, one transaction per task
+    across both topics."""
     register(spark)
     broker = broker_factory()
     for topic in ("even", "odd"):
         broker.create_topic(topic, 2)
     df = stream(spark, tmp_path, batches=3, rows=50).selectExpr(
         "CAST(id AS STRING) AS key", "to_json(struct(*)) AS value",
-        "CASE WHEN id % 2 = 1 THEN 'odd' END AS topic",
+        "CASE WHEN id % 2 = 1 THEN 'odd' ELSE 'even' END AS topic",
         "array(named_struct('key', 'batch', 'value', CAST(CAST(batch AS STRING) AS BINARY))) AS headers")
-    query = kafka_writer(df, broker.bootstrap, zk_server.hosts, zk_root, tmp_path, topic="even").start()
+    query = kafka_writer(df, broker.bootstrap, zk_server.hosts, zk_root, tmp_path).start()
     query.awaitTermination()
     assert await_committed(query, timeout=60) == 2
     for topic, parity in (("even", 0), ("odd", 1)):
@@ -76,6 +77,9 @@ def test_per_row_topics_keys_and_headers_exactly_once(spark, zk_server, zk_root,
     ({"kafka.key.serializer": "org.apache.kafka.common.serialization.StringSerializer"}, "kafka.key.serializer"),
     ({"kafka.colour": "blue"}, "kafka.colour"),
     ({"kafka.bootstrap.servers": None}, "'kafka.bootstrap.servers' is required"),
+    ({"kafka.linger.ms": "soon"}, "kafka.linger.ms='soon' is not a whole number"),
+    ({"kafka.sasl.password": "hunter2"}, "twophase.security"),
+    ({"topic": None}, "topic"),
 ])
 def test_bad_options_stop_the_query_before_any_row_is_written(spark, zk_server, zk_root, tmp_path, broker_factory,
                                                              options, message):

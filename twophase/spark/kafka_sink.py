@@ -27,6 +27,8 @@ from pyspark.sql.pandas.types import to_arrow_schema
 from pyspark.sql.types import StructType
 
 from sinks.log import LogSink
+from sinks.log_columns import validate_kafka_schema
+from sinks.log_settings import log_sink_args
 from twophase.signing import load_secret
 from twophase.spark.driver import HookConfig
 from twophase.spark.sink_options import EXACTLY_ONCE, SPARK_OWN, WriterOptionError, exactly_once, lowered
@@ -34,7 +36,7 @@ from twophase.spark.stream_sink import TwoPhaseStreamWriter
 
 # twophase.* options of this writer besides the exactly-once ones.
 KAFKA_TWOPHASE = ("twophase.security", "twophase.commitMode", "twophase.transactionalIdPrefix")
-_OWN = {name.lower() for name in ("topic", "kafka.bootstrap.servers", *SPARK_OWN, *EXACTLY_ONCE, *KAFKA_TWOPHASE)}
+_OWN = {name.lower() for name in ("topic", *SPARK_OWN, *EXACTLY_ONCE, *KAFKA_TWOPHASE)}
 
 
 def kafka_log_sink(options: Mapping[str, str]) -> LogSink:
@@ -43,10 +45,26 @@ def kafka_log_sink(options: Mapping[str, str]) -> LogSink:
     unknown = sorted(k for k in given if k not in _OWN and not k.startswith("kafka."))
     if unknown:
         raise WriterOptionError(f"unknown option(s) {unknown} for the twophase-kafka sink (docs/spark-writer.md)")
-    bootstrap = given.get("kafka.bootstrap.servers")
-    if not bootstrap:
+    try:
+        args = log_sink_args({k.removeprefix("kafka."): v for k, v in given.items() if k.startswith("kafka.")})
+    except ValueError as e:
+        raise WriterOptionError(str(e)) from None
+    if not args.get("bootstrap"):
         raise WriterOptionError("option 'kafka.bootstrap.servers' is required")
-    return LogSink(bootstrap, given.get("topic") or "", key="key", value="value")
+    source = given.get("twophase.security")
+    if source is not None:
+        if args.get("security"):
+            raise WriterOptionError("give the security settings either as kafka.* options or as the "
+                                    "twophase.security source, not both")
+        args["security"] = source
+    if "twophase.commitmode" in given:
+        args["commit_mode"] = given["twophase.commitmode"]
+    if "twophase.transactionalidprefix" in given:
+        args["transactional_id_prefix"] = given["twophase.transactionalidprefix"]
+    try:
+        return LogSink(topic=given.get("topic"), columns="kafka", **args)
+    except ValueError as e:
+        raise WriterOptionError(str(e)) from None
 
 
 def kafka_hook(options: Mapping[str, str]) -> tuple[HookConfig, LogSink]:
@@ -56,8 +74,9 @@ def kafka_hook(options: Mapping[str, str]) -> tuple[HookConfig, LogSink]:
 
 
 def kafka_stream_writer(options: Mapping[str, str], schema: StructType) -> TwoPhaseStreamWriter:
-    """The stream writer of a ``twophase-kafka`` query, its options and schema checked."""
+    """The stream writer of a ``twophase-kafka`` query, its options and the query's columns checked (with
+    Spark's Kafka sink messages) before any row is written."""
     where = exactly_once(options, also=KAFKA_TWOPHASE)
     sink = kafka_log_sink(options)
-    to_arrow_schema(schema, timezone="UTC")
+    validate_kafka_schema(to_arrow_schema(schema, timezone="UTC"), sink.topic)
     return TwoPhaseStreamWriter(sink, where, load_secret())
