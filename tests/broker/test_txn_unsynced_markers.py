@@ -19,7 +19,8 @@ from twophase.broker.groups import OffsetStore
 from twophase.broker.storage import LogConfig, PartitionLog
 from twophase.broker.storage import segment as segment_module
 from twophase.broker.storage import txnindex as txnindex_module
-from twophase.broker.txn import TXN_DIR, TransactionCoordinator, TransactionLog, TxnState
+from twophase.broker.txn import TXN_DIR, TransactionCoordinator, TransactionLog, TxnSettings, TxnState
+from twophase.broker.txn import coordinator as coordinator_module
 from twophase.broker.txn.coordinator import NONE
 from twophase.broker.txn.log import LOG_FILE
 from twophase.wire.errors import UnknownTopicOrPartitionError
@@ -36,8 +37,9 @@ class Node:
     """Partition logs and a coordinator on ``tmp_path``; ``crash`` drops them without closing, ``start``
     opens them again (recovery included)."""
 
-    def __init__(self, tmp_path):
+    def __init__(self, tmp_path, settings: TxnSettings | None = None):
         self.tmp_path = tmp_path
+        self.settings = settings
         self.sequences: dict[tuple[str, int], int] = {}
         self.start()
 
@@ -45,7 +47,8 @@ class Node:
         self.logs = {(t, p): PartitionLog(str(self.tmp_path / f"{t}-{p}"), INTERVAL) for t, p in PARTITIONS}
         self.txns = TransactionCoordinator(str(self.tmp_path / TXN_DIR), partition_log=self.partition,
                                            offsets=OffsetStore(str(self.tmp_path / "groups")),
-                                           allocate_producer_id=lambda: 7, data_arrived=lambda t, p: None)
+                                           allocate_producer_id=lambda: 7, data_arrived=lambda t, p: None,
+                                           settings=self.settings)
         self.txns.recover(T0)
 
     def partition(self, topic, partition):
@@ -106,8 +109,8 @@ def _last_record(path: str) -> bytes:
 
 
 @pytest.fixture
-def node(tmp_path):
-    n = Node(tmp_path)
+def node(request, tmp_path):
+    n = Node(tmp_path, getattr(request, "param", None))
     yield n
     n.stop()
 
@@ -197,3 +200,24 @@ def test_a_commit_then_an_abort_on_one_partition_each_keep_their_outcome(node, s
     node.crash({("t", 0): first if survivors == 0 else second})
     assert committed_view(node.logs[("t", 0)]) == [b"committed"]
     assert not node.logs[("t", 0)].producers.open_transactions()
+
+
+def test_an_id_with_too_many_unsynced_markers_has_their_partitions_fsynced(node, monkeypatch, fsyncs):
+    monkeypatch.setattr(coordinator_module, "MAX_UNSYNCED", 1)
+    pid, epoch = node.init()
+    node.transaction(pid, epoch, {("t", 0): b"a"}, commit=True)
+    assert len(logged_unsynced(node)) == 1 and not any("/t-0/" in f for f in fsyncs)
+    node.transaction(pid, epoch, {("t", 0): b"b"}, commit=False)  # a second entry: one too many
+    assert any("/t-0/" in f for f in fsyncs)
+    assert logged_unsynced(node) == []
+
+
+@pytest.mark.parametrize("node", [TxnSettings(id_expiration_ms=1)], indirect=True)
+def test_an_id_expires_only_once_its_markers_are_fsynced(node):
+    pid, epoch = node.init()
+    node.transaction(pid, epoch, {("t", 0): b"a"}, commit=True)
+    node.txns.check(T0 + 10)
+    assert node.txns.describe("app") is not None  # its tombstone would forget the unsynced marker
+    node.logs[("t", 0)].flush_due(T0)()
+    node.txns.check(T0 + 10)
+    assert node.txns.describe("app") is None
