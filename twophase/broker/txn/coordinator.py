@@ -191,11 +191,16 @@ class TransactionCoordinator:
             log.info("recovered %d transactional ids (%d with an open transaction)", len(self._txns), open_count)
 
     def _restore_markers(self, meta: TxnMetadata, now_ms: int) -> None:
-        """Write again the markers of ``meta`` a crash lost; log what is left unsynced (normally nothing)."""
+        """Write again the markers of ``meta`` a crash lost; log what is left unsynced (normally nothing).
+
+        The record is not fsynced (one per id would slow every start): if a crash loses it, the next
+        start finds the same entries settled. One can only mislead once its producer wrote a new
+        transaction there, and the AddPartitionsToTxn before that fsyncs a record after this one."""
         restored = meta.copy()
         restored.unsynced_markers = restore(meta.unsynced_markers, self._partition_log, COORDINATOR_EPOCH, now_ms,
                                             self._data_arrived)
-        self._log_and_install(restored, meta.last_update_ms)  # a restart does not postpone its expiration
+        # meta.last_update_ms: a restart does not postpone the id's expiration
+        self._log_and_install(restored, meta.last_update_ms, sync=False)
 
     def _discard_orphaned_offsets(self) -> None:
         live = {m.txn_producer_id for m in self._txns.values() if m.state is TxnState.ONGOING or m.state.completing}

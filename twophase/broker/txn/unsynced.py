@@ -91,8 +91,9 @@ def sync_all(markers: tuple[UnsyncedMarker, ...], partition_log: Callable) -> No
 
 def restore(markers: tuple[UnsyncedMarker, ...], partition_log: Callable, coordinator_epoch: int, now_ms: int,
             data_arrived: Callable[[str, int], None]) -> tuple[UnsyncedMarker, ...]:
-    """At start: write again every marker a crash lost, fsync the partitions whose markers survived;
-    the entries that could not be settled (a partition that failed), logged as ERRORs."""
+    """At start: write again (fsynced) every marker a crash lost; the entries that could not be settled
+    (a partition that failed), logged as ERRORs. One that survived needs nothing: opening the log
+    fsynced what its recovery kept."""
     unsettled = []
     for marker in sorted(markers, key=lambda m: (m.topic, m.partition, m.producer_id, m.offset)):
         try:
@@ -100,9 +101,7 @@ def restore(markers: tuple[UnsyncedMarker, ...], partition_log: Callable, coordi
         except UnknownTopicOrPartitionError:
             continue
         try:
-            if marker.offset < plog.log_end_offset:
-                plog.flush()  # it survived, maybe in the page cache only (a crash of the process)
-            elif plog.has_open_transaction(marker.producer_id):
+            if marker.offset >= plog.log_end_offset and plog.has_open_transaction(marker.producer_id):
                 outcome = "COMMIT" if marker.commit else "ABORT"
                 log.warning("%s-%d: the %s marker of producer %d at offset %d was lost in a crash: writing it "
                             "again", marker.topic, marker.partition, outcome, marker.producer_id, marker.offset)
