@@ -221,3 +221,13 @@ def test_an_id_expires_only_once_its_markers_are_fsynced(node):
     node.logs[("t", 0)].flush_due(T0)()
     node.txns.check(T0 + 10)
     assert node.txns.describe("app") is None
+
+
+def test_a_recreated_partition_drops_the_entries_of_the_old_one(node, tmp_path):
+    pid, epoch = node.init()
+    node.transaction(pid, epoch, {("t", 0): b"a", ("t", 1): b"b"}, commit=True)
+    old = node.logs[("t", 0)]
+    node.logs[("t", 0)] = PartitionLog(str(tmp_path / "t-0-recreated"), INTERVAL)  # deleted, created again
+    old.close()
+    assert node.txns.add_partitions("app", pid, epoch, [("t", 1)], T0) == NONE
+    assert [m[:2] for m in logged_unsynced(node)] == [["t", 1]]

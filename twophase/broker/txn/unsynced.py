@@ -67,14 +67,16 @@ def record(markers: tuple[UnsyncedMarker, ...], new: UnsyncedMarker) -> tuple[Un
 
 
 def still_unsynced(markers: tuple[UnsyncedMarker, ...], partition_log: Callable) -> tuple[UnsyncedMarker, ...]:
-    """The entries whose partition has not fsynced them yet (a deleted partition's are dropped)."""
+    """The entries whose partition holds them but has not fsynced them yet. A deleted partition's are
+    dropped, and so are those beyond the log's end: the topic was deleted and created again (or the
+    log cut back), and writing such a marker after a crash would end a transaction it never ended."""
     kept = []
     for marker in markers:
         try:
             plog = partition_log(marker.topic, marker.partition)
         except UnknownTopicOrPartitionError:
             continue
-        if plog.flushed_end <= marker.offset:
+        if plog.flushed_end <= marker.offset < plog.log_end_offset:
             kept.append(marker)
     return tuple(kept)
 
