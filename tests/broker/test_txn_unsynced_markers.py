@@ -19,7 +19,13 @@ from twophase.broker.groups import OffsetStore
 from twophase.broker.storage import LogConfig, PartitionLog
 from twophase.broker.storage import segment as segment_module
 from twophase.broker.storage import txnindex as txnindex_module
-from twophase.broker.txn import TXN_DIR, TransactionCoordinator, TransactionLog, TxnSettings, TxnState
+from twophase.broker.txn import (
+    TXN_DIR,
+    TransactionCoordinator,
+    TransactionLog,
+    TxnSettings,
+    TxnState,
+)
 from twophase.broker.txn import coordinator as coordinator_module
 from twophase.broker.txn.coordinator import NONE
 from twophase.broker.txn.log import LOG_FILE

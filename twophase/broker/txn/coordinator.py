@@ -37,7 +37,14 @@ from .hanging import HangingTransactions, OpenTxn
 from .log import TransactionLog, TransactionLogFailed
 from .metadata import TxnMetadata
 from .state import TRANSITIONS, TxnState
-from .unsynced import MAX_UNSYNCED, UnsyncedMarker, record, restore, still_unsynced, sync_all
+from .unsynced import (
+    MAX_UNSYNCED,
+    UnsyncedMarker,
+    record,
+    restore,
+    still_unsynced,
+    sync_all,
+)
 
 log = logging.getLogger("twophase.broker.txn")
 

@@ -17,8 +17,8 @@ has those partitions fsynced instead.
 Example::
 
     markers = record(markers, UnsyncedMarker("orders", 0, producer_id=7, epoch=0, commit=True, offset=41))
-    markers = still_unsynced(markers, partition_log)             # before each transaction-log record
-    markers = restore(markers, partition_log, 0, now_ms, woken)     # at start, before completing anything
+    markers = still_unsynced(markers, partition_log)               # before each transaction-log record
+    markers = restore(markers, partition_log, 0, now_ms, woken)    # at start, before completing anything
 """
 
 from __future__ import annotations
@@ -31,7 +31,10 @@ from twophase.wire.errors import KafkaError, UnknownTopicOrPartitionError
 
 log = logging.getLogger("twophase.broker.txn")
 
-MAX_UNSYNCED = 256  # entries per transactional id: each is a few dozen bytes in every record of the id
+# Entries per transactional id, each a few dozen bytes in every record of the id. Runs of commits
+# keep one entry per partition, so only a transaction over this many partitions (or commits and
+# aborts alternating within a flush interval) gets its partitions fsynced.
+MAX_UNSYNCED = 1024
 
 
 class UnsyncedMarker(NamedTuple):
