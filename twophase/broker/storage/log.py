@@ -105,7 +105,7 @@ class PartitionLog:
         os.makedirs(directory, exist_ok=True)
         self._segments = self._open_segments()
         self._durable_end = self.log_end_offset  # recovery kept what is on disk
-        self._flusher_end = 0  # what the periodic flush fsynced (written in its worker thread only)
+        self._flusher_end = 0  # the end of what the periodic flush fsynced (set in its worker thread)
         self.producers = ProducerStateManager(directory)
         self._last_abort_marker = -1  # offset of the newest ABORT marker in the index, -1 if none
         try:
@@ -516,7 +516,7 @@ class PartitionLog:
                     raise
             if active is not None:
                 active()
-                # Only this thread writes it, and the event loop only reads it: no update is lost.
+                # Only the flusher writes it (one sync at a time), the event loop only reads it.
                 self._flusher_end = end
 
         return sync
