@@ -46,8 +46,9 @@ class FakePartition:
         self.name, self.markers = name, markers
         self.fail = False
         self.producers = FakeProducers()
+        self.flushed_end = 1 << 62  # every marker is fsynced at once, as under fsync "always"
 
-    def append_marker(self, producer_id, producer_epoch, commit, coordinator_epoch, now_ms):
+    def append_marker(self, producer_id, producer_epoch, commit, coordinator_epoch, now_ms, *, flush=True):
         if self.fail:
             raise OSError("disk gone")
         self.markers.append((self.name, producer_id, producer_epoch, commit))

@@ -126,7 +126,9 @@ def test_after_a_failed_log_write_no_data_is_taken_and_nothing_stays_open_after_
 
 
 class FakePartition:
-    def append_marker(self, producer_id, producer_epoch, commit, coordinator_epoch, now_ms):
+    flushed_end = 1  # its marker (offset 0) is fsynced
+
+    def append_marker(self, producer_id, producer_epoch, commit, coordinator_epoch, now_ms, *, flush=True):
         return 0
 
 
@@ -150,7 +152,7 @@ def _empty(c, tid):
 
 
 class Unfinished(FakePartition):
-    def append_marker(self, *args):
+    def append_marker(self, *args, **kwargs):
         raise OSError(errno.EIO, "marker write failed")
 
 

@@ -105,6 +105,7 @@ class PartitionLog:
         os.makedirs(directory, exist_ok=True)
         self._segments = self._open_segments()
         self._durable_end = self.log_end_offset  # recovery kept what is on disk
+        self._flusher_end = 0  # the end of what the periodic flush fsynced (set in its worker thread)
         self.producers = ProducerStateManager(directory)
         self._last_abort_marker = -1  # offset of the newest ABORT marker in the index, -1 if none
         try:
@@ -239,6 +240,12 @@ class PartitionLog:
         return self._durable_end if self.config.flush == "always" else self._segments[-1].next_offset
 
     @property
+    def flushed_end(self) -> int:
+        """Every offset below this one is fsynced (by an append under "always", a flush, a seal, or the
+        periodic flush). A marker at or above it may be lost in a crash of the machine."""
+        return max(self._durable_end, self._flusher_end)
+
+    @property
     def log_end_offset(self) -> int:
         """The offset the next appended record gets (fsynced or not)."""
         return self._segments[-1].next_offset
@@ -362,7 +369,8 @@ class PartitionLog:
             self._last_abort_marker = aborted[-1].last_offset
 
     def append_marker(
-        self, producer_id: int, producer_epoch: int, commit: bool, coordinator_epoch: int, now_ms: int
+        self, producer_id: int, producer_epoch: int, commit: bool, coordinator_epoch: int, now_ms: int,
+        *, flush: bool = True,
     ) -> int:
         """Write a COMMIT or ABORT marker ending ``producer_id``'s transaction here; returns its offset.
 
@@ -371,13 +379,15 @@ class PartitionLog:
         an epoch older than the producer's raises InvalidProducerEpochError and one from an older
         coordinator epoch TransactionCoordinatorFencedError.
 
-        A marker is fsynced whatever the flush policy: the coordinator logs the transaction complete
-        right after, and nothing would rewrite a marker lost in a crash; the transaction would stay
-        open here and hold back the LSO forever.
+        Under fsync "always" a marker is fsynced like any append. Under an fsync interval it is fsynced
+        now too, unless ``flush=False``: then the periodic flush covers it (``flushed_end`` says when),
+        and the caller must be able to write it again if a crash loses it (the transaction coordinator
+        logs it as unsynced). An fsync here covers all the partition's unflushed data, up to an interval
+        of it, on the event loop: the cost of a commit was mostly that.
         """
         marker = control_batch(producer_id, producer_epoch, commit, coordinator_epoch, now_ms)
         offset = self.append(marker, now_ms, from_client=False).base_offset
-        if self.config.flush != "always":
+        if flush and self.config.flush != "always":
             self.flush()
         return offset
 
@@ -409,7 +419,8 @@ class PartitionLog:
                 log.warning("%s: %s; sealing on the caller's thread", self.directory, exc)
         if seal is None:
             old.seal()
-            self._durable_end = old.next_offset
+            if not self._unfinished_seals:  # an older segment's seal still pending: not all below is synced
+                self._durable_end = old.next_offset
             self.producers.write_snapshot(old.next_offset)
             fsync_dir(self.directory)
         else:
@@ -485,6 +496,7 @@ class PartitionLog:
         if interval is None or self._closed or self._failed:
             return None
         active = None
+        end = self.log_end_offset  # what this sync covers if it syncs the active segment (seals before it)
         if self._last_flush_ms is None or now_ms - self._last_flush_ms >= interval:
             active = self._segments[-1].detach_flush()  # first: if it fails, the queued seals stay queued
             self._last_flush_ms = now_ms
@@ -504,6 +516,8 @@ class PartitionLog:
                     raise
             if active is not None:
                 active()
+                # Only the flusher writes it (one sync at a time), the event loop only reads it.
+                self._flusher_end = end
 
         return sync
 

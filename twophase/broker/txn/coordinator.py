@@ -5,12 +5,15 @@ and drives the two-phase completion: the decision (PrepareCommit/PrepareAbort) i
 the transaction log before any marker is written; then a commit or abort marker goes to every
 partition of the transaction, pending group offsets are applied or discarded, and
 CompleteCommit/CompleteAbort is logged. A broker that dies in between finishes the job in
-:meth:`recover`. Every change is made to a copy of the id's metadata, logged, and installed only
-once the log write succeeded, so memory is never ahead of the log; once a write failed, every
-request that could change or add to a transaction is refused until a restart. It also knows which
-producer ids belong to transactional ids (Produce takes plain batches only with ids issued for
-idempotence), and at start ends the transactions partitions hold open that it does not (KIP-664
-hanging transactions, :mod:`.hanging`). Handlers in
+:meth:`recover`. Under an fsync interval a marker is left to its partition's periodic flush, as
+its data is: the log records it as unsynced until then, and :meth:`recover` writes again the ones
+a crash lost (:mod:`.unsynced`). Every change is made to a copy of the id's metadata, logged, and
+installed only once the log write succeeded, so memory is never ahead of the log (Complete* is
+written without an fsync of its own: its loss leaves the Prepare*, which recovery completes
+again); once a write failed, every request that could change or add to a transaction is refused
+until a restart. It also knows which producer ids belong to transactional ids (Produce takes plain
+batches only with ids issued for idempotence), and at start ends the transactions partitions hold
+open that it does not (KIP-664 hanging transactions, :mod:`.hanging`). Handlers in
 :mod:`twophase.broker.apis` translate wire messages to calls here; nothing here knows about kio.
 All calls run on the broker's event loop thread. :class:`TransactionCoordinator` shows its use.
 """
@@ -34,6 +37,14 @@ from .hanging import HangingTransactions, OpenTxn
 from .log import TransactionLog, TransactionLogFailed
 from .metadata import TxnMetadata
 from .state import TRANSITIONS, TxnState
+from .unsynced import (
+    MAX_UNSYNCED,
+    UnsyncedMarker,
+    record,
+    restore,
+    still_unsynced,
+    sync_all,
+)
 
 log = logging.getLogger("twophase.broker.txn")
 
@@ -125,7 +136,7 @@ class TransactionCoordinator:
     """The transaction coordinator: producer ids, epochs and the two-phase completion of every transactional id.
 
     State is kept in a TransactionLog under ``directory``; every change is
-    logged (fsynced) before it is installed in memory. Requests are answered
+    logged (fsynced; Complete* only written) before it is installed in memory. Requests are answered
     with Kafka error codes (0 is NONE), not exceptions. Call it on the broker's
     event loop thread only; ``check`` is called periodically from there.
 
@@ -172,6 +183,10 @@ class TransactionCoordinator:
         for tid, value in self._log.open().items():
             self._txns[tid] = TxnMetadata.from_dict(tid, value)
             self._own(self._txns[tid])
+        # First: a marker written now would end the transaction of a lost one with its own outcome.
+        for meta in list(self._txns.values()):
+            if meta.unsynced_markers:
+                self._restore_markers(meta, now_ms)
         for meta in list(self._txns.values()):
             if meta.state.completing:
                 log.info("recovery: completing %s of transactional id %r on %d partitions",
@@ -181,6 +196,18 @@ class TransactionCoordinator:
         if self._txns:
             open_count = sum(m.state is TxnState.ONGOING for m in self._txns.values())
             log.info("recovered %d transactional ids (%d with an open transaction)", len(self._txns), open_count)
+
+    def _restore_markers(self, meta: TxnMetadata, now_ms: int) -> None:
+        """Write again the markers of ``meta`` a crash lost; log what is left unsynced (normally nothing).
+
+        The record is not fsynced (one per id would slow every start): if a crash loses it, the next
+        start finds the same entries settled. One can only mislead once its producer wrote a new
+        transaction there, and the AddPartitionsToTxn before that fsyncs a record after this one."""
+        restored = meta.copy()
+        restored.unsynced_markers = restore(meta.unsynced_markers, self._partition_log, COORDINATOR_EPOCH, now_ms,
+                                            self._data_arrived)
+        # meta.last_update_ms: a restart does not postpone the id's expiration
+        self._log_and_install(restored, meta.last_update_ms, sync=False)
 
     def _discard_orphaned_offsets(self) -> None:
         live = {m.txn_producer_id for m in self._txns.values() if m.state is TxnState.ONGOING or m.state.completing}
@@ -223,6 +250,8 @@ class TransactionCoordinator:
                 aborting.bump_epoch(self._allocate)  # fences the producer, like Kafka
                 self._prepare_and_complete(aborting, commit=False, now_ms=now_ms)
             elif meta.state.idle and now_ms - meta.last_update_ms > self.settings.id_expiration_ms:
+                if still_unsynced(meta.unsynced_markers, self._partition_log):
+                    continue  # its tombstone would forget markers a crash could still lose: next check
                 log.info("transactional id %r expired (idle since %d)", meta.transactional_id, meta.last_update_ms)
                 TRANSITIONS.check(meta.state, TxnState.DEAD, repr(meta.transactional_id))
                 self._log.append(meta.transactional_id, None)
@@ -548,11 +577,16 @@ class TransactionCoordinator:
         """Write markers and apply/discard group offsets for a Prepare* state, then log Complete*;
         the installed metadata (still ``meta`` if a marker failed)."""
         commit = meta.state is TxnState.PREPARE_COMMIT
+        unsynced = meta.unsynced_markers
         try:
             for i, (topic, partition) in enumerate(sorted(meta.partitions)):
                 if i == 1:
                     self._failpoint.hit("between_markers")
-                self._write_marker(meta, topic, partition, commit, now_ms)
+                written = self._write_marker(meta, topic, partition, commit, now_ms, flush=False)
+                if written is not None:
+                    unsynced = record(unsynced, written)
+            if len(unsynced) > MAX_UNSYNCED:
+                sync_all(unsynced, self._partition_log)  # the log records would grow without bound
             for group_id in sorted(meta.groups):
                 self._offsets.complete_pending(group_id, meta.txn_producer_id, commit)
         except (KafkaError, OSError) as exc:
@@ -562,7 +596,11 @@ class TransactionCoordinator:
         self._failpoint.hit("after_markers")
         completed = meta.copy()
         completed.transition(TxnState.COMPLETE_COMMIT if commit else TxnState.COMPLETE_ABORT)
-        return self._log_and_install(completed, now_ms)
+        completed.unsynced_markers = unsynced
+        # Not fsynced on its own: a crash that loses it leaves the Prepare*, and recovery completes that
+        # again (writing a marker twice changes nothing). The next record of any id covers it, and any
+        # next step of this id (a new transaction, a new epoch) logs and fsyncs one.
+        return self._log_and_install(completed, now_ms, sync=False)
 
     def _completion_failed(self, meta: TxnMetadata, exc: BaseException) -> None:
         """Log a failed completion as an ERROR once per COMPLETION_ERROR_LOG_INTERVAL_S per id: the
@@ -576,21 +614,30 @@ class TransactionCoordinator:
         else:
             log.debug("completing %s of %r failed again: %s", meta.state.value, meta.transactional_id, exc)
 
-    def _write_marker(self, meta: TxnMetadata, topic: str, partition: int, commit: bool, now_ms: int) -> None:
+    def _write_marker(self, meta: TxnMetadata, topic: str, partition: int, commit: bool, now_ms: int,
+                      *, flush: bool = True) -> UnsyncedMarker | None:
+        """Write the marker ending ``meta``'s transaction on the partition; the marker if it is not
+        fsynced yet (``flush=False`` under an fsync interval), for the log to keep until it is."""
         try:
             plog = self._partition_log(topic, partition)
         except UnknownTopicOrPartitionError:
             log.warning("no marker for %s-%d (transactional id %r): the partition is gone",
                         topic, partition, meta.transactional_id)
-            return
-        plog.append_marker(meta.txn_producer_id, meta.marker_epoch, commit, COORDINATOR_EPOCH, now_ms)
+            return None
+        offset = plog.append_marker(meta.txn_producer_id, meta.marker_epoch, commit, COORDINATOR_EPOCH, now_ms,
+                                    flush=flush)
         self._data_arrived(topic, partition)
+        if plog.flushed_end > offset:
+            return None
+        return UnsyncedMarker(topic, partition, meta.txn_producer_id, meta.marker_epoch, commit, offset)
 
-    def _log_and_install(self, changed: TxnMetadata, now_ms: int) -> TxnMetadata:
-        """Make ``changed`` (a copy nobody else holds) the id's state once it is durable. A failed
-        write raises TransactionLogFailed and leaves memory at the last durable state."""
+    def _log_and_install(self, changed: TxnMetadata, now_ms: int, *, sync: bool = True) -> TxnMetadata:
+        """Make ``changed`` (a copy nobody else holds) the id's state once it is durable (only written,
+        if not ``sync``). A failed write raises TransactionLogFailed and leaves memory at the last
+        durable state."""
         changed.last_update_ms = now_ms
-        self._log.append(changed.transactional_id, changed.to_dict())
+        changed.unsynced_markers = still_unsynced(changed.unsynced_markers, self._partition_log)
+        self._log.append(changed.transactional_id, changed.to_dict(), sync=sync)
         old = self._txns.get(changed.transactional_id)
         self._txns[changed.transactional_id] = changed
         if old is not None:

@@ -25,6 +25,7 @@ import dataclasses
 from collections.abc import Callable
 
 from .state import TRANSITIONS, TxnState
+from .unsynced import UnsyncedMarker
 
 MAX_EPOCH = 32767  # int16; an epoch bump beyond it allocates a new producer id
 
@@ -48,6 +49,8 @@ class TxnMetadata:
     last_update_ms: int = -1
     previous_producer_id: int = -1
     previous_producer_epoch: int = -1
+    # Markers of this id's transactions their partitions may not have fsynced yet (see unsynced.py).
+    unsynced_markers: tuple[UnsyncedMarker, ...] = ()
 
     def copy(self) -> TxnMetadata:
         """An independent copy: the coordinator changes and logs a copy, and installs it once durable."""
@@ -108,6 +111,7 @@ class TxnMetadata:
             "partitions": sorted([t, p] for t, p in self.partitions), "groups": sorted(self.groups),
             "start_ms": self.start_ms, "last_update_ms": self.last_update_ms,
             "prev_pid": self.previous_producer_id, "prev_epoch": self.previous_producer_epoch,
+            "unsynced": [m.to_list() for m in self.unsynced_markers],
         }
 
     @classmethod
@@ -120,4 +124,5 @@ class TxnMetadata:
                    start_ms=int(d["start_ms"]), last_update_ms=int(d["last_update_ms"]),
                    # records logged before the previous pair existed have none: a retry then is fenced
                    previous_producer_id=int(d.get("prev_pid", -1)),
-                   previous_producer_epoch=int(d.get("prev_epoch", -1)))
+                   previous_producer_epoch=int(d.get("prev_epoch", -1)),
+                   unsynced_markers=tuple(UnsyncedMarker.from_list(m) for m in d.get("unsynced", ())))
