@@ -22,6 +22,7 @@ Usage::
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -40,7 +41,7 @@ from coordinator.layout import AppPaths, QueryPaths
 from coordinator.precommits import Attempt, PrecommitRegistry
 from coordinator.report import (AbortReason, AttemptAborted, AttemptCleanedUp, EpochBlocked, EpochCommitted,
                                 EpochSkipped, Operation, OperationFailed, PassReport, Record, SkipReason)
-from coordinator.slots import read_slots, releasable
+from coordinator.slots import Slot, read_slots, releasable
 from coordinator.state import EPOCH_TRANSITIONS, EpochRecord, EpochState
 from coordinator.zk import RecordError, children, dump, epoch_numbers, read_epoch, read_object
 from twophase.checkpoint import completed_epochs
@@ -176,6 +177,9 @@ class AppCoordinator:
         # Per query, the watermark its slots were last released at; absent: release on the next pass
         # (a new owner's first pass, or after GC or a cleanup dropped intents).
         self._slots_released: dict[str, int] = {}
+        # Per query, the slots read by the last release, by path: a held slot's znode never changes, so
+        # only slots claimed since are read again. Cleared on taking ownership.
+        self._slots: dict[str, dict[str, Slot]] = {}
         self._failure_lock = threading.Lock()  # concurrent failures of one epoch update its record in turn
 
     def acquire(self) -> None:
@@ -185,6 +189,7 @@ class AppCoordinator:
         owner could load must not lose its current owner to one.
         """
         self.verify_sink()
+        self._slots.clear()  # what a deposed owner read may have been released and claimed again since
         token = self.fence.acquire(self.owner)
         log.info("app %s: %s owns phase two (fence token %d)", self.app, self.owner, token)
 
@@ -342,11 +347,16 @@ class AppCoordinator:
             self._unclean.add((work.query_id, work.epoch))
         committed = EpochCommitted(work.query_id, work.epoch, record.run, record.winners, dry_run)
         if not dry_run:
-            txn = self.fence.transaction()
-            txn.set_data(work.paths.epoch(work.epoch), record.transition(EpochState.COMMITTED).encode())
-            txn.set_data(work.paths.watermark, dump({"epoch": work.epoch}))
-            self.client.retry(self.client.ensure_path, work.paths.watermark)
-            self.fence.commit(txn)
+            def commit_epoch() -> None:
+                txn = self.fence.transaction()
+                txn.set_data(work.paths.epoch(work.epoch), record.transition(EpochState.COMMITTED).encode())
+                txn.set_data(work.paths.watermark, dump({"epoch": work.epoch}))
+                self.fence.commit(txn)
+            try:
+                commit_epoch()
+            except NoNodeError:  # the query's first commit: no watermark yet (made here, not checked every epoch)
+                self.client.retry(self.client.ensure_path, work.paths.watermark)
+                commit_epoch()
             log.info("app %s query %s: epoch %d committed (%d partitions from run %s)",
                      self.app, work.query_id, work.epoch, len(record.winners), record.run)
         this_pass.records.append(committed)
@@ -510,13 +520,49 @@ class AppCoordinator:
                 continue
             # Anything registered here after the commit is a zombie attempt: never committed.
             late = [_Verdict(a, AbortReason.LATE) for a in work.attempts]
+            done = len(this_pass.records)
             if not self._finish_all(work, late, recovering=True, this_pass=this_pass):
                 return
             if not self._abort_unregistered(work, this_pass):
                 return
-            self.fence.check()
-            self.client.retry(self.client.delete, qp.epoch(epoch), recursive=True)
-            self._slots_released.pop(qp.query_id, None)  # its intents are gone: their slots may be free
+            # Intents dropped here (late aborts, cleanups: each recorded) or with the tree free their slots
+            # for the next release; an epoch whose commit dropped them all frees nothing new.
+            if self._delete_epoch(qp, epoch) or len(this_pass.records) > done:
+                self._slots_released.pop(qp.query_id, None)
+
+    def _delete_epoch(self, qp: QueryPaths, epoch: int) -> bool:
+        """Delete an epoch's record and everything under it (``intents``, ``attempts``, ``winners``,
+        ``failures`` and their children) in fenced multi-ops, children first; True if it held intents.
+        One write where a
+        recursive delete made a round trip per znode. A znode deleted meanwhile (a loser's own
+        ``forget``) makes the multi-op fail as a whole: the tree is listed again and deleted again.
+        A znode created meanwhile (a zombie registering) fails it too, with NotEmptyError: the pass
+        fails and the next one aborts the zombie's pre-commit as late before deleting the epoch."""
+        base = qp.epoch(epoch)
+        intents = qp.intents(epoch)
+        for tries in itertools.count(1):
+            listed = [(f"{base}/{name}", self.client.get_children_async(f"{base}/{name}"))
+                      for name in children(self.client, base)]
+            doomed = []
+            for folder, names in listed:
+                try:
+                    doomed += [f"{folder}/{name}" for name in names.get()]
+                except NoNodeError:
+                    continue
+                doomed.append(folder)
+            doomed.append(base)
+            try:
+                for start in range(0, len(doomed), _MAX_OPS):
+                    txn = self.fence.transaction()
+                    for path in doomed[start:start + _MAX_OPS]:
+                        txn.delete(path)
+                    self.fence.commit(txn)
+                return any(path.startswith(f"{intents}/") for path in doomed)
+            except NoNodeError:
+                if not self.client.exists(base):
+                    return True  # gone already (an earlier try whose answer was lost): assume it held some
+                if tries == 3:
+                    raise
 
     def _release_slots(self, qp: QueryPaths, dry_run: bool) -> None:
         """Release the slots of finished attempts ``slot_release_lag`` epochs below the watermark.
@@ -528,7 +574,8 @@ class AppCoordinator:
         watermark = read_epoch(self.client, qp.watermark)
         if self._slots_released.get(qp.query_id) == watermark:
             return
-        free = releasable(self.client, qp, read_slots(self.client, qp), watermark, self.policy.slot_release_lag)
+        held = read_slots(self.client, qp, self._slots.get(qp.query_id))
+        free = releasable(self.client, qp, held, watermark, self.policy.slot_release_lag)
         if dry_run:
             return
         for start in range(0, len(free), _MAX_OPS):
@@ -538,6 +585,7 @@ class AppCoordinator:
             self.fence.commit(txn)
         if free:
             log.debug("app %s query %s: released %d slots", self.app, qp.query_id, len(free))
+        self._slots[qp.query_id] = {slot.path(qp): slot for slot in set(held) - set(free)}
         self._slots_released[qp.query_id] = watermark
 
     # -- the sink ---------------------------------------------------------
@@ -559,8 +607,7 @@ class AppCoordinator:
             if not (self._finish_all(work, replayed, recovering=True, this_pass=this_pass)
                     and self._abort_unregistered(work, this_pass)):
                 break
-            self.fence.check()
-            self.client.retry(self.client.delete, qp.epoch(epoch), recursive=True)
+            self._delete_epoch(qp, epoch)
         return PassReport(self.app, False, tuple(this_pass.records))
 
     def verify_sink(self) -> None:
