@@ -124,6 +124,7 @@ class _Verdict:
 class _Pass:
     options: PassOptions
     records: list[Record] = field(default_factory=list)  # appended from commit threads: list.append is atomic
+    settled: set[str] = field(default_factory=set)  # queries found with every epoch committed
 
 
 def publish_app(client: KazooClient, paths: AppPaths, signer: Signer, sink: TwoPhaseCommitSink, mode: str) -> None:
@@ -181,6 +182,12 @@ class AppCoordinator:
         # only slots claimed since are read again. Cleared on taking ownership.
         self._slots: dict[str, dict[str, Slot]] = {}
         self._failure_lock = threading.Lock()  # concurrent failures of one epoch update its record in turn
+        # Per query, how often its watches fired (counted in kazoo's event thread), and the count at which a
+        # pass last found it quiet: every epoch committed, nothing to clean up, its slots released at its
+        # watermark. A pass woken by a watch (``changed_only``) skips a query whose count has not moved
+        # since: nothing can have become due there without a new epoch or barrier, which fire its watches.
+        self._stirs: dict[str, int] = {}
+        self._quiet_at: dict[str, int] = {}
 
     def acquire(self) -> None:
         """Take ownership of the app's phase two, fencing any previous owner.
@@ -190,6 +197,7 @@ class AppCoordinator:
         """
         self.verify_sink()
         self._slots.clear()  # what a deposed owner read may have been released and claimed again since
+        self._quiet_at.clear()
         token = self.fence.acquire(self.owner)
         log.info("app %s: %s owns phase two (fence token %d)", self.app, self.owner, token)
 
@@ -218,18 +226,36 @@ class AppCoordinator:
             self._watched.add(qid)
             qp = self.paths.query(qid)
             self.client.ensure_path(qp.epochs)
-            ChildrenWatch(self.client, qp.epochs, lambda _: self.wake.set())
-            DataWatch(self.client, qp.barrier, lambda *_: self.wake.set())
+            ChildrenWatch(self.client, qp.epochs, lambda _, qid=qid: self._stir(qid))
+            DataWatch(self.client, qp.barrier, lambda *_, qid=qid: self._stir(qid))
+        self.wake.set()
+
+    def _stir(self, query_id: str) -> None:
+        self._stirs[query_id] = self._stirs.get(query_id, 0) + 1  # only kazoo's event thread writes it
         self.wake.set()
 
     # -- reconcile --------------------------------------------------------
 
-    def reconcile(self, options: PassOptions | None = None) -> PassReport:
-        """One pass over every query of the app; returns what it did (or, dry, would do)."""
+    def reconcile(self, options: PassOptions | None = None, changed_only: bool = False) -> PassReport:
+        """One pass over every query of the app; returns what it did (or, dry, would do).
+
+        ``changed_only`` (a loop woken by a watch) skips the queries a pass found quiet whose watches
+        have not fired since; a loop still makes a full pass now and then, in case a watch was lost.
+        """
         this_pass = _Pass(options or PassOptions())
         self._sink_checked = False
         for qid in children(self.client, self.paths.queries):
-            self._reconcile_query(self.paths.query(qid), this_pass)
+            stirs = self._stirs.get(qid, 0)  # before the pass: a watch firing during it counts as a change
+            if changed_only and self._quiet_at.get(qid) == stirs:
+                continue
+            qp = self.paths.query(qid)
+            self._reconcile_query(qp, this_pass)
+            # Settled, and (unless dry) _release_slots has released its slots at its watermark.
+            quiet = qid in this_pass.settled and not any(q == qid for q, _ in self._unclean)
+            if quiet and not this_pass.options.dry_run:
+                self._quiet_at[qid] = stirs
+            else:
+                self._quiet_at.pop(qid, None)
         return PassReport(self.app, this_pass.options.dry_run, tuple(this_pass.records))
 
     def _reconcile_query(self, qp: QueryPaths, this_pass: _Pass) -> None:
@@ -240,6 +266,7 @@ class AppCoordinator:
         options = this_pass.options
         epochs = epoch_numbers(self.client, qp.epochs)
         if not epochs:
+            this_pass.settled.add(qp.query_id)
             return
         watermark = read_epoch(self.client, qp.watermark)
         registry = PrecommitRegistry(self.client, qp, self.signer)
@@ -248,6 +275,7 @@ class AppCoordinator:
             self._collect_garbage(qp, registry, [n for n in epochs if n <= watermark], this_pass)
         pending = [n for n in epochs if n > watermark]
         if not pending:
+            this_pass.settled.add(qp.query_id)
             return
         barrier = read_epoch(self.client, qp.barrier)
         checkpoint = options.checkpoint or read_object(self.client, qp.base, {}).get("checkpoint")
