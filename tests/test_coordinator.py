@@ -471,3 +471,32 @@ def test_epoch_records_refuse_undeclared_moves():
         EpochRecord().transition(EpochState.COMMITTED)
     with pytest.raises(IllegalTransition):
         committing.transition(EpochState.COMMITTED).transition(EpochState.COMMITTING)
+
+
+def test_a_pass_woken_by_a_watch_skips_a_quiet_query_until_its_watches_fire(pipe):
+    from tests.waiting import wait_until
+
+    pipe.task("r1", 0, 0, range(10))
+    pipe.barrier(0, "r1")
+    app = pipe.coordinator()
+    app.prepare()  # watches the query's epochs and barrier
+    wait_until(lambda: app._stirs.get(QUERY, 0) >= 2)  # each watch fires once when set
+    visited = []
+    reconcile_query = app._reconcile_query
+    app._reconcile_query = lambda qp, this_pass: (visited.append(qp.query_id), reconcile_query(qp, this_pass))
+
+    app.reconcile(changed_only=True)  # never found quiet yet: visited, epoch 0 committed
+    app.reconcile(changed_only=True)  # visited again: finds it quiet
+    assert visited == [QUERY, QUERY] and pipe.watermark() == 0
+    app.reconcile(changed_only=True)
+    assert visited == [QUERY, QUERY]  # skipped: no watch fired
+    app.reconcile()
+    assert visited == [QUERY] * 3  # a full pass visits every query
+
+    stirs = app._stirs[QUERY]
+    pipe.task("r1", 1, 0, range(10, 20))  # a new epoch fires the epochs watch
+    pipe.barrier(1, "r1")                 # and the barrier its own
+    wait_until(lambda: app._stirs[QUERY] >= stirs + 2)
+    app.reconcile(changed_only=True)
+    assert visited == [QUERY] * 4 and pipe.watermark() == 1
+    assert count_rows(range(20), ids_out(pipe)).exact
