@@ -43,7 +43,7 @@ from coordinator.report import (AbortReason, AttemptAborted, AttemptCleanedUp, E
                                 EpochSkipped, Operation, OperationFailed, PassReport, Record, SkipReason)
 from coordinator.slots import Slot, read_slots, releasable
 from coordinator.state import EPOCH_TRANSITIONS, EpochRecord, EpochState
-from coordinator.zk import RecordError, children, dump, epoch_numbers, read_epoch, read_object
+from coordinator.zk import RecordError, children, dump, epoch_numbers, parse_object, read_epoch, read_object
 from twophase.checkpoint import completed_epochs
 from twophase.cli_args import check_positive_seconds
 from twophase.signing import Signer
@@ -188,6 +188,8 @@ class AppCoordinator:
         # since: nothing can have become due there without a new epoch or barrier, which fire its watches.
         self._stirs: dict[str, int] = {}
         self._quiet_at: dict[str, int] = {}
+        self._epochs_seen: dict[str, set[str]] = {}  # per query, its epochs as its watch last saw them
+        self._committed: dict[str, int] = {}         # per query, the last epoch this coordinator committed
 
     def acquire(self) -> None:
         """Take ownership of the app's phase two, fencing any previous owner.
@@ -226,9 +228,29 @@ class AppCoordinator:
             self._watched.add(qid)
             qp = self.paths.query(qid)
             self.client.ensure_path(qp.epochs)
-            ChildrenWatch(self.client, qp.epochs, lambda _, qid=qid: self._stir(qid))
-            DataWatch(self.client, qp.barrier, lambda *_, qid=qid: self._stir(qid))
+            ChildrenWatch(self.client, qp.epochs, lambda names, qid=qid: self._on_epochs(qid, names))
+            DataWatch(self.client, qp.barrier, lambda data, *_, qid=qid: self._on_barrier(qid, data))
         self.wake.set()
+
+    # Watches only wake the loop, and a full pass runs every poll_interval whatever they say: the two
+    # filters below save passes that would find nothing to do; they never decide anything.
+
+    def _on_epochs(self, query_id: str, names: list[str]) -> None:
+        # An epoch appearing may complete the one before; one disappearing (garbage collection, replay
+        # discarding) makes nothing due.
+        seen, self._epochs_seen[query_id] = self._epochs_seen.get(query_id), set(names)
+        if seen is None or not seen.issuperset(names):
+            self._stir(query_id)
+
+    def _on_barrier(self, query_id: str, data: bytes | None) -> None:
+        # A barrier at or below the last epoch this coordinator committed tells it nothing new (the epoch
+        # was committed when the next one appeared, the usual order).
+        try:
+            epoch = parse_object(data or b"", "barrier", {}).get("epoch")
+        except RecordError:
+            epoch = None  # the pass reports it
+        if not isinstance(epoch, int) or epoch > self._committed.get(query_id, -1):
+            self._stir(query_id)
 
     def _stir(self, query_id: str) -> None:
         self._stirs[query_id] = self._stirs.get(query_id, 0) + 1  # only kazoo's event thread writes it
@@ -385,6 +407,7 @@ class AppCoordinator:
             except NoNodeError:  # the query's first commit: no watermark yet (made here, not checked every epoch)
                 self.client.retry(self.client.ensure_path, work.paths.watermark)
                 commit_epoch()
+            self._committed[work.query_id] = work.epoch
             log.info("app %s query %s: epoch %d committed (%d partitions from run %s)",
                      self.app, work.query_id, work.epoch, len(record.winners), record.run)
         this_pass.records.append(committed)

@@ -212,7 +212,7 @@ class PrecommitRegistry:
             txn.create(f"{pool}/{slot}", holder_data(ctx))
             ops.append(("slot", f"{pool}/{slot}"))
             results = txn.commit()
-            failed = [(op, path, r) for (op, path), r in zip(ops, results)
+            failed = [(op, path, r) for (op, path), r in zip(ops, results, strict=True)
                       if isinstance(r, Exception) and not isinstance(r, (RolledBackError, RuntimeInconsistency))]
             if not failed:
                 return replace(ctx, slot=slot)

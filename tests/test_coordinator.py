@@ -407,11 +407,13 @@ def test_phase_two_survives_a_zookeeper_restart(pipe, zk_server):
     assert count_rows(range(20), ids_out(pipe)).exact
 
 
-def test_registration_wins_while_another_task_is_halfway_through_creating_the_epoch(pipe):
+@pytest.mark.parametrize("made", ["attempts", "epoch"])
+def test_registration_wins_while_another_task_is_halfway_through_creating_the_epoch(pipe, made):
     """Regression: the first tasks of an epoch race to create its znodes. A task that finds
-    attempts/ created but winners/ not yet (the other task is between its two ensure_path
-    calls) must still win its partition, not take itself for a loser."""
-    pipe.zk.ensure_path(pipe.qp.attempts(0))
+    attempts/ created but winners/ not yet (an earlier version's task between its two ensure_path
+    calls), or the epoch node without its children (made by hand), must still record its intent and
+    win its partition, not take itself for a loser."""
+    pipe.zk.ensure_path(pipe.qp.attempts(0) if made == "attempts" else pipe.qp.epoch(0))
     assert pipe.task("r1", 0, 1, range(10)) is True
     pipe.barrier(0, "r1")
     pipe.coordinator().reconcile()
@@ -500,3 +502,19 @@ def test_a_pass_woken_by_a_watch_skips_a_quiet_query_until_its_watches_fire(pipe
     app.reconcile(changed_only=True)
     assert visited == [QUERY] * 4 and pipe.watermark() == 1
     assert count_rows(range(20), ids_out(pipe)).exact
+
+
+def test_watches_wake_the_loop_only_for_a_new_epoch_or_a_barrier_above_the_commits(pipe):
+    pipe.task("r1", 0, 0, range(10))
+    pipe.barrier(0, "r1")
+    app = pipe.coordinator()
+    app.reconcile()
+    assert pipe.watermark() == 0
+    app._on_epochs(QUERY, ["0000000000000000000", "0000000000000000001"])  # first sight: a pass
+    app._on_barrier(QUERY, b'{"epoch": 0, "run": "r1"}')                  # committed already: none
+    app._on_epochs(QUERY, ["0000000000000000001"])                        # one collected: none
+    assert app._stirs[QUERY] == 1
+    app._on_epochs(QUERY, ["0000000000000000001", "0000000000000000002"])  # a new epoch
+    app._on_barrier(QUERY, b'{"epoch": 1, "run": "r1"}')                  # above the last commit
+    app._on_barrier(QUERY, b"[]")                                         # malformed: the pass reports it
+    assert app._stirs[QUERY] == 4

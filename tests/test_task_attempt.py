@@ -106,15 +106,6 @@ def test_the_first_attempts_of_an_epoch_racing_to_make_it_all_record_their_inten
     assert count_rows(range(8), ids_out(pipe)).exact
 
 
-def test_an_epoch_made_before_its_children_is_completed_by_the_intent(pipe):
-    """An epoch node without intents/ (made by an earlier version, or by hand) does not stop a task."""
-    pipe.zk.ensure_path(pipe.qp.epoch(0))
-    assert pipe.task("r1", 0, 0, range(10)) is True
-    pipe.barrier(0, "r1")
-    pipe.coordinator().reconcile()
-    assert count_rows(range(10), ids_out(pipe)).exact
-
-
 def test_the_row_writer_writes_into_the_attempts_transaction(pipe):
     attempt = TaskAttempt(pipe.sink, pipe.registry, ctx())
     assert attempt.open()
