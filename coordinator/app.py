@@ -236,10 +236,11 @@ class AppCoordinator:
     # filters below save passes that would find nothing to do; they never decide anything.
 
     def _on_epochs(self, query_id: str, names: list[str]) -> None:
-        # An epoch appearing may complete the one before; one disappearing (garbage collection, replay
-        # discarding) makes nothing due.
+        # An epoch N + 1 appearing proves N complete, unless this coordinator committed N already (the
+        # barrier came first); one disappearing (garbage collection, replay discarding) makes nothing due.
         seen, self._epochs_seen[query_id] = self._epochs_seen.get(query_id), set(names)
-        if seen is None or not seen.issuperset(names):
+        committed = self._committed.get(query_id, -1)
+        if seen is None or any(not n.isdigit() or int(n) > committed + 1 for n in set(names) - seen):
             self._stir(query_id)
 
     def _on_barrier(self, query_id: str, data: bytes | None) -> None:
