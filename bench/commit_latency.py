@@ -61,6 +61,7 @@ from coordinator.zk import dump, read_json  # noqa: E402
 from sinks.files import FileSink, read_committed_rows  # noqa: E402
 from twophase.signing import Signer, load_secret  # noqa: E402
 from twophase.sink import TxnContext  # noqa: E402
+from twophase.task import TaskAttempt  # noqa: E402
 from twophase.zkserver import ZooKeeperServer  # noqa: E402
 
 _PACKETS = re.compile(r"^zk_packets_received\s+(\d+)", re.M)
@@ -180,7 +181,7 @@ def bench_size(server: ZooKeeperServer, packets: Packets, workdir: Path, partiti
     d = driver.client
     d.ensure_path(paths.sink)
     d.set(paths.base, dump({"coordinator": "embedded"}))
-    d.set(paths.sink, signer.dumps(FileSink(str(out))))
+    d.set(paths.sink, signer.dumps(FileSink(str(out)), paths.sink))
     d.ensure_path(qp.barrier)
     d.ensure_path(qp.run(run_id))
     d.set(qp.run(run_id), dump({"started": time.time(), "driver": "bench"}))
@@ -203,16 +204,15 @@ def bench_size(server: ZooKeeperServer, packets: Packets, workdir: Path, partiti
         t_tasks = time.perf_counter()
         for partition in range(partitions):
             ctx = TxnContext(app, query_id, run_id, epoch, partition, attempt=0)
+            attempt = TaskAttempt(task_sink, registry, ctx)
             before = tasks.snapshot()
-            assert registry.winner(ctx) is None
-            registry.intend(ctx)
+            assert attempt.open(), "no earlier attempt can have won"
             lookups += sum(since(tasks, before).values())
-            txn = task_sink.begin_transaction(ctx)
             for i in range(rows):
-                task_sink.write(txn, {"id": (epoch * partitions + partition) * rows + i, "epoch": epoch,
-                                      "partition": partition, "payload": f"row-{i}"})
-            handle = task_sink.pre_commit(txn)
-            assert registry.register(ctx, handle), "a single attempt must win its partition"
+                attempt.write({"id": (epoch * partitions + partition) * rows + i, "epoch": epoch,
+                               "partition": partition, "payload": f"row-{i}"})
+            attempt.close(None)
+            assert attempt.won, "a single attempt must win its partition"
         t_tasks = time.perf_counter() - t_tasks
         p1 = packets.read()
         task_ops = since(tasks, ops0)

@@ -22,6 +22,7 @@ Usage::
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -40,9 +41,9 @@ from coordinator.layout import AppPaths, QueryPaths
 from coordinator.precommits import Attempt, PrecommitRegistry
 from coordinator.report import (AbortReason, AttemptAborted, AttemptCleanedUp, EpochBlocked, EpochCommitted,
                                 EpochSkipped, Operation, OperationFailed, PassReport, Record, SkipReason)
-from coordinator.slots import read_slots, releasable
+from coordinator.slots import Slot, read_slots, releasable
 from coordinator.state import EPOCH_TRANSITIONS, EpochRecord, EpochState
-from coordinator.zk import RecordError, children, dump, epoch_numbers, read_epoch, read_object
+from coordinator.zk import RecordError, children, dump, epoch_numbers, parse_object, read_epoch, read_object
 from twophase.checkpoint import completed_epochs
 from twophase.cli_args import check_positive_seconds
 from twophase.signing import Signer
@@ -123,6 +124,7 @@ class _Verdict:
 class _Pass:
     options: PassOptions
     records: list[Record] = field(default_factory=list)  # appended from commit threads: list.append is atomic
+    settled: set[str] = field(default_factory=set)  # queries found with every epoch committed
 
 
 def publish_app(client: KazooClient, paths: AppPaths, signer: Signer, sink: TwoPhaseCommitSink, mode: str) -> None:
@@ -176,7 +178,18 @@ class AppCoordinator:
         # Per query, the watermark its slots were last released at; absent: release on the next pass
         # (a new owner's first pass, or after GC or a cleanup dropped intents).
         self._slots_released: dict[str, int] = {}
+        # Per query, the slots read by the last release, by path: a held slot's znode never changes, so
+        # only slots claimed since are read again. Cleared on taking ownership.
+        self._slots: dict[str, dict[str, Slot]] = {}
         self._failure_lock = threading.Lock()  # concurrent failures of one epoch update its record in turn
+        # Per query, how often its watches fired (counted in kazoo's event thread), and the count at which a
+        # pass last found it quiet: every epoch committed, nothing to clean up, its slots released at its
+        # watermark. A pass woken by a watch (``changed_only``) skips a query whose count has not moved
+        # since: nothing can have become due there without a new epoch or barrier, which fire its watches.
+        self._stirs: dict[str, int] = {}
+        self._quiet_at: dict[str, int] = {}
+        self._epochs_seen: dict[str, set[str]] = {}  # per query, its epochs as its watch last saw them
+        self._committed: dict[str, int] = {}         # per query, the last epoch this coordinator committed
 
     def acquire(self) -> None:
         """Take ownership of the app's phase two, fencing any previous owner.
@@ -185,6 +198,8 @@ class AppCoordinator:
         owner could load must not lose its current owner to one.
         """
         self.verify_sink()
+        self._slots.clear()  # what a deposed owner read may have been released and claimed again since
+        self._quiet_at.clear()
         token = self.fence.acquire(self.owner)
         log.info("app %s: %s owns phase two (fence token %d)", self.app, self.owner, token)
 
@@ -213,18 +228,57 @@ class AppCoordinator:
             self._watched.add(qid)
             qp = self.paths.query(qid)
             self.client.ensure_path(qp.epochs)
-            ChildrenWatch(self.client, qp.epochs, lambda _: self.wake.set())
-            DataWatch(self.client, qp.barrier, lambda *_: self.wake.set())
+            ChildrenWatch(self.client, qp.epochs, lambda names, qid=qid: self._on_epochs(qid, names))
+            DataWatch(self.client, qp.barrier, lambda data, *_, qid=qid: self._on_barrier(qid, data))
+        self.wake.set()
+
+    # Watches only wake the loop, and a full pass runs every poll_interval whatever they say: the two
+    # filters below save passes that would find nothing to do; they never decide anything.
+
+    def _on_epochs(self, query_id: str, names: list[str]) -> None:
+        # An epoch N + 1 appearing proves N complete, unless this coordinator committed N already (the
+        # barrier came first); one disappearing (garbage collection, replay discarding) makes nothing due.
+        seen, self._epochs_seen[query_id] = self._epochs_seen.get(query_id), set(names)
+        committed = self._committed.get(query_id, -1)
+        if seen is None or any(not n.isdigit() or int(n) > committed + 1 for n in set(names) - seen):
+            self._stir(query_id)
+
+    def _on_barrier(self, query_id: str, data: bytes | None) -> None:
+        # A barrier at or below the last epoch this coordinator committed tells it nothing new (the epoch
+        # was committed when the next one appeared, the usual order).
+        try:
+            epoch = parse_object(data or b"", "barrier", {}).get("epoch")
+        except RecordError:
+            epoch = None  # the pass reports it
+        if not isinstance(epoch, int) or epoch > self._committed.get(query_id, -1):
+            self._stir(query_id)
+
+    def _stir(self, query_id: str) -> None:
+        self._stirs[query_id] = self._stirs.get(query_id, 0) + 1  # only kazoo's event thread writes it
         self.wake.set()
 
     # -- reconcile --------------------------------------------------------
 
-    def reconcile(self, options: PassOptions | None = None) -> PassReport:
-        """One pass over every query of the app; returns what it did (or, dry, would do)."""
+    def reconcile(self, options: PassOptions | None = None, changed_only: bool = False) -> PassReport:
+        """One pass over every query of the app; returns what it did (or, dry, would do).
+
+        ``changed_only`` (a loop woken by a watch) skips the queries a pass found quiet whose watches
+        have not fired since; a loop still makes a full pass now and then, in case a watch was lost.
+        """
         this_pass = _Pass(options or PassOptions())
         self._sink_checked = False
         for qid in children(self.client, self.paths.queries):
-            self._reconcile_query(self.paths.query(qid), this_pass)
+            stirs = self._stirs.get(qid, 0)  # before the pass: a watch firing during it counts as a change
+            if changed_only and self._quiet_at.get(qid) == stirs:
+                continue
+            qp = self.paths.query(qid)
+            self._reconcile_query(qp, this_pass)
+            # Settled, and (unless dry) _release_slots has released its slots at its watermark.
+            quiet = qid in this_pass.settled and not any(q == qid for q, _ in self._unclean)
+            if quiet and not this_pass.options.dry_run:
+                self._quiet_at[qid] = stirs
+            else:
+                self._quiet_at.pop(qid, None)
         return PassReport(self.app, this_pass.options.dry_run, tuple(this_pass.records))
 
     def _reconcile_query(self, qp: QueryPaths, this_pass: _Pass) -> None:
@@ -235,6 +289,7 @@ class AppCoordinator:
         options = this_pass.options
         epochs = epoch_numbers(self.client, qp.epochs)
         if not epochs:
+            this_pass.settled.add(qp.query_id)
             return
         watermark = read_epoch(self.client, qp.watermark)
         registry = PrecommitRegistry(self.client, qp, self.signer)
@@ -243,6 +298,7 @@ class AppCoordinator:
             self._collect_garbage(qp, registry, [n for n in epochs if n <= watermark], this_pass)
         pending = [n for n in epochs if n > watermark]
         if not pending:
+            this_pass.settled.add(qp.query_id)
             return
         barrier = read_epoch(self.client, qp.barrier)
         checkpoint = options.checkpoint or read_object(self.client, qp.base, {}).get("checkpoint")
@@ -342,11 +398,17 @@ class AppCoordinator:
             self._unclean.add((work.query_id, work.epoch))
         committed = EpochCommitted(work.query_id, work.epoch, record.run, record.winners, dry_run)
         if not dry_run:
-            txn = self.fence.transaction()
-            txn.set_data(work.paths.epoch(work.epoch), record.transition(EpochState.COMMITTED).encode())
-            txn.set_data(work.paths.watermark, dump({"epoch": work.epoch}))
-            self.client.retry(self.client.ensure_path, work.paths.watermark)
-            self.fence.commit(txn)
+            def commit_epoch() -> None:
+                txn = self.fence.transaction()
+                txn.set_data(work.paths.epoch(work.epoch), record.transition(EpochState.COMMITTED).encode())
+                txn.set_data(work.paths.watermark, dump({"epoch": work.epoch}))
+                self.fence.commit(txn)
+            try:
+                commit_epoch()
+            except NoNodeError:  # the query's first commit: no watermark yet (made here, not checked every epoch)
+                self.client.retry(self.client.ensure_path, work.paths.watermark)
+                commit_epoch()
+            self._committed[work.query_id] = work.epoch
             log.info("app %s query %s: epoch %d committed (%d partitions from run %s)",
                      self.app, work.query_id, work.epoch, len(record.winners), record.run)
         this_pass.records.append(committed)
@@ -510,13 +572,49 @@ class AppCoordinator:
                 continue
             # Anything registered here after the commit is a zombie attempt: never committed.
             late = [_Verdict(a, AbortReason.LATE) for a in work.attempts]
+            done = len(this_pass.records)
             if not self._finish_all(work, late, recovering=True, this_pass=this_pass):
                 return
             if not self._abort_unregistered(work, this_pass):
                 return
-            self.fence.check()
-            self.client.retry(self.client.delete, qp.epoch(epoch), recursive=True)
-            self._slots_released.pop(qp.query_id, None)  # its intents are gone: their slots may be free
+            # Intents dropped here (late aborts, cleanups: each recorded) or with the tree free their slots
+            # for the next release; an epoch whose commit dropped them all frees nothing new.
+            if self._delete_epoch(qp, epoch) or len(this_pass.records) > done:
+                self._slots_released.pop(qp.query_id, None)
+
+    def _delete_epoch(self, qp: QueryPaths, epoch: int) -> bool:
+        """Delete an epoch's record and everything under it (``intents``, ``attempts``, ``winners``,
+        ``failures`` and their children) in fenced multi-ops, children first; True if it held intents.
+        One write where a
+        recursive delete made a round trip per znode. A znode deleted meanwhile (a loser's own
+        ``forget``) makes the multi-op fail as a whole: the tree is listed again and deleted again.
+        A znode created meanwhile (a zombie registering) fails it too, with NotEmptyError: the pass
+        fails and the next one aborts the zombie's pre-commit as late before deleting the epoch."""
+        base = qp.epoch(epoch)
+        intents = qp.intents(epoch)
+        for tries in itertools.count(1):
+            listed = [(f"{base}/{name}", self.client.get_children_async(f"{base}/{name}"))
+                      for name in children(self.client, base)]
+            doomed = []
+            for folder, names in listed:
+                try:
+                    doomed += [f"{folder}/{name}" for name in names.get()]
+                except NoNodeError:
+                    continue
+                doomed.append(folder)
+            doomed.append(base)
+            try:
+                for start in range(0, len(doomed), _MAX_OPS):
+                    txn = self.fence.transaction()
+                    for path in doomed[start:start + _MAX_OPS]:
+                        txn.delete(path)
+                    self.fence.commit(txn)
+                return any(path.startswith(f"{intents}/") for path in doomed)
+            except NoNodeError:
+                if not self.client.exists(base):
+                    return True  # gone already (an earlier try whose answer was lost): assume it held some
+                if tries == 3:
+                    raise
 
     def _release_slots(self, qp: QueryPaths, dry_run: bool) -> None:
         """Release the slots of finished attempts ``slot_release_lag`` epochs below the watermark.
@@ -528,7 +626,8 @@ class AppCoordinator:
         watermark = read_epoch(self.client, qp.watermark)
         if self._slots_released.get(qp.query_id) == watermark:
             return
-        free = releasable(self.client, qp, read_slots(self.client, qp), watermark, self.policy.slot_release_lag)
+        held = read_slots(self.client, qp, self._slots.get(qp.query_id))
+        free = releasable(self.client, qp, held, watermark, self.policy.slot_release_lag)
         if dry_run:
             return
         for start in range(0, len(free), _MAX_OPS):
@@ -538,6 +637,7 @@ class AppCoordinator:
             self.fence.commit(txn)
         if free:
             log.debug("app %s query %s: released %d slots", self.app, qp.query_id, len(free))
+        self._slots[qp.query_id] = {slot.path(qp): slot for slot in set(held) - set(free)}
         self._slots_released[qp.query_id] = watermark
 
     # -- the sink ---------------------------------------------------------
@@ -559,8 +659,7 @@ class AppCoordinator:
             if not (self._finish_all(work, replayed, recovering=True, this_pass=this_pass)
                     and self._abort_unregistered(work, this_pass)):
                 break
-            self.fence.check()
-            self.client.retry(self.client.delete, qp.epoch(epoch), recursive=True)
+            self._delete_epoch(qp, epoch)
         return PassReport(self.app, False, tuple(this_pass.records))
 
     def verify_sink(self) -> None:

@@ -12,12 +12,17 @@ also claims the attempt a slot (:mod:`coordinator.slots`), a number its sink may
 Attempt and intent nodes are named by :attr:`TxnContext.name <twophase.sink.TxnContext.name>`
 (``<run>.<epoch>.<partition>.<attempt>``), the name sinks use for the attempt's own resources.
 
+A task's ``open`` is one :meth:`PrecommitRegistry.admit`: the run's halted node, the partition's
+winner and its held slots are read in one pipelined round trip, then the intent and slot are
+created in one multi-op, which also creates the epoch's nodes if this is its first attempt.
+
 Usage (in a Spark task)::
 
     registry = PrecommitRegistry(client, app_paths.query(ctx.query_id), signer)
-    if registry.winner(ctx) is not None:
-        ...                                  # an earlier attempt already won: skip rows
-    ctx = registry.intend(ctx)               # the same context, with its slot
+    admission = registry.admit(ctx)          # ensure_run + halted + winner + intend
+    if admission.halted is not None or admission.winner is not None:
+        ...                                  # refuse (halted) or skip rows (an earlier attempt won)
+    ctx = admission.ctx                      # the same context, with its slot
     txn = sink.begin_transaction(ctx) ...
     won = registry.register(ctx, handle)
     if not won:
@@ -32,7 +37,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from kazoo.client import KazooClient
-from kazoo.exceptions import NodeExistsError, NoNodeError, RolledBackError
+from kazoo.exceptions import NodeExistsError, NoNodeError, RolledBackError, RuntimeInconsistency
 
 from coordinator.layout import QueryPaths
 from coordinator.slots import holder_data, intent_data, lowest_free, slot_of_intent
@@ -42,6 +47,10 @@ from twophase.sink import TxnContext
 
 
 _known_runs: set[tuple[str, str]] = set()  # per process: Spark reuses Python workers across tasks
+
+
+def _halt_reason(raw: bytes) -> str:
+    return raw.decode(errors="replace") or "no reason recorded"
 
 
 def winner_name(ctx: TxnContext) -> str:
@@ -63,6 +72,15 @@ class Attempt:
     zxid: int          # creation order across the whole ensemble
 
 
+@dataclass(frozen=True)
+class Admission:
+    """What :meth:`PrecommitRegistry.admit` found: a halt, a winner, or the recorded intent."""
+
+    halted: str | None = None       # why the driver stopped phase two for the run: write nothing
+    winner: str | None = None       # the attempt that already won (run, epoch, partition): skip the rows
+    ctx: TxnContext | None = None   # neither: the intent is recorded, and this is the context with its slot
+
+
 class IntentGone(RuntimeError):
     """An attempt's intent was cleaned up by the coordinator before it registered (a zombie that outlived
     its epoch): it must neither register nor abort its handle, whose transactional id (named by its
@@ -72,8 +90,9 @@ class IntentGone(RuntimeError):
 class PrecommitRegistry:
     """The pre-commits of one query in ZooKeeper: writers record them, the coordinator reads them.
 
-    Writers (Spark tasks) call :meth:`ensure_run`, :meth:`winner`, :meth:`intend`,
-    :meth:`register` and :meth:`forget` or :meth:`drop_intent`; the coordinator calls
+    Writers (Spark tasks) call :meth:`admit` (or its parts :meth:`ensure_run`, :meth:`halted`,
+    :meth:`winner`, :meth:`intend`), :meth:`holds_intent`, :meth:`register` and :meth:`forget` or
+    :meth:`drop_intent`; the coordinator calls
     :meth:`load`, :meth:`latest_run` and :meth:`unregistered`. See the module docstring for
     a task's sequence.
 
@@ -100,7 +119,36 @@ class PrecommitRegistry:
             raw, _ = self._client.retry(self._client.get, self._paths.halted(run_id))
         except NoNodeError:
             return None
-        return raw.decode(errors="replace") or "no reason recorded"
+        return _halt_reason(raw)
+
+    def admit(self, ctx: TxnContext) -> Admission:
+        """Everything a task's ``open`` asks of ZooKeeper, in two round trips: :meth:`ensure_run` (once per
+        process), then :meth:`halted`, :meth:`winner` and the partition's held slots read pipelined, then,
+        unless halted or won, :meth:`intend`'s multi-op (creating the epoch's nodes with it if they are
+        missing). A halt is reported before a winner, as separate calls would."""
+        self.ensure_run(ctx.run_id)
+        return self._client.retry(self._admit, ctx)
+
+    def _admit(self, ctx: TxnContext) -> Admission:
+        pool = self._paths.partition_slots(ctx.partition)
+        halted = self._client.get_async(self._paths.halted(ctx.run_id))
+        winner = self._client.get_async(f"{self._paths.winners(ctx.epoch)}/{winner_name(ctx)}")
+        held = self._client.get_children_async(pool)
+        epoch_made = self._client.exists_async(self._paths.winners(ctx.epoch))
+        try:
+            return Admission(halted=_halt_reason(halted.get()[0]))
+        except NoNodeError:
+            pass
+        try:
+            return Admission(winner=winner.get()[0].decode())
+        except NoNodeError:
+            pass
+        try:
+            slots = {int(n) for n in held.get() if n.isdigit()}
+            pool_made = True
+        except NoNodeError:
+            slots, pool_made = set(), False
+        return Admission(ctx=self._intend(ctx, slots, epoch_made=epoch_made.get() is not None, pool_made=pool_made))
 
     def latest_run(self, attempts: Sequence[Attempt]) -> str | None:
         """The most recently started run among those with attempts.
@@ -132,31 +180,58 @@ class PrecommitRegistry:
         taken meanwhile by another attempt is skipped for the next number. A retried call (a
         connection loss hid whether the multi-op went through) finds its own intent and slot.
         """
-        return self._client.retry(self._intend, ctx)
+        return self._client.retry(self._read_and_intend, ctx)
 
-    def _intend(self, ctx: TxnContext) -> TxnContext:
-        intent = f"{self._paths.intents(ctx.epoch)}/{ctx.name}"
+    def _read_and_intend(self, ctx: TxnContext) -> TxnContext:
         pool = self._paths.partition_slots(ctx.partition)
         held = {int(n) for n in children(self._client, pool) if n.isdigit()}
+        epoch_made = self._client.exists(self._paths.winners(ctx.epoch)) is not None
+        return self._intend(ctx, held, epoch_made=epoch_made, pool_made=True)
+
+    def _intend(self, ctx: TxnContext, held: set[int], epoch_made: bool, pool_made: bool) -> TxnContext:
+        """The intent multi-op. The first attempt of an epoch creates the epoch's node and its
+        ``intents``, ``attempts`` and ``winners`` children in the same multi-op (one write where
+        ensure_path took a dozen round trips), so registration never finds them missing."""
+        epoch = self._paths.epoch(ctx.epoch)
+        intent = f"{self._paths.intents(ctx.epoch)}/{ctx.name}"
+        pool = self._paths.partition_slots(ctx.partition)
         while True:
             slot = lowest_free(held)
             txn = self._client.transaction()
+            ops = []
+            if not epoch_made:  # created empty: an OPEN epoch (coordinator/state.py)
+                for path in (epoch, self._paths.intents(ctx.epoch), self._paths.attempts(ctx.epoch),
+                             self._paths.winners(ctx.epoch)):
+                    txn.create(path)
+                    ops.append(("epoch", path))
+            if not pool_made:
+                txn.create(pool)
+                ops.append(("pool", pool))
             txn.create(intent, intent_data(slot))
+            ops.append(("intent", intent))
             txn.create(f"{pool}/{slot}", holder_data(ctx))
-            created_intent, created_slot = txn.commit()
-            if not isinstance(created_intent, Exception):
+            ops.append(("slot", f"{pool}/{slot}"))
+            results = txn.commit()
+            failed = [(op, path, r) for (op, path), r in zip(ops, results, strict=True)
+                      if isinstance(r, Exception) and not isinstance(r, (RolledBackError, RuntimeInconsistency))]
+            if not failed:
                 return replace(ctx, slot=slot)
-            if isinstance(created_intent, NodeExistsError):  # our own earlier try went through
+            op, path, error = failed[0]
+            if isinstance(error, NodeExistsError) and op == "intent":  # our own earlier try went through
                 raw, _ = self._client.get(intent)
                 return replace(ctx, slot=slot_of_intent(raw, intent))
-            if isinstance(created_intent, NoNodeError) or isinstance(created_slot, NoNodeError):
-                self._client.ensure_path(self._paths.intents(ctx.epoch))  # the first intent of the epoch
-                self._client.ensure_path(pool)                            # or of the partition
-            elif isinstance(created_slot, NodeExistsError):
+            if isinstance(error, NodeExistsError) and op == "epoch":
+                epoch_made = True  # another attempt of the epoch created it meanwhile (or our earlier try did)
+            elif isinstance(error, NodeExistsError) and op == "pool":
+                pool_made = True
+            elif isinstance(error, NodeExistsError) and op == "slot":
                 held.add(slot)  # another attempt claimed it first
+            elif isinstance(error, NoNodeError):
+                # A parent is missing: the query's first epoch (no epochs/, slots/), or an epoch node made
+                # without its children by an earlier version. Made the slow way, then tried again.
+                self._client.ensure_path(path.rsplit("/", 1)[0])
             else:
-                raise RuntimeError(f"recording the intent {ctx.name} failed unexpectedly: "
-                                   f"{created_intent!r}, {created_slot!r}")
+                raise RuntimeError(f"recording the intent {ctx.name} failed unexpectedly at {path}: {error!r}")
 
     def holds_intent(self, ctx: TxnContext) -> bool:
         """False once the coordinator cleaned this attempt up (it settled the epoch without it)."""

@@ -14,6 +14,7 @@ many further commits before the slot (and its resource) passes to another attemp
 Usage::
 
     held = read_slots(client, qp)                           # every slot held now, pipelined reads
+                                                            # (known={path: Slot}: only new ones read)
     free = releasable(client, qp, held, watermark=41, lag=1)
     txn = fence.transaction()
     for slot in free:
@@ -23,6 +24,7 @@ Usage::
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from kazoo.client import KazooClient
@@ -73,8 +75,14 @@ def lowest_free(held: set[int]) -> int:
     return next(n for n in range(len(held) + 1) if n not in held)
 
 
-def read_slots(client: KazooClient, qp: QueryPaths) -> list[Slot]:
-    """Every slot of the query held now, by partition and number; reads pipelined (two round trips)."""
+def read_slots(client: KazooClient, qp: QueryPaths, known: Mapping[str, Slot] | None = None) -> list[Slot]:
+    """Every slot of the query held now, by partition and number; reads pipelined (two round trips).
+
+    A slot's znode never changes while it exists (a task creates it; only the app's owner deletes
+    it), so the owner passes the slots it read before as ``known`` (by path): only the slots
+    claimed since are read.
+    """
+    known = known or {}
     partitions = children(client, qp.slots)
     if bad := [p for p in partitions if not p.isdigit()]:
         raise RecordError(f"znode {qp.slots}/{bad[0]}: its name is not a partition number")
@@ -88,8 +96,9 @@ def read_slots(client: KazooClient, qp: QueryPaths) -> list[Slot]:
         if bad := [n for n in names if not n.isdigit()]:
             raise RecordError(f"znode {qp.partition_slots(partition)}/{bad[0]}: its name is not a slot number")
         paths.update({(partition, int(n)): f"{qp.partition_slots(partition)}/{n}" for n in names})
-    slots = []
-    for (partition, number), raw, stat in read_many(client, paths):  # a slot released meanwhile is left out
+    slots = [known[path] for path in paths.values() if path in known]
+    unknown = {key: path for key, path in paths.items() if path not in known}
+    for (partition, number), raw, stat in read_many(client, unknown):  # a slot released meanwhile is left out
         path = paths[(partition, number)]
         holder = parse_object(raw, path, {})
         attempt, epoch = holder.get("attempt"), holder.get("epoch")

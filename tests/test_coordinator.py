@@ -407,11 +407,13 @@ def test_phase_two_survives_a_zookeeper_restart(pipe, zk_server):
     assert count_rows(range(20), ids_out(pipe)).exact
 
 
-def test_registration_wins_while_another_task_is_halfway_through_creating_the_epoch(pipe):
+@pytest.mark.parametrize("made", ["attempts", "epoch"])
+def test_registration_wins_while_another_task_is_halfway_through_creating_the_epoch(pipe, made):
     """Regression: the first tasks of an epoch race to create its znodes. A task that finds
-    attempts/ created but winners/ not yet (the other task is between its two ensure_path
-    calls) must still win its partition, not take itself for a loser."""
-    pipe.zk.ensure_path(pipe.qp.attempts(0))
+    attempts/ created but winners/ not yet (an earlier version's task between its two ensure_path
+    calls), or the epoch node without its children (made by hand), must still record its intent and
+    win its partition, not take itself for a loser."""
+    pipe.zk.ensure_path(pipe.qp.attempts(0) if made == "attempts" else pipe.qp.epoch(0))
     assert pipe.task("r1", 0, 1, range(10)) is True
     pipe.barrier(0, "r1")
     pipe.coordinator().reconcile()
@@ -471,3 +473,49 @@ def test_epoch_records_refuse_undeclared_moves():
         EpochRecord().transition(EpochState.COMMITTED)
     with pytest.raises(IllegalTransition):
         committing.transition(EpochState.COMMITTED).transition(EpochState.COMMITTING)
+
+
+def test_a_pass_woken_by_a_watch_skips_a_quiet_query_until_its_watches_fire(pipe):
+    from tests.waiting import wait_until
+
+    pipe.task("r1", 0, 0, range(10))
+    pipe.barrier(0, "r1")
+    app = pipe.coordinator()
+    app.prepare()  # watches the query's epochs and barrier
+    wait_until(lambda: app._stirs.get(QUERY, 0) >= 2)  # each watch fires once when set
+    visited = []
+    reconcile_query = app._reconcile_query
+    app._reconcile_query = lambda qp, this_pass: (visited.append(qp.query_id), reconcile_query(qp, this_pass))
+
+    app.reconcile(changed_only=True)  # never found quiet yet: visited, epoch 0 committed
+    app.reconcile(changed_only=True)  # visited again: finds it quiet
+    assert visited == [QUERY, QUERY] and pipe.watermark() == 0
+    app.reconcile(changed_only=True)
+    assert visited == [QUERY, QUERY]  # skipped: no watch fired
+    app.reconcile()
+    assert visited == [QUERY] * 3  # a full pass visits every query
+
+    stirs = app._stirs[QUERY]
+    pipe.task("r1", 1, 0, range(10, 20))  # epoch 1 appears: proves nothing new (0 is committed)
+    pipe.barrier(1, "r1")                 # the barrier completes it
+    wait_until(lambda: app._stirs[QUERY] > stirs)
+    app.reconcile(changed_only=True)
+    assert visited == [QUERY] * 4 and pipe.watermark() == 1
+    assert count_rows(range(20), ids_out(pipe)).exact
+
+
+def test_watches_wake_the_loop_only_for_an_epoch_or_a_barrier_that_can_complete_one(pipe):
+    pipe.task("r1", 0, 0, range(10))
+    pipe.barrier(0, "r1")
+    app = pipe.coordinator()
+    app.reconcile()
+    assert pipe.watermark() == 0
+    app._on_epochs(QUERY, ["0000000000000000000"])                        # first sight: a pass
+    app._on_barrier(QUERY, b'{"epoch": 0, "run": "r1"}')                  # committed already: none
+    app._on_epochs(QUERY, ["0000000000000000000", "0000000000000000001"])  # proves only 0 complete: none
+    app._on_epochs(QUERY, ["0000000000000000001"])                        # one collected: none
+    assert app._stirs[QUERY] == 1
+    app._on_epochs(QUERY, ["0000000000000000001", "0000000000000000002"])  # proves 1 complete
+    app._on_barrier(QUERY, b'{"epoch": 1, "run": "r1"}')                  # above the last commit
+    app._on_barrier(QUERY, b"[]")                                         # malformed: the pass reports it
+    assert app._stirs[QUERY] == 4

@@ -226,3 +226,12 @@ def test_the_coordinator_drops_an_intent_only_while_its_attempt_has_not_register
     pipe.registry.register(late, {"handle": 1})
     assert not pipe.registry.drop_unregistered_intent(late)
     assert pipe.zk.get_children(pipe.qp.intents(0)) == [late.name]
+
+
+def test_the_owner_reads_each_slot_once(pipe):
+    """A held slot's znode never changes, so the slots passed as known are not read again."""
+    first = pipe.registry.intend(ctx(attempt=0))
+    known = {s.path(pipe.qp): s for s in read_slots(pipe.zk, pipe.qp)}
+    pipe.zk.set(f"{pipe.qp.partition_slots(0)}/0", b"not read again")  # would be a RecordError if read
+    pipe.registry.intend(ctx(attempt=1))
+    assert [(s.number, s.attempt) for s in read_slots(pipe.zk, pipe.qp, known)] == [(0, first.name), (1, "r1.0.0.1")]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 from kazoo.exceptions import KazooException
@@ -36,6 +37,7 @@ class CoordinatorHost:
     def __init__(self, coordinator: AppCoordinator, supervision: Supervision,
                  on_give_up: Callable[[BaseException], None]) -> None:
         self.coordinator = coordinator
+        self._full_pass = False  # wake() asked for a pass over every query
         self.supervisor = Supervisor(f"twophase-coordinator-{coordinator.app}", self._run,
                                      on_give_up=on_give_up, supervision=supervision,
                                      interrupt=coordinator.wake.set)
@@ -45,7 +47,8 @@ class CoordinatorHost:
         self.supervisor.start()
 
     def wake(self) -> None:
-        """Make the coordinator's reconcile loop run now instead of at its next tick."""
+        """Make the coordinator's reconcile loop run a full pass now instead of at its next tick."""
+        self._full_pass = True
         self.coordinator.wake.set()
 
     def _run(self, stop: threading.Event) -> None:
@@ -53,15 +56,23 @@ class CoordinatorHost:
         # daemon, serving many apps, wants); here a pass that fails for another reason than ZooKeeper being away
         # (a refused signature, a sink that cannot be loaded, a bug) goes to the supervisor, so
         # that one that keeps failing halts the runs instead of stalling phase two quietly.
+        # A pass woken by a watch visits only the queries whose watches fired (or that have work left);
+        # one every poll_interval, or asked for by wake(), visits them all, in case a watch was lost.
         coordinator = self.coordinator
         try:
             coordinator.prepare()
+            last_full = None
             while not stop.is_set():
                 coordinator.wake.clear()
+                now = time.monotonic()
+                full = self._full_pass or last_full is None or now - last_full >= coordinator.policy.poll_interval
+                self._full_pass = False
                 try:
-                    coordinator.reconcile()
+                    coordinator.reconcile(changed_only=not full)
                 except KazooException as e:
                     log.warning("app %s: ZooKeeper trouble, retrying: %r", coordinator.app, e)
+                if full:
+                    last_full = now
                 coordinator.wake.wait(coordinator.policy.poll_interval)
         except Fenced:
             log.info("app %s: fenced; another coordinator owns phase two now", coordinator.app)

@@ -117,8 +117,12 @@ class ProgressPublisher:
                 if self.halted is not None and run.ended is None and not run.halted:
                     self._halt_run(run)
                 if run.barrier > self._barriers.get(run.query_id, -1):
-                    self.client.ensure_path(qp.barrier)
-                    self.client.set(qp.barrier, dump({"epoch": run.barrier, "run": run.run_id}))
+                    barrier = dump({"epoch": run.barrier, "run": run.run_id})
+                    try:
+                        self.client.set(qp.barrier, barrier)
+                    except NoNodeError:  # the query's first barrier: made once, not checked every epoch
+                        self.client.ensure_path(qp.barrier)
+                        self.client.set(qp.barrier, barrier)
                     self._barriers[run.query_id] = run.barrier
                 if run.ended:
                     self._end_run(qp.run(run.run_id))

@@ -138,10 +138,19 @@ class TwoPhaseSink:
         )
         registry = PrecommitRegistry(shared_client(self.zk), self.paths.query(ctx.query_id), Signer(self._secret))
         self.attempt = TaskAttempt(self.sink, registry, ctx)
-        return self.attempt.open()
+        if not self.attempt.open():
+            return False
+        # Spark looks up ``process`` on this object for every row: an instance attribute bound to the
+        # sink's write shadows the method below, sparing two Python calls per row. close() drops it.
+        self.process = self.attempt.row_writer()
+        return True
 
     def process(self, row: Any) -> None:
-        """ForeachWriter.process, in a Spark task: write one row into the attempt's transaction."""
+        """ForeachWriter.process, in a Spark task: write one row into the attempt's transaction.
+
+        Once ``open`` began a transaction, the attempt's :meth:`~twophase.task.TaskAttempt.row_writer`
+        takes this method's place on the instance (the per-row path).
+        """
         self.attempt.write(row)
 
     def close(self, error: BaseException | None | _OnDriver = _ON_DRIVER) -> None:
@@ -154,6 +163,7 @@ class TwoPhaseSink:
             if hook is not None:
                 hook.release()
             return
+        self.__dict__.pop("process", None)
         attempt = self.__dict__.pop("attempt", None)
         if attempt is not None:
             attempt.close(error)

@@ -1,0 +1,118 @@
+"""One task attempt's ZooKeeper work (twophase/task.py over coordinator/precommits.py) against a real
+ZooKeeper, with the real FileSink, without Spark: what open() and close() ask of ZooKeeper, and that
+the cheaper path keeps every rule (halt first, winner skips, the epoch's nodes made once)."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+
+import pytest
+
+from coordinator.precommits import PrecommitRegistry
+from coordinator.zk import connect
+from sinks.files import FileSink
+from tests.harness import QUERY, SIGNER, Pipeline, ids_out
+from twophase.sink import TxnContext
+from twophase.task import PhaseTwoHalted, TaskAttempt
+from twophase.verify import count_rows
+
+
+@pytest.fixture
+def pipe(zk, zk_root, tmp_path):
+    return Pipeline(zk, zk_root, FileSink(str(tmp_path / "out")))
+
+
+@pytest.fixture
+def counted(zk_server):
+    """A client of its own (an executor's) that counts the requests it sends, by type."""
+    client = connect(zk_server.hosts)
+    sent: Counter[str] = Counter()
+    send = client._call
+
+    def counting(request, async_object):
+        sent[type(request).__name__] += 1
+        return send(request, async_object)
+
+    client._call = counting
+    yield client, sent
+    client.stop()
+    client.close()
+
+
+def ctx(epoch=0, partition=0, attempt=0, run="r1") -> TxnContext:
+    return TxnContext("app", QUERY, run, epoch, partition, attempt)
+
+
+def test_open_is_one_pipelined_read_and_one_multi_op_and_close_one_check_and_one_multi_op(pipe, counted):
+    client, sent = counted
+    assert pipe.task("r1", 0, 0, [0]) is True  # the query's first: makes epochs/ and slots/ the slow way
+    registry = PrecommitRegistry(client, pipe.qp, SIGNER)
+    registry.ensure_run("r1")
+    for epoch, partition in ((0, 1), (1, 0), (1, 1)):  # the first attempt of an epoch makes it in its multi-op
+        attempt = TaskAttempt(pipe.sink, registry, ctx(epoch, partition))
+        sent.clear()
+        assert attempt.open()
+        # halted, winner, held slots, the epoch's nodes: sent together, answered in one round trip
+        assert sent == Counter(GetData=2, GetChildren=1, Exists=1, Transaction=1)
+        attempt.write({"id": epoch * 10 + partition})
+        sent.clear()
+        attempt.close(None)
+        assert attempt.won
+        assert sum(sent.values()) == 2  # holds_intent, then the registration multi-op
+    assert sorted(pipe.zk.get_children(pipe.qp.epoch(1))) == ["attempts", "intents", "winners"]
+    pipe.barrier(1, "r1")
+    pipe.coordinator().reconcile()
+    assert count_rows([0, 1, 10, 11], ids_out(pipe)).exact
+
+
+def test_a_halt_is_reported_before_a_winner_and_records_no_intent(pipe):
+    assert pipe.task("r1", 0, 0, range(10)) is True
+    pipe.zk.create(pipe.qp.halted("r1"), b"the coordinator failed for good")
+    with pytest.raises(PhaseTwoHalted, match="the coordinator failed for good"):
+        TaskAttempt(pipe.sink, pipe.registry, ctx(attempt=1)).open()
+    pipe.zk.delete(pipe.qp.halted("r1"))
+    admission = pipe.registry.admit(ctx(attempt=1))
+    assert (admission.halted, admission.winner, admission.ctx) == (None, "r1.0.0.0", None)
+    assert pipe.zk.get_children(pipe.qp.intents(0)) == ["r1.0.0.0"]  # the winner's, none for the skipper
+
+
+def test_the_first_attempts_of_an_epoch_racing_to_make_it_all_record_their_intents(zk_server, pipe):
+    """Each thread has a ZooKeeper client of its own, as tasks on different executors do; all of them
+    find the epoch missing, one multi-op makes it, the others find it made and record their intents."""
+    start, results, clients = threading.Barrier(8), {}, []
+
+    def task(partition):
+        client = connect(zk_server.hosts)
+        clients.append(client)
+        attempt = TaskAttempt(pipe.sink, PrecommitRegistry(client, pipe.qp, SIGNER), ctx(partition=partition))
+        start.wait()
+        assert attempt.open()
+        attempt.write({"id": partition})
+        attempt.close(None)
+        results[partition] = (attempt.won, attempt.ctx.slot)
+
+    threads = [threading.Thread(target=task, args=(p,)) for p in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for client in clients:
+        client.stop()
+        client.close()
+    assert results == {p: (True, 0) for p in range(8)}
+    pipe.barrier(0, "r1")
+    pipe.coordinator().reconcile()
+    assert count_rows(range(8), ids_out(pipe)).exact
+
+
+def test_the_row_writer_writes_into_the_attempts_transaction(pipe):
+    attempt = TaskAttempt(pipe.sink, pipe.registry, ctx())
+    assert attempt.open()
+    write = attempt.row_writer()
+    for i in range(5):
+        write({"id": i})
+    attempt.close(None)
+    pipe.barrier(0, "r1")
+    pipe.coordinator().reconcile()
+    assert count_rows(range(5), ids_out(pipe)).exact
