@@ -43,7 +43,7 @@ os.environ.setdefault("TWOPHASE_SECRET", "twophase-bench-secret-0123456789")
 os.environ.setdefault("PYSPARK_SUBMIT_ARGS", "--conf spark.ui.showConsoleProgress=false pyspark-shell")
 
 from examples.file_sink_query import build_spark, start_query, write_input  # noqa: E402
-from sinks.files import FileSink, read_committed_rows  # noqa: E402
+from sinks.files import FileSink, _encode, read_committed_rows  # noqa: E402
 from twophase.checkpoint import last_completed_epoch  # noqa: E402
 from twophase.verify import count_rows  # noqa: E402
 from twophase.zkserver import ZooKeeperServer  # noqa: E402
@@ -68,7 +68,7 @@ class PlainJsonLines:
 
     def process(self, row) -> None:
         # Byte for byte what FileSink.write does with its default serializer.
-        self._file.write(json.dumps(row.asDict(recursive=True), default=str, separators=(",", ":")))
+        self._file.write(_encode(row.asDict(recursive=True)))
         self._file.write("\n")
 
     def close(self, error) -> None:

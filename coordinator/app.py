@@ -51,6 +51,11 @@ from twophase.sink import AbortFailed, CommitFailed, CommitOutcomeUnknown, TwoPh
 
 log = logging.getLogger("twophase.coordinator")
 
+# After a ready hint (coordinator/layout.py QueryPaths.ready) passes look for the epoch's commits/N this
+# often, for at most this long: Spark writes it right after the hint, unless the driver dies in between.
+READY_POLL = 0.02
+READY_WINDOW = 10.0
+
 # Sink errors that no retry can fix: the handle can never be committed, or was committed and
 # can no longer be aborted. Not retried; they mark the epoch FAILED for an operator.
 PERMANENT = (CommitFailed, AbortFailed)
@@ -190,6 +195,7 @@ class AppCoordinator:
         self._quiet_at: dict[str, int] = {}
         self._epochs_seen: dict[str, set[str]] = {}  # per query, its epochs as its watch last saw them
         self._committed: dict[str, int] = {}         # per query, the last epoch this coordinator committed
+        self._ready: dict[str, tuple[int, float]] = {}  # per query, a ready hint: (epoch, look until, monotonic)
 
     def acquire(self) -> None:
         """Take ownership of the app's phase two, fencing any previous owner.
@@ -230,6 +236,7 @@ class AppCoordinator:
             self.client.ensure_path(qp.epochs)
             ChildrenWatch(self.client, qp.epochs, lambda names, qid=qid: self._on_epochs(qid, names))
             DataWatch(self.client, qp.barrier, lambda data, *_, qid=qid: self._on_barrier(qid, data))
+            DataWatch(self.client, qp.ready, lambda data, *_, qid=qid: self._on_ready(qid, data))
         self.wake.set()
 
     # Watches only wake the loop, and a full pass runs every poll_interval whatever they say: the two
@@ -253,9 +260,37 @@ class AppCoordinator:
         if not isinstance(epoch, int) or epoch > self._committed.get(query_id, -1):
             self._stir(query_id)
 
+    def _on_ready(self, query_id: str, data: bytes | None) -> None:
+        # The batch path's writer says Spark is about to write commits/N (twophase/spark/stream_sink.py):
+        # passes look at the checkpoint every READY_POLL seconds until N is committed or READY_WINDOW ends.
+        try:
+            epoch = parse_object(data or b"", "ready", {}).get("epoch")
+        except RecordError:
+            return  # a hint only: a bad one is ignored, the barrier and the checkpoint still decide
+        if isinstance(epoch, int) and epoch > self._committed.get(query_id, -1):
+            self._ready[query_id] = (epoch, time.monotonic() + READY_WINDOW)
+            self._stir(query_id)
+
+    def ready_wait(self) -> float | None:
+        """READY_POLL while a ready hint waits for its epoch's ``commits/N`` (the queries concerned are
+        stirred, so the next watch-woken pass visits them), else None: the loop's usual wait."""
+        now = time.monotonic()
+        waiting = False
+        for query_id, (epoch, until) in list(self._ready.items()):
+            if epoch <= self._committed.get(query_id, -1) or now > until:
+                self._ready.pop(query_id, None)
+            else:
+                self._changed(query_id)  # visited by the pass after the wait, which nothing else wakes
+                waiting = True
+        return READY_POLL if waiting else None
+
     def _stir(self, query_id: str) -> None:
-        self._stirs[query_id] = self._stirs.get(query_id, 0) + 1  # only kazoo's event thread writes it
+        self._changed(query_id)
         self.wake.set()
+
+    def _changed(self, query_id: str) -> None:
+        # kazoo's event thread and the loop's (ready_wait) write it; a lost increment still changes it.
+        self._stirs[query_id] = self._stirs.get(query_id, 0) + 1
 
     # -- reconcile --------------------------------------------------------
 

@@ -93,6 +93,12 @@ class QueryPaths:
         return f"{self.base}/barrier"
 
     @property
+    def ready(self) -> str:
+        """The batch path's hint that Spark is about to record an epoch complete (``commits/N``): the
+        coordinator then looks at the checkpoint every few ms for a while. Never proof of anything."""
+        return f"{self.base}/ready"
+
+    @property
     def watermark(self) -> str:
         """Every epoch at or below it is committed."""
         return f"{self.base}/watermark"

@@ -161,6 +161,6 @@ def test_open_refuses_continuous_processing(monkeypatch, zk_server, zk_root, tmp
     writer = TwoPhaseSink(FaultyFileSink(str(tmp_path / "out")), app="test", zk=zk_server.hosts,
                           root=zk_root, spark=spark)
     fake = FakeTaskContext(**{"__is_continuous_processing": "true"})
-    monkeypatch.setattr("twophase.spark.writer.TaskContext.get", lambda: fake)
+    monkeypatch.setattr("twophase.spark.task_context.TaskContext.get", lambda: fake)
     with pytest.raises(ContinuousProcessingNotSupported, match="use a micro-batch trigger"):
         writer.open(0, 0)

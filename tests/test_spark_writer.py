@@ -10,7 +10,7 @@ from sinks.files import FileSink, read_committed_rows
 from tests.waiting import wait_until
 from twophase.spark import TwoPhaseBatchSink, await_committed, write_stream
 from twophase.spark.driver import DriverHook
-from twophase.spark.stream_sink import NotInStream
+from twophase.spark.task_context import NotInStream
 from twophase.verify import count_rows
 
 pytestmark = pytest.mark.spark

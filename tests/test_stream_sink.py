@@ -1,4 +1,4 @@
-"""The batch path's driver-side check and options, without Spark (a real ZooKeeper)."""
+"""The batch path's driver-side check, its ready hint and its options, without Spark (a real ZooKeeper)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,15 @@ import threading
 
 import pytest
 
+from coordinator.app import AppCoordinator, CommitPolicy
 from coordinator.layout import AppPaths
+from coordinator.zk import dump
+from sinks.files import FileSink
+from tests.harness import QUERY, SIGNER, Pipeline, ids_out
+from tests.waiting import wait_until
+from twophase.spark.host import CoordinatorHost
+from twophase.spark.waiter import await_watermark
+from twophase.supervisor import Supervision
 from twophase.spark.sink_options import WriterOptionError, exactly_once
 from twophase.spark.stream_sink import DriverHookMissing, await_watched
 from twophase.task import PhaseTwoHalted
@@ -51,3 +59,44 @@ def test_bad_exactly_once_options_are_named(options, message):
 def test_exactly_once_options_match_case_insensitively():
     where = exactly_once({"TwoPhase.ZK": "h:1", "twophase.APP": "a", "twophase.coordinator": "daemon"})
     assert (where.zk, where.app, where.root, where.coordinator) == ("h:1", "a", "/twophase", "daemon")
+
+
+def test_a_ready_hint_has_the_coordinator_watch_the_checkpoint_until_spark_records_the_epoch(zk, zk_root, tmp_path):
+    """The writer's commit() hints that commits/N is coming: the embedded coordinator, whose next full pass
+    is a minute away and which has no barrier, commits epoch 0 once commits/0 appears in the checkpoint."""
+    pipe = Pipeline(zk, zk_root, FileSink(str(tmp_path / "out")))
+    checkpoint = tmp_path / "ck"
+    (checkpoint / "commits").mkdir(parents=True)
+    assert pipe.task("r1", 0, 0, [1, 2]) and pipe.task("r1", 0, 1, [3])
+    zk.set(pipe.qp.base, dump({"checkpoint": str(checkpoint)}))
+    coordinator = AppCoordinator(zk, zk_root, "app", SIGNER, "c1", CommitPolicy(poll_interval=60.0))
+    passes = threading.Condition()
+    done: list[int] = []
+    reconcile = coordinator.reconcile
+
+    def counted(*args, **kwargs):
+        try:
+            return reconcile(*args, **kwargs)
+        finally:
+            with passes:
+                done.append(1)
+                passes.notify_all()
+
+    def await_passes(n: int) -> None:
+        with passes:
+            assert passes.wait_for(lambda: len(done) >= n, timeout=30), f"{len(done)} passes, awaited {n}"
+
+    coordinator.reconcile = counted
+    host = CoordinatorHost(coordinator, Supervision(), on_give_up=lambda e: None)
+    host.start()
+    try:
+        await_passes(1)  # the first (full) pass found epoch 0 incomplete
+        zk.create(pipe.qp.ready, dump({"epoch": 0, "run": "r1"}))
+        wait_until(lambda: QUERY in coordinator._ready, what="the hint to reach the coordinator")
+        await_passes(len(done) + 2)  # passes keep looking while the hint waits for commits/0
+        assert pipe.watermark() == -1
+        (checkpoint / "commits" / "0").write_text("v1\n{}\n")
+        await_watermark(zk, pipe.qp.watermark, 0, timeout=30, app="app")
+        assert sorted(ids_out(pipe)) == [1, 2, 3]
+    finally:
+        host.supervisor.stop()

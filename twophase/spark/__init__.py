@@ -12,9 +12,10 @@ from twophase.spark.driver import HookFailed
 from twophase.spark.foreach_batch import TwoPhaseBatchSink
 from twophase.spark.stream_sink import DriverHookMissing
 from twophase.spark.streams import await_committed, register, write_stream
-from twophase.spark.writer import ContinuousProcessingNotSupported, TwoPhaseSink
+from twophase.spark.task_context import ContinuousProcessingNotSupported, NotInStream
+from twophase.spark.writer import TwoPhaseSink
 from twophase.supervisor import Supervision
 from twophase.task import PhaseTwoHalted
 
-__all__ = ["ContinuousProcessingNotSupported", "DriverHookMissing", "HookFailed", "PhaseTwoHalted", "Supervision",
+__all__ = ["ContinuousProcessingNotSupported", "DriverHookMissing", "HookFailed", "NotInStream", "PhaseTwoHalted", "Supervision",
            "TwoPhaseBatchSink", "TwoPhaseSink", "await_committed", "register", "write_stream"]

@@ -23,7 +23,8 @@ from twophase.signing import load_secret
 from twophase.sink import TwoPhaseCommitSink
 from twophase.spark.driver import DriverHook, HookConfig
 from twophase.spark.sink_options import check_app_settings
-from twophase.spark.stream_sink import SINK_FORMAT, NotInStream
+from twophase.spark.stream_sink import SINK_FORMAT
+from twophase.spark.task_context import NotInStream
 from twophase.spark.streams import register
 from twophase.supervisor import Supervision
 

@@ -73,6 +73,6 @@ class CoordinatorHost:
                     log.warning("app %s: ZooKeeper trouble, retrying: %r", coordinator.app, e)
                 if full:
                     last_full = now
-                coordinator.wake.wait(coordinator.policy.poll_interval)
+                coordinator.wake.wait(coordinator.ready_wait() or coordinator.policy.poll_interval)
         except Fenced:
             log.info("app %s: fenced; another coordinator owns phase two now", coordinator.app)

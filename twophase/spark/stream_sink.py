@@ -10,7 +10,8 @@ Spark calls ``commit(messages, batchId)`` on the driver host *before* it writes 
 and again for the same batch id if the driver dies in between (docs/spark-facts.md). So it commits
 nothing: the coordinator still commits an epoch only once Spark has durably completed it. It checks
 that a driver hook watches the run (else nothing would ever commit the pre-commits: the batch fails
-with the reason instead) and raises the run's halt reason if twophase halted it.
+with the reason instead), raises the run's halt reason if twophase halted it, and hints the
+coordinator that ``commits/N`` is coming (QueryPaths.ready), so it looks at the checkpoint at once.
 
 Two data sources use it: ``twophase-kafka`` (twophase/spark/source.py, Spark's Kafka sink contract
 over :class:`~sinks.log.LogSink`) and ``twophase`` (:class:`SinkFormat`: any sink, stored in
@@ -29,7 +30,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from kazoo.client import KazooClient
-from pyspark import TaskContext
+from kazoo.exceptions import NoNodeError
 from pyspark.sql.datasource import (
     DataSource,
     DataSourceArrowWriter,
@@ -40,11 +41,11 @@ from pyspark.sql.types import StructType
 
 from coordinator.layout import AppPaths, QueryPaths
 from coordinator.precommits import PrecommitRegistry
-from coordinator.zk import shared_client
+from coordinator.zk import dump, shared_client
 from twophase.signing import Signer, load_secret
-from twophase.sink import TwoPhaseCommitSink, TxnContext
+from twophase.sink import TwoPhaseCommitSink
 from twophase.spark.sink_options import ExactlyOnce, exactly_once
-from twophase.spark.writer import ContinuousProcessingNotSupported
+from twophase.spark.task_context import task_context
 from twophase.task import PhaseTwoHalted, TaskAttempt
 
 SINK_FORMAT = "twophase"
@@ -55,10 +56,6 @@ HOOK_WAIT = 60.0
 
 class DriverHookMissing(RuntimeError):
     """No twophase driver hook watches the run, so nothing would ever commit its pre-commits."""
-
-
-class NotInStream(RuntimeError):
-    """A twophase writer ran outside a streaming query's micro-batch: there is no epoch to commit on."""
 
 
 @dataclass
@@ -72,29 +69,6 @@ class AttemptReport(WriterCommitMessage):
     attempt: int
     rows: int
     won: bool | None  # None: skipped, an attempt of this run had won the partition already
-
-
-def task_context(app: str, partition: int | None = None, epoch: int | None = None) -> TxnContext:
-    """The running Spark task's attempt as a TxnContext (``partition`` and ``epoch`` default to the task's).
-
-    Raises ContinuousProcessingNotSupported under a continuous trigger: it has no epochs to commit on.
-    """
-    task = TaskContext.get()
-    if task.getLocalProperty("__is_continuous_processing") == "true":
-        raise ContinuousProcessingNotSupported(
-            "twophase needs micro-batch epochs as commit barriers; "
-            "use a micro-batch trigger instead of trigger(continuous=...)")
-    if epoch is None and task.getLocalProperty("streaming.sql.batchId") is None:
-        raise NotInStream("twophase writes the micro-batches of a streaming query: use writeStream, or write "
-                          "from foreachBatch with TwoPhaseBatchSink, not a batch DataFrame's write")
-    return TxnContext(
-        app=app,
-        query_id=task.getLocalProperty("sql.streaming.queryId"),
-        run_id=task.getLocalProperty("spark.jobGroup.id"),
-        epoch=int(task.getLocalProperty("streaming.sql.batchId")) if epoch is None else epoch,
-        partition=task.partitionId() if partition is None else partition,
-        attempt=task.attemptNumber(),
-    )
 
 
 class _AttemptWriter:
@@ -131,11 +105,21 @@ class _AttemptWriter:
         attempt.close(None)
         return AttemptReport(ctx.query_id, ctx.run_id, ctx.epoch, ctx.partition, ctx.attempt, rows, attempt.won)
 
-    def _check_watched(self, messages: list[AttemptReport | None]) -> None:
+    def _check_watched(self, messages: list[AttemptReport | None], batch_id: int) -> None:
+        """Check a driver hook publishes the run, then hint the coordinator that ``commits/<batch_id>``
+        is about to be written (QueryPaths.ready): it looks at the checkpoint at once instead of
+        waiting for the hook's next barrier. Still only commits/N, never this call, completes the epoch."""
         reports = [m for m in messages if m is not None]
-        if reports:  # a batch without partitions pre-committed nothing
-            await_watched(shared_client(self.where.zk), self._query(reports[0].query_id), reports[0].run_id,
-                          self.where.app, HOOK_WAIT)
+        if not reports:
+            return  # a batch without partitions pre-committed nothing
+        client = shared_client(self.where.zk)
+        query = self._query(reports[0].query_id)
+        await_watched(client, query, reports[0].run_id, self.where.app, HOOK_WAIT)
+        hint = dump({"epoch": batch_id, "run": reports[0].run_id})
+        try:
+            client.retry(client.set, query.ready, hint)
+        except NoNodeError:
+            client.retry(client.create, query.ready, hint, makepath=True)
 
 
 class TwoPhaseStreamWriter(_AttemptWriter, DataSourceStreamArrowWriter):
@@ -152,7 +136,7 @@ class TwoPhaseStreamWriter(_AttemptWriter, DataSourceStreamArrowWriter):
         Commits nothing (see the module doc). Raises DriverHookMissing if no hook published the run
         within HOOK_WAIT, and PhaseTwoHalted if twophase halted it: the batch fails with the reason.
         """
-        self._check_watched(messages)
+        self._check_watched(messages, batchId)
 
     def abort(self, messages: list[AttemptReport | None], batchId: int) -> None:  # noqa: N803 - Spark's name
         """A task failed past its retries: nothing to do here. Failed attempts aborted their own
@@ -165,7 +149,8 @@ class TwoPhaseBatchWriter(_AttemptWriter, DataSourceArrowWriter):
 
     def commit(self, messages: list[AttemptReport | None]) -> None:
         """On the driver host: check a driver hook will commit the pre-commits (see TwoPhaseStreamWriter)."""
-        self._check_watched(messages)
+        reports = [m for m in messages if m is not None]
+        self._check_watched(reports, reports[0].epoch if reports else -1)
 
     def abort(self, messages: list[AttemptReport | None]) -> None:
         """Nothing to do: see TwoPhaseStreamWriter.abort."""

@@ -17,10 +17,8 @@ coordinator); nothing else is asked of the user.
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
-from pyspark import TaskContext
 from pyspark.sql import SparkSession
 from pyspark.sql.streaming import StreamingQuery
 
@@ -29,18 +27,12 @@ from coordinator.layout import DEFAULT_ROOT, AppPaths
 from coordinator.precommits import PrecommitRegistry
 from coordinator.zk import shared_client
 from twophase.signing import Signer, load_secret
-from twophase.sink import TwoPhaseCommitSink, TxnContext
+from twophase.sink import TwoPhaseCommitSink
 from twophase.spark.driver import DriverHook, HookConfig
+from twophase.spark.sink_options import check_app_settings
+from twophase.spark.task_context import task_context
 from twophase.supervisor import Supervision
 from twophase.task import TaskAttempt
-
-_APP_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
-COORDINATOR_MODES = ("embedded", "daemon")
-
-
-class ContinuousProcessingNotSupported(RuntimeError):
-    """TwoPhaseSink was used with trigger(continuous=...), which has no micro-batch barriers."""
-
 
 class _OnDriver:
     """The default of ``close``'s argument: no error given, so the driver is closing the sink."""
@@ -75,12 +67,7 @@ class TwoPhaseSink:
                  spark: SparkSession | None = None) -> None:
         if not isinstance(sink, TwoPhaseCommitSink):
             raise TypeError(f"sink must be a TwoPhaseCommitSink, got {type(sink).__name__}")
-        if not _APP_NAME.match(app):
-            raise ValueError(f"app {app!r}: use letters, digits, '_', '.', '-' (at most 128)")
-        if coordinator not in COORDINATOR_MODES:
-            raise ValueError(f"coordinator must be one of {COORDINATOR_MODES}, got {coordinator!r}")
-        if not root.startswith("/") or root.endswith("/"):
-            raise ValueError(f"root {root!r} must be an absolute znode path without a trailing '/'")
+        check_app_settings(app, root, coordinator)
         self.sink = sink
         self.app = app
         self.zk = zk
@@ -123,19 +110,7 @@ class TwoPhaseSink:
         already won it; raises PhaseTwoHalted if twophase halted the run, and
         ContinuousProcessingNotSupported under a continuous trigger.
         """
-        task = TaskContext.get()
-        if task.getLocalProperty("__is_continuous_processing") == "true":
-            raise ContinuousProcessingNotSupported(
-                "TwoPhaseSink needs micro-batch epochs as commit barriers; "
-                "use a micro-batch trigger instead of trigger(continuous=...)")
-        ctx = TxnContext(
-            app=self.app,
-            query_id=task.getLocalProperty("sql.streaming.queryId"),
-            run_id=task.getLocalProperty("spark.jobGroup.id"),
-            epoch=epoch_id,
-            partition=partition_id,
-            attempt=task.attemptNumber(),
-        )
+        ctx = task_context(self.app, partition_id, epoch_id)
         registry = PrecommitRegistry(shared_client(self.zk), self.paths.query(ctx.query_id), Signer(self._secret))
         self.attempt = TaskAttempt(self.sink, registry, ctx)
         if not self.attempt.open():
