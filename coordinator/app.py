@@ -196,6 +196,7 @@ class AppCoordinator:
         self._epochs_seen: dict[str, set[str]] = {}  # per query, its epochs as its watch last saw them
         self._committed: dict[str, int] = {}         # per query, the last epoch this coordinator committed
         self._ready: dict[str, tuple[int, float]] = {}  # per query, a ready hint: (epoch, look until, monotonic)
+        self._ready_lock = threading.Lock()
 
     def acquire(self) -> None:
         """Take ownership of the app's phase two, fencing any previous owner.
@@ -268,7 +269,8 @@ class AppCoordinator:
         except RecordError:
             return  # a hint only: a bad one is ignored, the barrier and the checkpoint still decide
         if isinstance(epoch, int) and epoch > self._committed.get(query_id, -1):
-            self._ready[query_id] = (epoch, time.monotonic() + READY_WINDOW)
+            with self._ready_lock:
+                self._ready[query_id] = (epoch, time.monotonic() + READY_WINDOW)
             self._stir(query_id)
 
     def ready_wait(self) -> float | None:
@@ -276,13 +278,19 @@ class AppCoordinator:
         stirred, so the next watch-woken pass visits them), else None: the loop's usual wait."""
         now = time.monotonic()
         waiting = False
-        for query_id, (epoch, until) in list(self._ready.items()):
+        for query_id, hint in list(self._ready.items()):
+            epoch, until = hint
             if epoch <= self._committed.get(query_id, -1) or now > until:
-                self._ready.pop(query_id, None)
+                self._drop_hint(query_id, hint)
             else:
                 self._changed(query_id)  # visited by the pass after the wait, which nothing else wakes
                 waiting = True
         return READY_POLL if waiting else None
+
+    def _drop_hint(self, query_id: str, hint: tuple[int, float]) -> None:
+        with self._ready_lock:  # kazoo's thread may have put a newer hint meanwhile: keep that one
+            if self._ready.get(query_id) == hint:
+                del self._ready[query_id]
 
     def _stir(self, query_id: str) -> None:
         self._changed(query_id)
@@ -338,6 +346,9 @@ class AppCoordinator:
         barrier = read_epoch(self.client, qp.barrier)
         checkpoint = options.checkpoint or read_object(self.client, qp.base, {}).get("checkpoint")
         in_checkpoint = self._checkpoint_epochs(checkpoint)
+        hint = self._ready.get(qp.query_id)
+        if hint is not None and (hint[0] <= barrier or hint[0] in in_checkpoint):
+            self._drop_hint(qp.query_id, hint)  # Spark recorded it: the usual passes and retries take over
         replaying = read_epoch(self.client, qp.replay)
         if replaying >= 0:
             reason = f"`twophase replay` of epoch {replaying} is unfinished: run it again"

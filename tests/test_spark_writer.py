@@ -9,6 +9,7 @@ from examples.file_sink_query import INPUT_SCHEMA, FaultyFileSink, write_input
 from sinks.files import FileSink, read_committed_rows
 from tests.waiting import wait_until
 from twophase.spark import TwoPhaseBatchSink, await_committed, write_stream
+from twophase.spark.discovery import write_options
 from twophase.spark.driver import DriverHook
 from twophase.spark.task_context import NotInStream
 from twophase.verify import count_rows
@@ -52,6 +53,8 @@ def test_foreach_batch_writes_one_micro_batch_to_two_sinks_each_exactly_once(spa
         query = start(spark, lambda df: df.writeStream.foreachBatch(process), tmp_path)
         query.awaitTermination()
         assert every.await_committed(query, timeout=60) == 2 and even.await_committed(query, timeout=60) == 2
+        # The discovery reads a foreachBatch query as not its own (Spark's ForeachBatchSink.name() throws).
+        assert write_options(query._jsq) == ("", {})
     assert count_rows(range(120), [r["id"] for r in read_committed_rows(str(tmp_path / "all"))]).exact
     assert count_rows(range(0, 120, 2), [r["id"] for r in read_committed_rows(str(tmp_path / "even"))]).exact
 
@@ -67,6 +70,20 @@ def test_foreach_batch_refuses_a_second_write_of_one_micro_batch(spark, zk_serve
         query = start(spark, lambda df: df.writeStream.foreachBatch(process), tmp_path)
         with pytest.raises(StreamingQueryException, match="already wrote micro-batch 0"):
             query.awaitTermination()
+
+
+def test_two_sinks_stored_for_one_app_stop_the_query_instead_of_mixing_output(spark, zk_server, zk_root, tmp_path):
+    """write_stream stores the sink for its app; a second one for the same app replaces it, and the first
+    query, whose writer would now load the other sink, fails naming the cause instead."""
+    write_input(str(tmp_path / "in"), 0, range(10))
+    first = lambda df: write_stream(df, FileSink(str(tmp_path / "a")), app="same", zk=zk_server.hosts, root=zk_root)
+    df = spark.readStream.schema(INPUT_SCHEMA).json(str(tmp_path / "in"))
+    writer = first(df)
+    write_stream(df, FileSink(str(tmp_path / "b")), app="same", zk=zk_server.hosts, root=zk_root)
+    query = writer.option("checkpointLocation", str(tmp_path / "ck")).trigger(availableNow=True).start()
+    with pytest.raises(StreamingQueryException, match="One sink per app"):
+        query.awaitTermination()
+    assert read_committed_rows(str(tmp_path / "a")) == [] and read_committed_rows(str(tmp_path / "b")) == []
 
 
 def test_a_batch_dataframe_cannot_use_the_exactly_once_writer(spark, zk_server, zk_root, tmp_path):

@@ -32,7 +32,7 @@ from coordinator.zk import read_json
 from twophase.sink import TwoPhaseCommitSink
 from twophase.spark.driver import POLL_INTERVAL, DriverHook, HookConfig
 from twophase.spark.queries import QueryWatcher
-from twophase.spark.sink_options import exactly_once, lowered
+from twophase.spark.sink_options import WriterOptionError, exactly_once, lowered
 from twophase.supervisor import Supervisor
 
 log = logging.getLogger("twophase.driver")
@@ -50,9 +50,11 @@ def write_options(jsq) -> tuple[str, dict[str, str]] | None:
     last = execution.lastExecution()
     if last is None:
         return None
+    # Only a Python data source's table (PythonTable) can be ours; other sinks' name() may throw
+    # (ForeachBatchSink's and FileStreamSink's do in Spark 4.3: "should not be called").
+    if not str(execution.sink().getClass().getName()).endswith(".PythonTable"):
+        return "", {}
     logical = last.logical()
-    if not hasattr(logical, "writeOptions"):
-        return str(execution.sink().name()), {}
     converted = {}
     iterator = logical.writeOptions().iterator()  # a Scala Map: (key, value) tuples
     while iterator.hasNext():
@@ -83,7 +85,8 @@ class WriterDiscovery:
         key = id(spark.sparkContext._jsc)
         with cls._lock:
             found = cls._running.get(key)
-            if found is None or found._job.finished:
+            # A stopped context's id may be reused by a new one: that discovery is ending.
+            if found is None or found._job.finished or found.spark.sparkContext._jsc is not spark.sparkContext._jsc:
                 found = cls._running[key] = WriterDiscovery(spark)
                 found._job.start()
             found._factories.update(factories)
@@ -111,7 +114,7 @@ class WriterDiscovery:
         """Keep an acquired hook (this discovery now owns that acquire) until its queries are committed."""
         with self._lock:
             held = self._held.get(hook.config.key)
-            if held is None:
+            if held is None or held.hook is not hook:  # none, or a closed one's (failed, close_all)
                 self._held[hook.config.key] = _Held(hook)
                 return
             held.expected += 1  # not released before that query is seen, ran and is committed
@@ -120,7 +123,8 @@ class WriterDiscovery:
     def _loop(self, stop: threading.Event) -> None:
         while not stop.is_set():
             if self.spark.sparkContext._jsc is None:
-                self._release_all()
+                # Spark stopped: its queries' last epochs may still await their commit, so the hooks
+                # stay (their coordinators finish; DriverHook.close_all at exit stops them), as foreach's.
                 return
             self._poll()
             stop.wait(POLL_INTERVAL)
@@ -131,25 +135,36 @@ class WriterDiscovery:
             key = (str(jsq.id().toString()), str(jsq.runId().toString()))
             active[key] = jsq
             if key not in self._seen:
-                self._discover(key, jsq)
+                try:
+                    self._discover(key, jsq)
+                except Exception as e:  # noqa: BLE001 - one query's trouble must not stop the others'
+                    log.warning("query %s run %s: no driver hook yet, retrying: %r", *key, e)
         self._settle(active)
 
     def _discover(self, key: tuple[str, str], jsq) -> None:
         found = write_options(jsq)
         if found is None:
             return  # not planned yet: look again at the next poll
-        self._seen.add(key)
         name, options = found
         if name not in self._factories:
+            self._seen.add(key)
             return
         try:
             where = exactly_once(options, also=options)  # unknown names are the writer's to refuse
             made = self._factories[name](options)
-        except ValueError as e:
+        except WriterOptionError as e:
+            self._seen.add(key)
             log.debug("query %s: not hooked, its writer refuses its options: %s", key[0], e)
             return  # the writer fails the batch with the same message
         if made is not None:
-            self.hold(DriverHook.acquire(*made, self.spark))
+            try:
+                hook = DriverHook.acquire(*made, self.spark)
+            except ValueError as e:  # the app runs in this driver with other settings
+                self._seen.add(key)
+                log.error("query %s: not hooked: %s", key[0], e)
+                return
+            self.hold(hook)
+        self._seen.add(key)  # only now: a failed acquire (ZooKeeper away) is tried again at the next poll
         hook_key = (where.zk, where.root, where.app)
         with self._lock:
             held = self._held.get(hook_key)

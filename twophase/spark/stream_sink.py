@@ -24,13 +24,14 @@ ZooKeeper by :func:`twophase.spark.write_stream`)::
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 from kazoo.client import KazooClient
-from kazoo.exceptions import NoNodeError
+from kazoo.exceptions import NodeExistsError, NoNodeError
 from pyspark.sql.datasource import (
     DataSource,
     DataSourceArrowWriter,
@@ -44,11 +45,12 @@ from coordinator.precommits import PrecommitRegistry
 from coordinator.zk import dump, shared_client
 from twophase.signing import Signer, load_secret
 from twophase.sink import TwoPhaseCommitSink
-from twophase.spark.sink_options import ExactlyOnce, exactly_once
+from twophase.spark.sink_options import ExactlyOnce, WriterOptionError, exactly_once, lowered
 from twophase.spark.task_context import task_context
 from twophase.task import PhaseTwoHalted, TaskAttempt
 
 SINK_FORMAT = "twophase"
+SINK_DIGEST = "twophase.sinkDigest"  # the stored sink the query was started with (see sink_digest)
 # How long commit() waits for the driver hook to publish a run it has not seen yet: the hook sees a
 # query within a poll (0.25 s) and publishes its run once the first task recorded it.
 HOOK_WAIT = 60.0
@@ -105,7 +107,7 @@ class _AttemptWriter:
         attempt.close(None)
         return AttemptReport(ctx.query_id, ctx.run_id, ctx.epoch, ctx.partition, ctx.attempt, rows, attempt.won)
 
-    def _check_watched(self, messages: list[AttemptReport | None], batch_id: int) -> None:
+    def _check_watched(self, messages: list[AttemptReport | None], batch_id: int | None) -> None:
         """Check a driver hook publishes the run, then hint the coordinator that ``commits/<batch_id>``
         is about to be written (QueryPaths.ready): it looks at the checkpoint at once instead of
         waiting for the hook's next barrier. Still only commits/N, never this call, completes the epoch."""
@@ -115,11 +117,16 @@ class _AttemptWriter:
         client = shared_client(self.where.zk)
         query = self._query(reports[0].query_id)
         await_watched(client, query, reports[0].run_id, self.where.app, HOOK_WAIT)
+        if batch_id is None:
+            return  # foreachBatch: commits/N comes only after the whole function returned
         hint = dump({"epoch": batch_id, "run": reports[0].run_id})
         try:
             client.retry(client.set, query.ready, hint)
         except NoNodeError:
-            client.retry(client.create, query.ready, hint, makepath=True)
+            try:
+                client.retry(client.create, query.ready, hint, makepath=True)
+            except NodeExistsError:  # another batch's commit created it meanwhile
+                client.retry(client.set, query.ready, hint)
 
 
 class TwoPhaseStreamWriter(_AttemptWriter, DataSourceStreamArrowWriter):
@@ -149,8 +156,7 @@ class TwoPhaseBatchWriter(_AttemptWriter, DataSourceArrowWriter):
 
     def commit(self, messages: list[AttemptReport | None]) -> None:
         """On the driver host: check a driver hook will commit the pre-commits (see TwoPhaseStreamWriter)."""
-        reports = [m for m in messages if m is not None]
-        self._check_watched(reports, reports[0].epoch if reports else -1)
+        self._check_watched(messages, None)
 
     def abort(self, messages: list[AttemptReport | None]) -> None:
         """Nothing to do: see TwoPhaseStreamWriter.abort."""
@@ -207,7 +213,7 @@ class SinkFormat(DataSource):
 
     def _stored(self) -> tuple[TwoPhaseCommitSink, ExactlyOnce, bytes]:
         """The app's stored sink (signature checked), where its state lives, and the secret."""
-        where = exactly_once(self.options)
+        where = exactly_once(self.options, also=(SINK_DIGEST,))
         secret = load_secret()
         client = shared_client(where.zk)
         paths = AppPaths(where.root, where.app)
@@ -215,4 +221,14 @@ class SinkFormat(DataSource):
         if not blob:
             raise DriverHookMissing(f"app {where.app} has no sink stored in ZooKeeper: start the query with "
                                     "twophase.spark.write_stream(df, sink, app=..., zk=...)")
+        if sink_digest(blob) != lowered(self.options).get(SINK_DIGEST.lower()):
+            raise WriterOptionError(
+                f"the sink stored for app {where.app} is not the one this query was started with: another "
+                "write_stream or TwoPhaseBatchSink of the app stored its own since. One sink per app: give "
+                "each sink an app of its own")
         return Signer(secret).loads(blob, paths.sink, what=f"sink of app {where.app!r}"), where, secret
+
+
+def sink_digest(blob: bytes) -> str:
+    """What names one stored sink (the signed blob's SHA-256), so a writer notices another replaced it."""
+    return hashlib.sha256(blob).hexdigest()

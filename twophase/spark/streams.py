@@ -37,7 +37,7 @@ from twophase.spark.kafka_sink import kafka_hook
 from twophase.spark.queries import QueryWatcher
 from twophase.spark.sink_options import check_app_settings, exactly_once
 from twophase.spark.source import KafkaSource
-from twophase.spark.stream_sink import SINK_FORMAT, SinkFormat
+from twophase.spark.stream_sink import SINK_DIGEST, SINK_FORMAT, SinkFormat, sink_digest
 from twophase.spark.waiter import await_watermark
 from twophase.supervisor import Supervision
 
@@ -71,9 +71,16 @@ def write_stream(df: DataFrame, sink: TwoPhaseCommitSink, app: str, zk: str, *, 
     spark = df.sparkSession
     register(spark)
     config = HookConfig(zk, root, app, load_secret(), coordinator, policy or CommitPolicy(), supervision or Supervision())
-    WriterDiscovery.start(spark, {}).hold(DriverHook.acquire(config, sink, spark))
+    hook = DriverHook.acquire(config, sink, spark)
+    WriterDiscovery.start(spark, {}).hold(hook)
     return (df.writeStream.format(SINK_FORMAT).option("twophase.zk", zk).option("twophase.app", app)
-            .option("twophase.root", root).option("twophase.coordinator", coordinator))
+            .option("twophase.root", root).option("twophase.coordinator", coordinator)
+            .option(SINK_DIGEST, stored_digest(hook)))
+
+
+def stored_digest(hook: DriverHook) -> str:
+    """The digest of the sink ``hook`` stored for its app: the ``twophase`` format's writers check it."""
+    return sink_digest(hook.client.retry(hook.client.get, hook.paths.sink)[0])
 
 
 def await_committed(query: StreamingQuery, timeout: float = 60.0) -> int | None:
