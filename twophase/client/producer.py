@@ -241,13 +241,14 @@ class Producer:
                 while True:
                     now = time.monotonic()
                     batches = self._ready_batches(now)
-                    if batches or (self._closing and not any(self._queues.values())):
+                    adding = self._partitions_to_add()
+                    if batches or adding or (self._closing and not any(self._queues.values())):
                         break
                     self._cond.wait(self._next_wakeup(now))
-            if not batches:
+            if not batches and not adding:
                 return
             try:
-                self._send(batches)
+                self._send(batches, adding)
             except Exception as exc:  # a bug must not leave flush() waiting forever
                 log.exception("producer sender failed")
                 for batch in batches:
@@ -270,6 +271,16 @@ class Producer:
                 ready.append(head)
         return ready
 
+    def _partitions_to_add(self) -> list[tuple[str, int]]:
+        """The partitions with queued records that the open transaction does not hold yet (the lock held).
+
+        Added as soon as their first record is queued, as Java's producer does, not once a batch is due:
+        AddPartitionsToTxn (a round trip and a transaction-log fsync) runs during the linger, and the
+        first batch of a transaction goes out when its linger ends, not a round trip later."""
+        if self.transactional_id is None:
+            return []
+        return sorted(key for key, queue in self._queues.items() if queue and key not in self._txn_partitions)
+
     def _next_wakeup(self, now: float) -> float | None:
         times = [max(b[0].retry_at, b[0].created + self.linger_s) - now for b in self._queues.values() if b]
         return max(0.001, min(times)) if times else None
@@ -289,14 +300,19 @@ class Producer:
                 else:
                     self._sequence_gap = True  # a new epoch after the abort restarts them
 
-    def _send(self, batches: list[_Batch]) -> None:
+    def _send(self, batches: list[_Batch], adding: list[tuple[str, int]]) -> None:
+        """Add ``adding`` to the transaction, then produce ``batches`` (due batches, possibly none)."""
         try:
             if self._producer_id < 0:
                 self._init_producer_id()
-            if self.transactional_id is not None:
-                self._add_partitions(batches)
+            if adding:
+                self._add_partitions(adding)
         except KafkaError as exc:
-            for batch in batches:
+            # The head batch of each partition not added fails, due or not: the next one tries again.
+            with self._cond:
+                heads = {(b.topic, b.partition): b for b in batches}
+                heads.update((key, self._queues[key][0]) for key in adding if self._queues[key])
+            for batch in heads.values():
                 self._fail(batch, exc)
             return
         by_leader: dict[int, list[_Batch]] = collections.defaultdict(list)
@@ -379,10 +395,7 @@ class Producer:
     def _retry_any(self, call, what: str):
         return retry(lambda: call(self._cluster.any_connection()), self.request_timeout_s, what)
 
-    def _add_partitions(self, batches: list[_Batch]) -> None:
-        new = sorted({(b.topic, b.partition) for b in batches} - self._txn_partitions)
-        if not new:
-            return
+    def _add_partitions(self, new: list[tuple[str, int]]) -> None:
         by_topic: dict[str, list[int]] = collections.defaultdict(list)
         for topic, partition in new:
             by_topic[topic].append(partition)
