@@ -14,11 +14,10 @@ from confluent_kafka import Consumer as ConfluentConsumer
 from confluent_kafka import Producer as ConfluentProducer
 from confluent_kafka import TopicPartition
 
+from tests.waiting import wait_until
 from twophase.client import (Admin, Consumer, KafkaConnectionError, KafkaError, KafkaTimeout, PreparedTxn, PreparedTxnLost,
                              Producer, ProducerFenced, TransactionStateError, TransactionUnknown)
 from twophase.wire.api_keys import ApiKey
-
-from tests.waiting import wait_until
 
 from .conftest import confluent_drain, count_requests, drain, refuse_requests
 
