@@ -105,6 +105,7 @@ class Producer:
         self._producer_epoch = -1
         self._sequences: dict[tuple[str, int], int] = collections.defaultdict(int)
         self._txn_partitions: set[tuple[str, int]] = set()
+        self._sender_waiting = False  # the sender thread waits for work (in Condition.wait)
         self._sequence_gap = False
         self._queues: dict[tuple[str, int], collections.deque[_Batch]] = {}
         self._sticky = StickyPartitions()
@@ -138,6 +139,7 @@ class Producer:
                 partition = self._sticky.partition(topic, len(partitions))
             if self._append(topic, partition, (timestamp, key, value, headers), size):
                 self._cond.notify_all()
+                self._hand_over_new_partitions()
 
     def send_many(self, records: Iterable[OutRecord], timestamp_ms: int | None = None) -> int:
         """Queue many ``(topic, partition, key, value, headers, timestamp_ms)`` records, each as
@@ -183,6 +185,7 @@ class Producer:
                     wake = self._append(topic, partition, record, size) or wake
                 if wake:
                     self._cond.notify_all()
+                    self._hand_over_new_partitions()
             sent += len(queued)
         return sent
 
@@ -204,6 +207,13 @@ class Producer:
         if batch.size >= self.batch_size:
             batch.closed = wake = True
         return wake
+
+    def _hand_over_new_partitions(self) -> None:
+        """If records wait for a partition the open transaction lacks and the sender is idle, wait until
+        it woke (the lock held): it needs the GIL to send AddPartitionsToTxn during the linger, and a
+        caller sending in a loop would otherwise hold it for the interpreter's switch interval (5 ms)."""
+        if self._sender_waiting and self._partitions_to_add():
+            self._cond.wait_for(lambda: not self._sender_waiting, timeout=1.0)
 
     def flush(self, timeout_s: float | None = None) -> None:
         """Send everything queued and wait for it; raises the first error of a failed send."""
@@ -244,7 +254,12 @@ class Producer:
                     adding = self._partitions_to_add()
                     if batches or adding or (self._closing and not any(self._queues.values())):
                         break
-                    self._cond.wait(self._next_wakeup(now))
+                    self._sender_waiting = True
+                    try:
+                        self._cond.wait(self._next_wakeup(now))
+                    finally:
+                        self._sender_waiting = False
+                    self._cond.notify_all()  # a caller may wait for this (_hand_over_new_partitions)
             if not batches and not adding:
                 return
             try:
