@@ -196,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
                     for ms in args.txn_ms:
                         base = idempotent(client, broker.bootstrap, args.linger_ms, pool, args.records)
                         n = max(1, round(base * ms / 1000))
-                        rate, commit_ms, topic = transactional(client, broker.bootstrap, args.linger_ms, pool, args.records, n)
+                        rate, commit_ms, topic = transactional(client, broker.bootstrap, args.linger_ms, pool,
+                                                               args.records, n)
                         commits.setdefault((client.name, f"{ms} ms"), []).append(commit_ms)
                         rates.setdefault((client.name, "idempotent"), []).append(base)
                         rates.setdefault((client.name, f"{ms} ms"), []).append(rate)

@@ -206,11 +206,16 @@ def test_a_failed_send_makes_the_transaction_abort_only(broker, topic, monkeypat
         monkeypatch.undo()
         with pytest.raises(TransactionStateError, match="abortable_error"):
             p.commit_transaction()
-        p.abort_transaction()
-        p.begin_transaction()
-        p.send(topic, value=b"next", partition=0)
-        p.commit_transaction()
+        _abort_then_commit_another(p, topic)
     assert _our_values(broker, {topic: 1}, "read_committed", 1) == [b"next"]
+
+
+def _abort_then_commit_another(p: Producer, topic: str) -> None:
+    """After a failed commit: abort, then commit a transaction of b"next" to partition 0."""
+    p.abort_transaction()
+    p.begin_transaction()
+    p.send(topic, value=b"next", partition=0)
+    p.commit_transaction()
 
 
 def test_the_first_send_to_a_partition_adds_it_to_the_transaction_while_its_batch_lingers(broker, topic, monkeypatch):
@@ -240,10 +245,7 @@ def test_a_partition_the_transaction_could_not_add_fails_its_records(broker, top
         with pytest.raises(KafkaTimeout, match="AddPartitionsToTxn"):
             p.commit_transaction()
         monkeypatch.undo()
-        p.abort_transaction()
-        p.begin_transaction()
-        p.send(topic, value=b"next", partition=0)
-        p.commit_transaction()
+        _abort_then_commit_another(p, topic)
     assert _our_values(broker, {topic: 1}, "read_committed", 1) == [b"next"]
 
 

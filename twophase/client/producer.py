@@ -3,7 +3,8 @@
 A background sender thread turns per-partition batches into Produce requests, one request at a
 time, so a retried batch (same producer id, epoch and sequence) can never be overtaken by a later
 one and the broker deduplicates it. Batches go out when full (``batch_size``), after ``linger_ms``,
-or on flush. Errors of background sends are raised by the next flush, commit or send.
+or on flush. In a transaction a partition is added (AddPartitionsToTxn) at its first record, during
+that linger. Errors of background sends are raised by the next flush, commit or send.
 
 Example::
 
@@ -266,8 +267,7 @@ class Producer:
                 self._send(batches, adding)
             except Exception as exc:  # a bug must not leave flush() waiting forever
                 log.exception("producer sender failed")
-                for batch in batches:
-                    self._fail(batch, KafkaError(f"sender failed: {type(exc).__name__}: {exc}"))
+                self._fail_heads(batches, adding, KafkaError(f"sender failed: {type(exc).__name__}: {exc}"))
             with self._cond:
                 self._cond.notify_all()
 
@@ -323,12 +323,7 @@ class Producer:
             if adding:
                 self._add_partitions(adding)
         except KafkaError as exc:
-            # The head batch of each partition not added fails, due or not: the next one tries again.
-            with self._cond:
-                heads = {(b.topic, b.partition): b for b in batches}
-                heads.update((key, self._queues[key][0]) for key in adding if self._queues[key])
-            for batch in heads.values():
-                self._fail(batch, exc)
+            self._fail_heads(batches, adding, exc)
             return
         by_leader: dict[int, list[_Batch]] = collections.defaultdict(list)
         for batch in batches:
@@ -338,6 +333,15 @@ class Producer:
                 self._retry_later(batch, exc)
         for node, group in by_leader.items():
             self._produce(node, group)
+
+    def _fail_heads(self, batches: list[_Batch], adding: list[tuple[str, int]], error: KafkaError) -> None:
+        """Fail ``batches`` and the head batch of each partition of ``adding``, due or not (a partition
+        the transaction could not add: its next batch tries again)."""
+        with self._cond:
+            heads = {(b.topic, b.partition): b for b in batches}
+            heads.update((key, self._queues[key][0]) for key in adding if self._queues[key])
+        for batch in heads.values():
+            self._fail(batch, error)
 
     def _retry_later(self, batch: _Batch, error: KafkaError) -> None:
         batch.attempts += 1

@@ -207,7 +207,7 @@ class TransactionLog:
         they are fsynced already. Report success with ``fsync_done(end)``, a failure with ``flush_failed``."""
         if self.failed is not None:
             raise TransactionLogFailed(f"{self.path} failed earlier: {self.failed}")
-        if self._synced >= self._appended:
+        if self._file is None or self._synced >= self._appended:  # closed: close() synced what it could
             return None
         end, fd = self._appended, os.dup(self._file.fileno())  # its own descriptor: compact() may close the file
 
@@ -244,8 +244,9 @@ class TransactionLog:
             try:
                 if self._synced < self._appended and self.failed is None:
                     _fsync(file.fileno())
+                    self._synced = self._appended
                 file.close()
-            except OSError as exc:  # nothing is buffered; a lost lazy record is redone by recovery
+            except OSError as exc:  # nothing is buffered; a lost lazy record is redone by recovery or took no data
                 log.warning("%s: close failed: %s", self.path, exc)
 
 
