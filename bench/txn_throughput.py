@@ -11,7 +11,7 @@ Run (from the repo root)::
 
 A fresh broker (``twophase broker`` subprocess, as in bench/broker_throughput.py, ``--fsync``
 default 1000 ms, as Kafka does not fsync each append either; ``--fsync always`` for the other end) and, for every measurement, a fresh one-partition topic. Producers: acks=all, no
-compression, linger 5 ms; confluent-kafka (librdkafka) and the project's own twophase.client.
+compression, linger 5 ms (``--linger-ms``); confluent-kafka (librdkafka) and the project's own twophase.client.
 
 - **idempotent** (the baseline, same run): no transactions; the clock runs from the first send
   to ``flush()`` returning.
@@ -52,7 +52,7 @@ from confluent_kafka.admin import AdminClient, NewTopic  # noqa: E402
 from twophase.client import Producer as TwophaseProducer  # noqa: E402
 
 KAFKA_OVERHEAD_AT_100MS = 0.03
-PRODUCER = {"acks": "all", "linger.ms": 5, "enable.idempotence": True,
+PRODUCER = {"acks": "all", "enable.idempotence": True,
             "queue.buffering.max.kbytes": 256 << 10, "queue.buffering.max.messages": 1_000_000}
 
 
@@ -66,8 +66,8 @@ def new_topic(bootstrap: str) -> str:
 class ConfluentClient:
     name = "confluent-kafka"
 
-    def __init__(self, bootstrap: str, transactional_id: str | None = None) -> None:
-        config = {"bootstrap.servers": bootstrap, **PRODUCER}
+    def __init__(self, bootstrap: str, linger_ms: int, transactional_id: str | None = None) -> None:
+        config = {"bootstrap.servers": bootstrap, "linger.ms": linger_ms, **PRODUCER}
         if transactional_id:
             config["transactional.id"] = transactional_id
         self.producer = Producer(config)
@@ -103,8 +103,8 @@ class ConfluentClient:
 class TwophaseClient:
     name = "twophase.client"
 
-    def __init__(self, bootstrap: str, transactional_id: str | None = None) -> None:
-        self.producer = TwophaseProducer(bootstrap, transactional_id=transactional_id, linger_ms=5,
+    def __init__(self, bootstrap: str, linger_ms: int, transactional_id: str | None = None) -> None:
+        self.producer = TwophaseProducer(bootstrap, transactional_id=transactional_id, linger_ms=linger_ms,
                                          batch_size=1 << 20)
         if transactional_id:
             self.producer.init_transactions()
@@ -127,10 +127,10 @@ class TwophaseClient:
         self.producer.close()
 
 
-def idempotent(client_type, bootstrap: str, pool: list[bytes], records: int) -> float:
+def idempotent(client_type, bootstrap: str, linger_ms: int, pool: list[bytes], records: int) -> float:
     """records/s of an idempotent producer, connection and metadata set up outside the clock."""
     topic = new_topic(bootstrap)
-    client = client_type(bootstrap)
+    client = client_type(bootstrap, linger_ms)
     try:
         client.send_all(topic, pool, 1, 0)
         client.flush()
@@ -142,13 +142,13 @@ def idempotent(client_type, bootstrap: str, pool: list[bytes], records: int) -> 
         client.close()
 
 
-def transactional(client_type, bootstrap: str, pool: list[bytes], records: int,
+def transactional(client_type, bootstrap: str, linger_ms: int, pool: list[bytes], records: int,
                   per_txn: int) -> tuple[float, float, str]:
     """records/s in transactions of ``per_txn`` records (after one warm-up transaction), the median ms
     of one commit after its records were flushed (EndTxn and markers: the per-transaction cost), and
     the topic."""
     topic = new_topic(bootstrap)
-    client = client_type(bootstrap, f"bench-{uuid.uuid4().hex}")
+    client = client_type(bootstrap, linger_ms, f"bench-{uuid.uuid4().hex}")
     try:
         client.begin()
         client.send_all(topic, pool, 1, 0)
@@ -178,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=5, help="median of this many rounds")
     p.add_argument("--fsync", default="1000", help="the broker's --fsync policy (default 1000 ms: Kafka's own "
                    "figure is for brokers that leave flushing to the page cache)")
+    p.add_argument("--linger-ms", type=int, default=5, help="both clients' linger (librdkafka's default: 5 ms; "
+                   "Java's was 0 until Kafka 4.0)")
     p.add_argument("--clients", nargs="+", choices=sorted(CLIENTS), default=sorted(CLIENTS))
     args = p.parse_args(argv)
 
@@ -192,9 +194,10 @@ def main(argv: list[str] | None = None) -> int:
             for _ in range(args.rounds):
                 for client in (CLIENTS[c] for c in args.clients):
                     for ms in args.txn_ms:
-                        base = idempotent(client, broker.bootstrap, pool, args.records)
+                        base = idempotent(client, broker.bootstrap, args.linger_ms, pool, args.records)
                         n = max(1, round(base * ms / 1000))
-                        rate, commit_ms, topic = transactional(client, broker.bootstrap, pool, args.records, n)
+                        rate, commit_ms, topic = transactional(client, broker.bootstrap, args.linger_ms, pool,
+                                                               args.records, n)
                         commits.setdefault((client.name, f"{ms} ms"), []).append(commit_ms)
                         rates.setdefault((client.name, "idempotent"), []).append(base)
                         rates.setdefault((client.name, f"{ms} ms"), []).append(rate)
@@ -213,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
 
     med = statistics.median
     mb = args.size / 1e6
-    print(f"\nbuilt-in broker (subprocess, fsync {args.fsync}), 1 partition, acks=all, linger 5 ms, "
+    print(f"\nbuilt-in broker (subprocess, fsync {args.fsync}), 1 partition, acks=all, linger {args.linger_ms} ms, "
           f"{args.records} x {args.size} B, median of {args.rounds} round(s)\n")
     print(f"{'client':<17}{'mode':<26}{'records/txn':>12}{'records/s':>11}{'MB/s':>8}{'commit ms':>10}"
           f"{'vs baseline':>13}{'Kafka':>8}")

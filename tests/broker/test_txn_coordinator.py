@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
+import twophase.broker.txn.log as txn_log_module
 from twophase.broker.groups import OffsetStore
 from twophase.broker.txn import (
     TRANSITIONS, TransactionCoordinator, TransactionLog, TxnMetadata, TxnSettings, TxnState)
@@ -563,7 +564,7 @@ def test_a_failed_log_write_takes_the_coordinator_offline_until_a_restart(h, mon
     def disk_full(fd):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(os, "fsync", disk_full)
+    monkeypatch.setattr(txn_log_module, "_fsync", disk_full)
     assert h.txns.end_txn("app", pid, epoch, True, T0) == 15  # answered, not a dropped connection
     monkeypatch.undo()
     assert h.txns.end_txn("app", pid, epoch, True, T0) == 15  # COORDINATOR_NOT_AVAILABLE

@@ -27,6 +27,7 @@ from twophase.broker.txn import (
     TxnState,
 )
 from twophase.broker.txn import coordinator as coordinator_module
+from twophase.broker.txn import log as txn_log_module
 from twophase.broker.txn.coordinator import NONE
 from twophase.broker.txn.log import LOG_FILE
 from twophase.wire.errors import UnknownTopicOrPartitionError
@@ -135,6 +136,7 @@ def fsyncs(monkeypatch):
     monkeypatch.setattr(os, "fsync", recording(os.fsync))
     monkeypatch.setattr(segment_module, "_fdatasync", recording(segment_module._fdatasync))
     monkeypatch.setattr(txnindex_module, "_fdatasync", recording(txnindex_module._fdatasync))
+    monkeypatch.setattr(txn_log_module, "_fsync", recording(txn_log_module._fsync))
     return synced
 
 

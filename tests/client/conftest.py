@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import collections
 import time
 
 from tests.broker.conftest import broker, broker_factory, topic  # noqa: F401  (fixtures)
@@ -23,6 +24,19 @@ def refuse_requests(monkeypatch, api_key: int, message: str) -> None:
         return original(self, request, timeout_s)
 
     monkeypatch.setattr(Connection, "request", refusing)
+
+
+def count_requests(monkeypatch) -> collections.Counter:
+    """From now on (until ``monkeypatch.undo()``), count the requests every client sends, by api key."""
+    counts: collections.Counter = collections.Counter()
+    original = Connection.request
+
+    def counting(self, request, timeout_s=None):
+        counts[request.__api_key__] += 1
+        return original(self, request, timeout_s)
+
+    monkeypatch.setattr(Connection, "request", counting)
+    return counts
 
 
 def drain(consumer, expected: int, timeout_s: float = 15.0, settle_s: float = 0.5) -> list:

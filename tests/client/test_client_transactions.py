@@ -14,11 +14,12 @@ from confluent_kafka import Consumer as ConfluentConsumer
 from confluent_kafka import Producer as ConfluentProducer
 from confluent_kafka import TopicPartition
 
+from tests.waiting import wait_until
 from twophase.client import (Admin, Consumer, KafkaConnectionError, KafkaError, KafkaTimeout, PreparedTxn, PreparedTxnLost,
                              Producer, ProducerFenced, TransactionStateError, TransactionUnknown)
 from twophase.wire.api_keys import ApiKey
 
-from .conftest import confluent_drain, drain, refuse_requests
+from .conftest import confluent_drain, count_requests, drain, refuse_requests
 
 
 def _confluent_values(broker, topics: list[str], isolation: str, expected: int) -> list[bytes]:
@@ -205,10 +206,46 @@ def test_a_failed_send_makes_the_transaction_abort_only(broker, topic, monkeypat
         monkeypatch.undo()
         with pytest.raises(TransactionStateError, match="abortable_error"):
             p.commit_transaction()
-        p.abort_transaction()
+        _abort_then_commit_another(p, topic)
+    assert _our_values(broker, {topic: 1}, "read_committed", 1) == [b"next"]
+
+
+def _abort_then_commit_another(p: Producer, topic: str) -> None:
+    """After a failed commit: abort, then commit a transaction of b"next" to partition 0."""
+    p.abort_transaction()
+    p.begin_transaction()
+    p.send(topic, value=b"next", partition=0)
+    p.commit_transaction()
+
+
+def test_the_first_send_to_a_partition_adds_it_to_the_transaction_while_its_batch_lingers(broker, topic, monkeypatch):
+    Admin(broker.bootstrap).create_topics({topic: 2})
+    requests = count_requests(monkeypatch)
+    tid = f"tx-{topic}"
+    with Producer(broker.bootstrap, transactional_id=tid, linger_ms=600_000) as p:
+        p.init_transactions()
+        for n in range(2):
+            p.begin_transaction()
+            p.send(topic, value=b"v%d" % n, partition=1)
+            wait_until(lambda: broker.transactions.describe(tid).partitions == ((topic, 1),),
+                       what="the partition in the transaction")
+            assert requests[ApiKey.PRODUCE] == n  # the batch is still lingering
+            p.send(topic, value=b"w%d" % n, partition=1)  # the partition is added once per transaction
+            p.commit_transaction()
+    assert requests[ApiKey.ADD_PARTITIONS_TO_TXN] == 2 and requests[ApiKey.PRODUCE] == 2
+    assert _our_values(broker, {topic: 2}, "read_committed", 4) == [b"v0", b"v1", b"w0", b"w1"]
+
+
+def test_a_partition_the_transaction_could_not_add_fails_its_records(broker, topic, monkeypatch):
+    with Producer(broker.bootstrap, transactional_id=f"tx-{topic}", linger_ms=600_000, request_timeout_ms=500) as p:
+        p.init_transactions()
+        refuse_requests(monkeypatch, ApiKey.ADD_PARTITIONS_TO_TXN, "network down (test)")
         p.begin_transaction()
-        p.send(topic, value=b"next", partition=0)
-        p.commit_transaction()
+        p.send(topic, value=b"lost", partition=0)
+        with pytest.raises(KafkaTimeout, match="AddPartitionsToTxn"):
+            p.commit_transaction()
+        monkeypatch.undo()
+        _abort_then_commit_another(p, topic)
     assert _our_values(broker, {topic: 1}, "read_committed", 1) == [b"next"]
 
 

@@ -242,7 +242,7 @@ class Broker:
                 os.path.join(self.data_dir, TXN_DIR), partition_log=self.logs.partition, offsets=self.groups.offsets,
                 allocate_producer_id=self.allocate_producer_id, data_arrived=self.data_arrived,
                 settings=self.config.transaction_settings(), failpoint=Failpoint.from_env(),
-                producer_id_issued=self.producer_id_issued)
+                producer_id_issued=self.producer_id_issued, group_commit=self.group_commit)
             self.transactions.recover(int(time.time() * 1000))  # before any request is served
             # Transactions partitions hold open that the coordinator will not end (torn marker, lost log).
             self.transactions.resolve_open_transactions(open_transactions(self.logs.partitions()),

@@ -10,6 +10,10 @@ and readers see nothing before that (the log's high watermark is the fsynced end
 Each fsync calls back once it has made more of the log visible, so parked fetches wake even when
 the producers whose data it covered are gone.
 
+The transaction log takes part the same way (TransactionLog has the same fsync interface): an
+AddPartitionsToTxn record is written lazily and fsynced here, and the transaction's produce
+requests await it (see TransactionCoordinator.additions_durable).
+
 Example::
 
     result = plog.append(records, now_ms, defer_fsync=True)
@@ -23,21 +27,43 @@ import asyncio
 import errno
 import logging
 from collections.abc import Callable
+from typing import Protocol
 
 from twophase.wire.errors import KafkaError, KafkaStorageError
 
-from .storage import PartitionLog
 
 log = logging.getLogger("twophase.broker")
+
+
+class FsyncedLog(Protocol):
+    """What group commit fsyncs: a PartitionLog, or the TransactionLog (offsets: its record count)."""
+
+    directory: str
+
+    @property
+    def high_watermark(self) -> int: ...  # the end of what is fsynced
+    @property
+    def log_end_offset(self) -> int: ...
+    def begin_fsync(self) -> tuple[int, Callable[[], None]] | None: ...
+    def fsync_done(self, offset: int) -> None: ...
+    def flush(self) -> None: ...
+    def flush_failed(self, exc: Exception) -> None: ...
 
 
 class GroupCommit:
     """The fsync in flight for each partition log, shared by everyone waiting on that log."""
 
     def __init__(self) -> None:
-        self._in_flight: dict[PartitionLog, asyncio.Future] = {}
+        self._in_flight: dict[FsyncedLog, asyncio.Future] = {}
 
-    async def durable(self, plog: PartitionLog, end_offset: int, on_visible: Callable[[], None]) -> None:
+    def sync_soon(self, plog: FsyncedLog, on_visible: Callable[[], None]) -> None:
+        """Start an fsync of ``plog`` now unless one is in flight, for a later ``durable`` to find done
+        or under way; nobody awaits it (a failure takes the log offline, as always)."""
+        if plog not in self._in_flight and plog.high_watermark < plog.log_end_offset:
+            fsync = self._in_flight[plog] = asyncio.ensure_future(self._fsync(plog, on_visible))
+            fsync.add_done_callback(_retrieve)
+
+    async def durable(self, plog: FsyncedLog, end_offset: int, on_visible: Callable[[], None]) -> None:
         """Return once every offset below ``end_offset`` of ``plog`` is fsynced. ``on_visible`` runs
         after an fsync this call starts, and after each one chained to it, moved the high watermark."""
         while plog.high_watermark < end_offset:
@@ -51,7 +77,7 @@ class GroupCommit:
         while self._in_flight:
             await asyncio.gather(*self._in_flight.values(), return_exceptions=True)
 
-    async def _fsync(self, plog: PartitionLog, on_visible: Callable[[], None]) -> None:
+    async def _fsync(self, plog: FsyncedLog, on_visible: Callable[[], None]) -> None:
         visible = plog.high_watermark
         try:
             await self._sync(plog)
@@ -71,7 +97,7 @@ class GroupCommit:
             fsync.add_done_callback(_retrieve)
 
     @staticmethod
-    async def _sync(plog: PartitionLog) -> None:
+    async def _sync(plog: FsyncedLog) -> None:
         try:
             started = plog.begin_fsync()
         except OSError as exc:

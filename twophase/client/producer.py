@@ -3,7 +3,8 @@
 A background sender thread turns per-partition batches into Produce requests, one request at a
 time, so a retried batch (same producer id, epoch and sequence) can never be overtaken by a later
 one and the broker deduplicates it. Batches go out when full (``batch_size``), after ``linger_ms``,
-or on flush. Errors of background sends are raised by the next flush, commit or send.
+or on flush. In a transaction a partition is added (AddPartitionsToTxn) at its first record, during
+that linger. Errors of background sends are raised by the next flush, commit or send.
 
 Example::
 
@@ -105,6 +106,7 @@ class Producer:
         self._producer_epoch = -1
         self._sequences: dict[tuple[str, int], int] = collections.defaultdict(int)
         self._txn_partitions: set[tuple[str, int]] = set()
+        self._sender_waiting = False  # the sender thread waits for work (in Condition.wait)
         self._sequence_gap = False
         self._queues: dict[tuple[str, int], collections.deque[_Batch]] = {}
         self._sticky = StickyPartitions()
@@ -138,6 +140,7 @@ class Producer:
                 partition = self._sticky.partition(topic, len(partitions))
             if self._append(topic, partition, (timestamp, key, value, headers), size):
                 self._cond.notify_all()
+                self._hand_over_new_partitions()
 
     def send_many(self, records: Iterable[OutRecord], timestamp_ms: int | None = None) -> int:
         """Queue many ``(topic, partition, key, value, headers, timestamp_ms)`` records, each as
@@ -183,6 +186,7 @@ class Producer:
                     wake = self._append(topic, partition, record, size) or wake
                 if wake:
                     self._cond.notify_all()
+                    self._hand_over_new_partitions()
             sent += len(queued)
         return sent
 
@@ -204,6 +208,13 @@ class Producer:
         if batch.size >= self.batch_size:
             batch.closed = wake = True
         return wake
+
+    def _hand_over_new_partitions(self) -> None:
+        """If records wait for a partition the open transaction lacks and the sender is idle, wait until
+        it woke (the lock held): it needs the GIL to send AddPartitionsToTxn during the linger, and a
+        caller sending in a loop would otherwise hold it for the interpreter's switch interval (5 ms)."""
+        if self._sender_waiting and self._partitions_to_add():
+            self._cond.wait_for(lambda: not self._sender_waiting, timeout=1.0)
 
     def flush(self, timeout_s: float | None = None) -> None:
         """Send everything queued and wait for it; raises the first error of a failed send."""
@@ -241,17 +252,22 @@ class Producer:
                 while True:
                     now = time.monotonic()
                     batches = self._ready_batches(now)
-                    if batches or (self._closing and not any(self._queues.values())):
+                    adding = self._partitions_to_add()
+                    if batches or adding or (self._closing and not any(self._queues.values())):
                         break
-                    self._cond.wait(self._next_wakeup(now))
-            if not batches:
+                    self._sender_waiting = True
+                    try:
+                        self._cond.wait(self._next_wakeup(now))
+                    finally:
+                        self._sender_waiting = False
+                    self._cond.notify_all()  # a caller may wait for this (_hand_over_new_partitions)
+            if not batches and not adding:
                 return
             try:
-                self._send(batches)
+                self._send(batches, adding)
             except Exception as exc:  # a bug must not leave flush() waiting forever
                 log.exception("producer sender failed")
-                for batch in batches:
-                    self._fail(batch, KafkaError(f"sender failed: {type(exc).__name__}: {exc}"))
+                self._fail_heads(batches, adding, KafkaError(f"sender failed: {type(exc).__name__}: {exc}"))
             with self._cond:
                 self._cond.notify_all()
 
@@ -269,6 +285,16 @@ class Producer:
                     self._sticky.batch_sent(head.topic, head.partition)
                 ready.append(head)
         return ready
+
+    def _partitions_to_add(self) -> list[tuple[str, int]]:
+        """The partitions with queued records that the open transaction does not hold yet (the lock held).
+
+        Added as soon as their first record is queued, as Java's producer does, not once a batch is due:
+        AddPartitionsToTxn (a round trip and a transaction-log fsync) runs during the linger, and the
+        first batch of a transaction goes out when its linger ends, not a round trip later."""
+        if self.transactional_id is None:
+            return []
+        return sorted(key for key, queue in self._queues.items() if queue and key not in self._txn_partitions)
 
     def _next_wakeup(self, now: float) -> float | None:
         times = [max(b[0].retry_at, b[0].created + self.linger_s) - now for b in self._queues.values() if b]
@@ -289,15 +315,15 @@ class Producer:
                 else:
                     self._sequence_gap = True  # a new epoch after the abort restarts them
 
-    def _send(self, batches: list[_Batch]) -> None:
+    def _send(self, batches: list[_Batch], adding: list[tuple[str, int]]) -> None:
+        """Add ``adding`` to the transaction, then produce ``batches`` (due batches, possibly none)."""
         try:
             if self._producer_id < 0:
                 self._init_producer_id()
-            if self.transactional_id is not None:
-                self._add_partitions(batches)
+            if adding:
+                self._add_partitions(adding)
         except KafkaError as exc:
-            for batch in batches:
-                self._fail(batch, exc)
+            self._fail_heads(batches, adding, exc)
             return
         by_leader: dict[int, list[_Batch]] = collections.defaultdict(list)
         for batch in batches:
@@ -307,6 +333,15 @@ class Producer:
                 self._retry_later(batch, exc)
         for node, group in by_leader.items():
             self._produce(node, group)
+
+    def _fail_heads(self, batches: list[_Batch], adding: list[tuple[str, int]], error: KafkaError) -> None:
+        """Fail ``batches`` and the head batch of each partition of ``adding``, due or not (a partition
+        the transaction could not add: its next batch tries again)."""
+        with self._cond:
+            heads = {(b.topic, b.partition): b for b in batches}
+            heads.update((key, self._queues[key][0]) for key in adding if self._queues[key])
+        for batch in heads.values():
+            self._fail(batch, error)
 
     def _retry_later(self, batch: _Batch, error: KafkaError) -> None:
         batch.attempts += 1
@@ -379,10 +414,7 @@ class Producer:
     def _retry_any(self, call, what: str):
         return retry(lambda: call(self._cluster.any_connection()), self.request_timeout_s, what)
 
-    def _add_partitions(self, batches: list[_Batch]) -> None:
-        new = sorted({(b.topic, b.partition) for b in batches} - self._txn_partitions)
-        if not new:
-            return
+    def _add_partitions(self, new: list[tuple[str, int]]) -> None:
         by_topic: dict[str, list[int]] = collections.defaultdict(list)
         for topic, partition in new:
             by_topic[topic].append(partition)

@@ -37,6 +37,7 @@ async def handle(broker, request):
             body.v3_and_below_transactional_id, body.v3_and_below_producer_id, body.v3_and_below_producer_epoch,
             wanted, int(time.time() * 1000)), request)
         codes = {key: code for key in wanted}
+        broker.transactions.sync_soon()  # its record: the transaction's first Produce awaits that fsync
     by_topic: dict[str, list] = {}
     for (topic, partition), code in codes.items():
         by_topic.setdefault(topic, []).append(build(PartitionResult, partition_index=partition,

@@ -85,6 +85,10 @@ async def handle(broker, request):
             if not part.records:
                 partitions.append(partition_response(part.index, ErrorCode.invalid_record, message="no records"))
                 continue
+            if body.transactional_id is not None:
+                # No await from here to the append: the transaction log's record of the partition in the
+                # transaction is durable before its data lands (AddPartitionsToTxn is answered before its fsync).
+                await broker.transactions.additions_durable(body.transactional_id)
             refusal = _transaction_check(broker, body.transactional_id, topic.name, part.index, part.records)
             if refusal is not None:
                 partitions.append(partition_response(part.index, refusal[0], message=refusal[1]))

@@ -31,6 +31,7 @@ import re2
 
 from twophase.wire.errors import KafkaError, UnknownTopicOrPartitionError
 
+from ..group_commit import GroupCommit
 from ..groups.offsets import CommittedOffset, OffsetStore
 from .failpoints import Failpoint
 from .hanging import HangingTransactions, OpenTxn
@@ -78,6 +79,10 @@ MAX_PARTITIONS_PER_TXN = 10_000
 MAX_GROUPS_PER_TXN = 16
 _PATTERN_OPTIONS = re2.Options()
 _PATTERN_OPTIONS.log_errors = False  # a client's bad pattern is its error, answered, not the broker's log noise
+
+
+def _nothing() -> None:
+    """An fsync of the transaction log makes nothing visible to readers."""
 
 
 def _unavailable_when_the_log_fails(unavailable):
@@ -156,13 +161,19 @@ class TransactionCoordinator:
     def __init__(self, directory: str, *, partition_log: Callable, offsets: OffsetStore,
                  allocate_producer_id: Callable[[], int], data_arrived: Callable[[str, int], None],
                  settings: TxnSettings | None = None, failpoint: Failpoint | None = None,
-                 producer_id_issued: Callable[[int], bool] | None = None) -> None:
+                 producer_id_issued: Callable[[int], bool] | None = None,
+                 group_commit: GroupCommit | None = None) -> None:
         """``partition_log(topic, partition)`` returns a PartitionLog or raises
         UnknownTopicOrPartitionError; ``data_arrived`` wakes read_committed long polls;
         ``producer_id_issued(id)`` says whether the allocator may have handed ``id`` out (None:
-        any id >= 0, for a coordinator used without Produce)."""
+        any id >= 0, for a coordinator used without Produce); ``group_commit`` fsyncs lazy records of
+        the transaction log off the event loop (the broker's, so that stopping drains it)."""
         self.settings = settings or TxnSettings()
         self._log = TransactionLog(directory)
+        self._group_commit = group_commit or GroupCommit()
+        # Transactional id -> the transaction-log record count its last AddPartitionsToTxn needs fsynced
+        # before that transaction's data may be appended (see additions_durable).
+        self._additions: dict[str, int] = {}
         self._partition_log = partition_log
         self._offsets = offsets
         self._allocate = allocate_producer_id
@@ -202,7 +213,7 @@ class TransactionCoordinator:
 
         The record is not fsynced (one per id would slow every start): if a crash loses it, the next
         start finds the same entries settled. One can only mislead once its producer wrote a new
-        transaction there, and the AddPartitionsToTxn before that fsyncs a record after this one."""
+        transaction there, and that waited for the fsync of an AddPartitionsToTxn record after this one."""
         restored = meta.copy()
         restored.unsynced_markers = restore(meta.unsynced_markers, self._partition_log, COORDINATOR_EPOCH, now_ms,
                                             self._data_arrived)
@@ -256,6 +267,7 @@ class TransactionCoordinator:
                 TRANSITIONS.check(meta.state, TxnState.DEAD, repr(meta.transactional_id))
                 self._log.append(meta.transactional_id, None)
                 del self._txns[meta.transactional_id]
+                self._additions.pop(meta.transactional_id, None)
                 self._disown(meta)
         self._abort_hanging_due(now_ms)
 
@@ -371,8 +383,34 @@ class TransactionCoordinator:
             log.warning("transactional id %r: refusing more than %d partitions in one transaction",
                         transactional_id, MAX_PARTITIONS_PER_TXN)
             return TRANSACTION_ABORTABLE
-        self._log_and_install(adding, now_ms)
+        # Answered before the record is fsynced (see additions_durable): the fsync, off the event loop,
+        # overlaps the producer's round trip to its first Produce instead of adding to it.
+        self._log_and_install(adding, now_ms, sync=False)
+        self._additions[transactional_id] = self._log.log_end_offset
         return NONE
+
+    def sync_soon(self) -> None:
+        """Start an fsync of the transaction log's lazy records now, in a worker thread (from the event loop)."""
+        self._group_commit.sync_soon(self._log, _nothing)
+
+    async def additions_durable(self, transactional_id: str) -> None:
+        """Return once the records of ``transactional_id``'s AddPartitionsToTxn calls are fsynced.
+
+        Produce awaits this before it checks and appends a transactional batch: a partition takes no
+        data of a transaction before the record naming it in the transaction is durable. Otherwise a
+        crash of the machine could keep the data and lose the record, and recovery would find a
+        transaction open on a partition its coordinator does not know of (a hanging transaction that
+        only an operator may abort). A failed fsync returns too: the log has failed, and
+        :meth:`check_produce` refuses the batches.
+        """
+        while (end := self._additions.get(transactional_id)) is not None:  # another may come meanwhile
+            if self._log.high_watermark >= end:
+                del self._additions[transactional_id]
+                return
+            try:
+                await self._group_commit.durable(self._log, end, _nothing)
+            except KafkaError:
+                return  # the log failed (and said so): check_produce answers NOT_ENOUGH_REPLICAS
 
     @_unavailable_when_the_log_fails(COORDINATOR_NOT_AVAILABLE)
     def add_offsets(self, transactional_id: str, producer_id: int, producer_epoch: int, group_id: str,

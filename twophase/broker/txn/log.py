@@ -2,9 +2,12 @@
 
 Each record is ``length (u32) | crc32 (u32) | JSON`` with the JSON ``{"id": ..., "txn": {...}}``
 (``"txn": null`` is a tombstone: the id expired). Every append is fsynced before the coordinator
-acts on it, except a lazy one (``sync=False``: a record whose loss recovery repairs, such as
-CompleteCommit after its PrepareCommit), which the next fsynced append, or close, makes durable
-with it; a record over MAX_RECORD_BYTES is refused before anything is written. On open the file
+acts on it, except a lazy one (``sync=False``), which the next fsynced append, a group commit
+(twophase.broker.group_commit: ``begin_fsync``, in a worker thread, one fsync for every lazy record
+written before it), or close makes durable with it: a record whose loss recovery repairs, such as
+CompleteCommit after its PrepareCommit, or one the broker awaits before acting on it, such as
+AddPartitionsToTxn's before the partitions take the transaction's data. A record over
+MAX_RECORD_BYTES is refused before anything is written. On open the file
 is replayed, the last record of each id wins; a torn tail (a crash mid-write: an unreadable record
 with no intact one after it) is truncated with a warning. An unreadable record followed by intact
 ones is damage, not a crash: opening fails rather than drop them. When the file holds many more
@@ -29,6 +32,7 @@ import logging
 import os
 import struct
 import zlib
+from collections.abc import Callable
 
 from twophase.durable import atomic_write, fsync_dir
 from twophase.wire.errors import KafkaError
@@ -38,6 +42,7 @@ log = logging.getLogger("twophase.broker.txn")
 LOG_FILE = "transactions.log"
 _HEAD = struct.Struct(">II")
 _PAYLOAD_START = b'{"id":'  # every payload begins so (json.dumps escapes quotes inside strings)
+_fsync = os.fsync  # module-level, for tests to hold or fail the fsyncs of appends
 MAX_RECORD_BYTES = 16 << 20  # the largest payload append writes
 COMPACT_MIN_RECORDS = 1000
 
@@ -101,8 +106,9 @@ class TransactionLog:
         self._latest: dict[str, dict] = {}
         self._records = 0
         self._file = None
-        self._unsynced = False  # a lazy append is not fsynced yet
-        self.failed: OSError | None = None
+        self._appended = 0  # records appended since open (lazy or not) ...
+        self._synced = 0  # ... and how many of them are fsynced
+        self.failed: Exception | None = None
 
     def open(self) -> dict[str, dict]:
         """Replay the file (truncating a bad tail) and open it for appends; the live records."""
@@ -161,8 +167,10 @@ class TransactionLog:
         try:
             _write_all(self._file, record)
             if sync:
-                os.fsync(self._file.fileno())
-            self._unsynced = not sync
+                _fsync(self._file.fileno())
+            self._appended += 1
+            if sync:
+                self._synced = self._appended
             self._apply(transactional_id, value)
             if self._records > max(self.compact_min_records, 2 * len(self._latest)):
                 self.compact()
@@ -176,20 +184,69 @@ class TransactionLog:
         data = b"".join(encode_record(tid, value) for tid, value in self._latest.items())
         self._file.close()
         atomic_write(self.path, data)
-        self._unsynced = False
+        self._synced = self._appended
         self._file = open(self.path, "ab", buffering=0)
         log.info("compacted %s: %d records -> %d live transactional ids", self.path, self._records, len(self._latest))
         self._records = len(self._latest)
+
+    # -- group commit (twophase.broker.group_commit) of lazy appends, in a worker thread ----------
+
+    @property
+    def high_watermark(self) -> int:
+        """How many of the records appended since open are fsynced."""
+        return self._synced
+
+    @property
+    def log_end_offset(self) -> int:
+        """How many records were appended since open: ``group_commit.durable(log, log.log_end_offset, ...)``
+        returns once every one of them is fsynced."""
+        return self._appended
+
+    def begin_fsync(self) -> tuple[int, Callable[[], None]] | None:
+        """(end, sync) where ``sync`` fsyncs the records below ``end`` and may run in any thread; None if
+        they are fsynced already. Report success with ``fsync_done(end)``, a failure with ``flush_failed``."""
+        if self.failed is not None:
+            raise TransactionLogFailed(f"{self.path} failed earlier: {self.failed}")
+        if self._file is None or self._synced >= self._appended:  # closed: close() synced what it could
+            return None
+        end, fd = self._appended, os.dup(self._file.fileno())  # its own descriptor: compact() may close the file
+
+        def sync() -> None:
+            try:
+                _fsync(fd)
+            finally:
+                os.close(fd)
+
+        return end, sync
+
+    def fsync_done(self, end: int) -> None:
+        """A sync from ``begin_fsync`` finished: the records below ``end`` are durable."""
+        self._synced = max(self._synced, end)
+
+    def flush(self) -> None:
+        """Fsync every record on the calling thread (group commit's fallback when no descriptor is left)."""
+        try:
+            _fsync(self._file.fileno())
+        except OSError as exc:
+            self.flush_failed(exc)
+            raise TransactionLogFailed(f"{self.path}: {exc}") from exc
+        self._synced = self._appended
+
+    def flush_failed(self, exc: Exception) -> None:
+        """An fsync failed: what reached the file is unknown, so the log fails for good (see above)."""
+        self.failed = exc
+        log.error("%s: fsync failed, transactions are unavailable until the broker restarts: %s", self.path, exc)
 
     def close(self) -> None:
         """Fsync a lazy append still unsynced, and close the file."""
         if self._file is not None:
             file, self._file = self._file, None
             try:
-                if self._unsynced and self.failed is None:
-                    os.fsync(file.fileno())
+                if self._synced < self._appended and self.failed is None:
+                    _fsync(file.fileno())
+                    self._synced = self._appended
                 file.close()
-            except OSError as exc:  # nothing is buffered; a lost lazy record is redone by recovery
+            except OSError as exc:  # nothing is buffered; a lost lazy record is redone by recovery or took no data
                 log.warning("%s: close failed: %s", self.path, exc)
 
 
