@@ -623,10 +623,27 @@ class AppCoordinator:
                 return
             if not self._abort_unregistered(work, this_pass):
                 return
+            if not self._retire(work, this_pass):
+                return
             # Intents dropped here (late aborts, cleanups: each recorded) or with the tree free their slots
             # for the next release; an epoch whose commit dropped them all frees nothing new.
             if self._delete_epoch(qp, epoch) or len(this_pass.records) > done:
                 self._slots_released.pop(qp.query_id, None)
+
+    def _retire(self, work: EpochWork, this_pass: _Pass) -> bool:
+        """Tell the sink the epoch is past retention, before its record goes: a failed call keeps the
+        record (and is retried next pass), so the sink never forgets an epoch phase two may still call."""
+        if this_pass.options.dry_run:
+            return True
+        self.fence.check()
+        tries, error = self._call(lambda epoch: self.sink().retire_epoch(self.app, work.query_id, epoch), work.epoch)
+        if error is None:
+            return True
+        log.error("app %s epoch %d: retiring the epoch in the sink failed %d times: %r; retried next pass",
+                  self.app, work.epoch, tries, error)
+        this_pass.records.append(OperationFailed(work.query_id, work.epoch, "", Operation.RETIRE, repr(error),
+                                                 tries, isinstance(error, PERMANENT)))
+        return False
 
     def _delete_epoch(self, qp: QueryPaths, epoch: int) -> bool:
         """Delete an epoch's record and everything under it (``intents``, ``attempts``, ``winners``,

@@ -46,6 +46,7 @@ class Operation(str, Enum):
     COMMIT = "commit"
     ABORT = "abort"
     CLEANUP = "cleanup"            # abort_unregistered, for an attempt that never registered
+    RETIRE = "retire"              # retire_epoch, when a committed epoch's record is dropped
 
 
 def as_json(report: Any) -> dict[str, Any]:

@@ -30,6 +30,7 @@ from coordinator.slots import read_slots
 from coordinator.state import EpochRecord, EpochState
 from coordinator.zk import RecordError, children, epoch_numbers, read_epoch, read_object
 from twophase.signing import SignatureError, Signer
+from twophase.sink import PreparedTransaction
 
 
 @dataclass(frozen=True)
@@ -106,6 +107,10 @@ class AppStatus:
     owner: str | None              # who holds the fence
     queries: tuple[QueryStatus, ...]
     sink_error: str | None = None  # the stored sink's signature does not verify: why (no coordinator loads it)
+    # The sink target's prepared transactions older than the threshold asked for (they hold locks), or
+    # why they could not be listed; both empty when not asked.
+    prepared: tuple[PreparedTransaction, ...] = ()
+    prepared_error: str | None = None
 
     @property
     def failed_epochs(self) -> list[tuple[str, int]]:
@@ -113,17 +118,39 @@ class AppStatus:
         return [(q.query_id, e.epoch) for q in self.queries for e in q.epochs if e.state is EpochState.FAILED]
 
 
-def read_status(client: KazooClient, paths: AppPaths, signer: Signer) -> AppStatus:
+def read_status(client: KazooClient, paths: AppPaths, signer: Signer,
+                prepared_older_than: float | None = None) -> AppStatus:
     """The state of an existing app. SignatureError if a stored handle does not verify, RecordError if a
-    znode holds data twophase did not write; a sink that does not verify is reported in ``sink_error``."""
+    znode holds data twophase did not write; a sink that does not verify is reported in ``sink_error``.
+
+    With ``prepared_older_than`` (seconds) it also loads the stored sink (once its signature verifies)
+    and asks it for its target's prepared transactions older than that; a target that cannot be asked
+    is reported in ``prepared_error``."""
     config = read_object(client, paths.base, {})
     try:
         owner = client.retry(client.get, paths.fence)[0].decode(errors="replace") or None
     except NoNodeError:
         owner = None
     queries = tuple(_query_status(client, paths.query(qid), signer) for qid in children(client, paths.queries))
-    return AppStatus(paths.app, paths.root, config.get("coordinator"), owner, queries,
-                     _sink_error(client, paths, signer))
+    sink_error = _sink_error(client, paths, signer)
+    prepared: tuple[PreparedTransaction, ...] = ()
+    prepared_error = None
+    if prepared_older_than is not None and sink_error is None:
+        try:
+            prepared = tuple(_prepared(client, paths, signer, prepared_older_than))
+        except Exception as e:  # noqa: BLE001 - the target being down is worth a line, not a crash
+            prepared_error = f"cannot list the sink's prepared transactions: {e!r}"
+    return AppStatus(paths.app, paths.root, config.get("coordinator"), owner, queries, sink_error,
+                     prepared, prepared_error)
+
+
+def _prepared(client: KazooClient, paths: AppPaths, signer: Signer, older_than: float) -> list[PreparedTransaction]:
+    try:
+        raw, _ = client.retry(client.get, paths.sink)
+    except NoNodeError:
+        return []
+    sink = signer.loads(raw, paths.sink, what=f"sink of app {paths.app!r}")
+    return sorted(sink.prepared_transactions(older_than), key=lambda t: -t.age)
 
 
 def _sink_error(client: KazooClient, paths: AppPaths, signer: Signer) -> str | None:

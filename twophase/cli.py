@@ -82,7 +82,7 @@ def cmd_status(args: argparse.Namespace, client: KazooClient, signer: Signer) ->
     """``twophase status``: print the app's state; exit code 1 if an epoch is FAILED."""
     paths = AppPaths(args.root, args.app)
     _require_app(client, paths)
-    status = read_status(client, paths, signer)
+    status = read_status(client, paths, signer, args.prepared_older_than)
     if args.json:
         _print_json(as_json(status))
     else:
@@ -116,6 +116,14 @@ def print_status(status: AppStatus) -> None:
                       f"{'in-doubt' if a.in_doubt else 'pending'}  age {_age(a.registered)}")
             for f in epoch.failures:
                 print(f"      FAILURE {f.attempt}: {f.operation} x{f.count}: {f.error}")
+    if status.prepared_error:
+        print(f"  PREPARED TRANSACTIONS UNKNOWN: {status.prepared_error}")
+    if status.prepared:
+        print(f"  prepared transactions older than the threshold ({len(status.prepared)}; they hold locks and "
+              "hold back VACUUM until committed or rolled back):")
+        for t in status.prepared:
+            owner = f"attempt {t.attempt}" if t.attempt else "not this app's"
+            print(f"    {t.id}  age {_age(time.time() - t.age)}  {owner}" + (f"  in {t.where}" if t.where else ""))
 
 
 # -- recover ----------------------------------------------------------------
@@ -147,13 +155,14 @@ def describe(record: Record) -> str:
         verb = "would clean up" if dry else "cleaned up"
         return f"{where}: {verb} after unregistered attempt {record.attempt}"
     if isinstance(record, OperationFailed):
-        if record.operation is Operation.CLEANUP:
+        if record.operation in (Operation.CLEANUP, Operation.RETIRE):
             then = "retried on the next pass"
         elif record.permanent:
             then = "the epoch is now FAILED"
         else:
             then = "the epoch stays uncommitted"
-        return (f"{where}: {record.operation.value} of {record.attempt} failed "
+        subject = "the epoch" if record.operation is Operation.RETIRE else record.attempt
+        return (f"{where}: {record.operation.value} of {subject} failed "
                 f"({record.tries} {'try' if record.tries == 1 else 'tries'}): {record.error}; {then}")
     if isinstance(record, EpochBlocked):
         return (f"{where}: FAILED ({record.error}); it and every later epoch wait: "
@@ -257,6 +266,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("status", help="show runs, epochs, pending and in-doubt transactions, the watermark")
     common(p)
     p.add_argument("--json", action="store_true", help="print the state as JSON")
+    p.add_argument("--prepared-older-than", type=positive_seconds, default=300.0, metavar="SECONDS",
+                   help="list the sink target's prepared transactions older than this (default %(default)s)")
     p.set_defaults(func=cmd_status)
 
     p = sub.add_parser("recover", help="commit pre-commits of completed epochs, abort the rest")

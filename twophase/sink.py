@@ -102,6 +102,21 @@ class Record(dict):
         return dict(self)
 
 
+@dataclass(frozen=True)
+class PreparedTransaction:
+    """A transaction the sink's target holds prepared (say, in PostgreSQL's ``pg_prepared_xacts``).
+
+    It holds locks and resources until committed or rolled back, so ``twophase status`` lists old ones::
+
+        PreparedTransaction("tp1:9f2c...:r1.7.3.0", age=912.4, attempt="r1.7.3.0")
+    """
+
+    id: str                    # the target's own name for it (a PostgreSQL global id)
+    age: float                 # seconds since it was prepared
+    attempt: str | None        # TxnContext.name of the attempt that prepared it; None: not this app's
+    where: str = ""            # the target it lives in (a database, a cluster), for the operator
+
+
 class CommitFailed(Exception):
     """Raised by commit() when the handle can never be committed.
 
@@ -192,6 +207,31 @@ class TwoPhaseCommitSink(ABC):
         not undo a committed transaction. The default does nothing, which suits sinks whose
         unregistered leftovers are invisible and harmless.
         """
+
+    def check_target(self, schema: Any | None) -> None:
+        """Check, on the driver before a query writes anything, that the target can take its rows.
+
+        ``schema`` is the query's ``pyarrow.Schema`` where the writer knows it (the batch path,
+        ``foreachBatch``), None on the ``foreach`` path. Raise ValueError naming what is wrong (a
+        missing table, a column of the wrong type, a server setting), so the query fails before a
+        row is written. The default checks nothing.
+        """
+
+    def retire_epoch(self, app: str, query_id: str, epoch: int) -> None:
+        """Forget what the sink kept to make commit idempotent for this query's epochs up to ``epoch``.
+
+        The coordinator calls this when it drops a committed epoch's record (past its retention):
+        commit and abort are never called again for those epochs' handles. Idempotent; a failure is
+        retried on the next pass, and the epoch's record stays until it succeeds. The default does
+        nothing.
+        """
+
+    def prepared_transactions(self, older_than: float) -> list[PreparedTransaction]:
+        """The target's prepared transactions older than ``older_than`` seconds, for ``twophase status``.
+
+        The default lists none (the sink's target has no such notion, or cannot list them).
+        """
+        return []
 
     def recover_and_commit(self, handle: Any) -> None:
         """Commit a handle found after a crash; override if recovery needs more."""

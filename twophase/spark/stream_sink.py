@@ -38,6 +38,7 @@ from pyspark.sql.datasource import (
     DataSourceStreamArrowWriter,
     WriterCommitMessage,
 )
+from pyspark.sql.pandas.types import to_arrow_schema
 from pyspark.sql.types import StructType
 
 from coordinator.layout import AppPaths, QueryPaths
@@ -209,7 +210,9 @@ class SinkFormat(DataSource):
         return TwoPhaseStreamWriter(*self._stored())
 
     def writer(self, schema: StructType, overwrite: bool) -> TwoPhaseBatchWriter:
-        return TwoPhaseBatchWriter(*self._stored())
+        sink, where, secret = self._stored()
+        sink.check_target(to_arrow_schema(schema, timezone="UTC"))  # a foreachBatch DataFrame's own columns
+        return TwoPhaseBatchWriter(sink, where, secret)
 
     def _stored(self) -> tuple[TwoPhaseCommitSink, ExactlyOnce, bytes]:
         """The app's stored sink (signature checked), where its state lives, and the secret."""

@@ -24,6 +24,7 @@ Example::
 from __future__ import annotations
 
 from pyspark.sql import DataFrame
+from pyspark.sql.pandas.types import to_arrow_schema
 from pyspark.sql.streaming import DataStreamWriter, StreamingQuery
 
 from coordinator.app import CommitPolicy
@@ -68,6 +69,7 @@ def write_stream(df: DataFrame, sink: TwoPhaseCommitSink, app: str, zk: str, *, 
     if not isinstance(sink, TwoPhaseCommitSink):
         raise TypeError(f"sink must be a TwoPhaseCommitSink, got {type(sink).__name__}")
     check_app_settings(app, root, coordinator)
+    sink.check_target(to_arrow_schema(df.schema, timezone="UTC"))
     spark = df.sparkSession
     register(spark)
     config = HookConfig(zk, root, app, load_secret(), coordinator, policy or CommitPolicy(), supervision or Supervision())

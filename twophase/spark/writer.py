@@ -68,6 +68,7 @@ class TwoPhaseSink:
         if not isinstance(sink, TwoPhaseCommitSink):
             raise TypeError(f"sink must be a TwoPhaseCommitSink, got {type(sink).__name__}")
         check_app_settings(app, root, coordinator)
+        sink.check_target(None)  # foreach hands rows over one at a time: no schema to check here
         self.sink = sink
         self.app = app
         self.zk = zk
