@@ -16,7 +16,7 @@ from twophase.spark.host import CoordinatorHost
 from twophase.spark.waiter import await_watermark
 from twophase.supervisor import Supervision
 from twophase.spark.sink_options import WriterOptionError, exactly_once
-from twophase.spark.stream_sink import DriverHookMissing, await_watched
+from twophase.spark.stream_sink import DriverHookMissing, SinkFormat, await_watched
 from twophase.task import PhaseTwoHalted
 
 
@@ -100,3 +100,11 @@ def test_a_ready_hint_has_the_coordinator_watch_the_checkpoint_until_spark_recor
         assert sorted(ids_out(pipe)) == [1, 2, 3]
     finally:
         host.supervisor.stop()
+
+
+def test_the_twophase_format_refuses_options_it_does_not_take(zk, zk_server, zk_root, tmp_path):
+    Pipeline(zk, zk_root, FileSink(str(tmp_path / "out")))
+    options = {"twophase.zk": zk_server.hosts, "twophase.root": zk_root, "twophase.app": "app",
+               "checkpointLocation": str(tmp_path / "ck"), "compression": "gzip"}
+    with pytest.raises(WriterOptionError, match=r"unknown option\(s\) \['compression'\] for the twophase sink"):
+        SinkFormat(options).streamWriter(None, False)

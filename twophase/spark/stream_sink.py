@@ -46,12 +46,14 @@ from coordinator.precommits import PrecommitRegistry
 from coordinator.zk import dump, shared_client
 from twophase.signing import Signer, load_secret
 from twophase.sink import TwoPhaseCommitSink
-from twophase.spark.sink_options import ExactlyOnce, WriterOptionError, exactly_once, lowered
+from twophase.spark.sink_options import (EXACTLY_ONCE, SPARK_OWN, ExactlyOnce, WriterOptionError, exactly_once,
+                                         lowered)
 from twophase.spark.task_context import task_context
 from twophase.task import PhaseTwoHalted, TaskAttempt
 
 SINK_FORMAT = "twophase"
 SINK_DIGEST = "twophase.sinkDigest"  # the stored sink the query was started with (see sink_digest)
+_OWN = {name.lower() for name in (*SPARK_OWN, *EXACTLY_ONCE, SINK_DIGEST)}  # every option the format takes
 # How long commit() waits for the driver hook to publish a run it has not seen yet: the hook sees a
 # query within a poll (0.25 s) and publishes its run once the first task recorded it.
 HOOK_WAIT = 60.0
@@ -217,6 +219,10 @@ class SinkFormat(DataSource):
     def _stored(self) -> tuple[TwoPhaseCommitSink, ExactlyOnce, bytes]:
         """The app's stored sink (signature checked), where its state lives, and the secret."""
         where = exactly_once(self.options, also=(SINK_DIGEST,))
+        unknown = sorted(set(lowered(self.options)) - _OWN)
+        if unknown:
+            raise WriterOptionError(f"unknown option(s) {unknown} for the twophase sink: its sink is configured in "
+                                    "Python, write_stream(df, sink, ...) (docs/spark-writer.md)")
         secret = load_secret()
         client = shared_client(where.zk)
         paths = AppPaths(where.root, where.app)
