@@ -58,7 +58,10 @@ def test_stop_removes_temp_dir_and_frees_port():
     server.stop()
     assert not work.exists() and not server.running and server.pid is None
     with socket.socket() as s:
-        s.bind(("127.0.0.1", port))  # nothing listens there any more
+        # Nothing listens there any more (SO_REUSEADDR as servers do: the closed connections' TIME_WAIT is no listener).
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", port))
+        s.listen()
 
 
 def test_prepared_transaction_survives_kill():
