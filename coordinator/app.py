@@ -218,10 +218,10 @@ class AppCoordinator:
         self.client.retry(self.client.ensure_path, self.paths.queries)
         ChildrenWatch(self.client, self.paths.queries, self._watch_queries)
 
-    def reconcile_logged(self) -> None:
+    def reconcile_logged(self, changed_only: bool = False) -> None:
         """One reconcile pass for a long-running loop: transient trouble is logged, fencing is raised."""
         try:
-            self.reconcile()
+            self.reconcile(changed_only=changed_only)
         except Fenced:
             log.error("app %s: fenced; another coordinator took over, %s stops", self.app, self.owner)
             raise

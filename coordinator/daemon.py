@@ -17,6 +17,7 @@ import logging
 import os
 import socket
 import threading
+import time
 
 from kazoo.client import KazooState
 
@@ -89,8 +90,13 @@ class CoordinatorDaemon:
         try:
             client.retry(client.ensure_path, app_names(self.root))
             client.ChildrenWatch(app_names(self.root), lambda _: self._wake.set())
+            last_full = None
             while not stop.is_set() and not self._session_lost.is_set():
                 self._wake.clear()
+                # As the embedded host does: a pass woken by a watch or a ready hint visits only the queries
+                # that changed; one every poll_interval visits them all, in case a watch was lost.
+                now = time.monotonic()
+                full = last_full is None or now - last_full >= self.policy.poll_interval
                 for name in self._daemon_apps(client):
                     if name not in apps:
                         app = AppCoordinator(client, self.root, name, self.signer,
@@ -104,8 +110,13 @@ class CoordinatorDaemon:
                             continue
                         apps[name] = app
                         self._troubled.pop((name, "start"), None)
-                    apps[name].reconcile_logged()
-                self._wake.wait(self.policy.poll_interval)
+                        apps[name].reconcile_logged()  # a new app's first pass visits every query
+                        continue
+                    apps[name].reconcile_logged(changed_only=not full)
+                if full:
+                    last_full = now
+                waits = [wait for wait in (app.ready_wait() for app in apps.values()) if wait is not None]
+                self._wake.wait(min(waits, default=self.policy.poll_interval))
         except Fenced:
             log.error("daemon %s: fenced by a newer leader; stepping down", self.identifier)
         except Exception as e:  # noqa: BLE001 - said with its cause; the daemon contends again
