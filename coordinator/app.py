@@ -11,6 +11,9 @@ The run that completed N is the most recently started run that registered for
 N: once commits/N exists no later run re-runs N. Its winners are committed; every other
 pre-commit of N (losers, earlier runs) is aborted. The decision is written to
 ZooKeeper before any commit, so a successor resumes it rather than re-deciding.
+If that run's write of N failed (a ``foreachBatch`` function swallowed the error
+of ``TwoPhaseBatchSink.write``, which recorded it under ``failed_writes``), N is
+marked FAILED instead and none of it is committed: ``twophase replay`` runs it again.
 
 Usage::
 
@@ -480,7 +483,8 @@ class AppCoordinator:
 
     def _fail_epoch(self, work: EpochWork, run: str, error: str, this_pass: _Pass) -> bool:
         """The write of the run that completed the epoch failed: record it FAILED (never committed: some of its
-        partitions have no pre-commit), then abort the pre-commits it has. False: later epochs wait."""
+        partitions have no pre-commit), then abort the pre-commits it has (one that fails to abort is left to
+        ``twophase replay``, which aborts the epoch's pre-commits first). False: later epochs wait."""
         error = (f"the write of run {run} failed ({error}); no row of the epoch is committed: stop the query, "
                  f"then run `twophase replay --app {self.app} --epoch {work.epoch}` with its checkpoint")
         failed = self._decide(work, work.record.transition(EpochState.FAILED, run=run, error=error), this_pass)
