@@ -19,6 +19,7 @@ from sinks.files import FileSink
 from tests.harness import QUERY, Pipeline, ids_out
 from tests.test_cli import fake_checkpoint, twophase
 from tests.test_replay import checkpoint_with
+from twophase import cli
 from twophase.verify import count_rows
 
 WRITE_ERROR = "the write of micro-batch 1 to app app failed (Py4JJavaError('task 2 failed 4 times'))"
@@ -119,3 +120,14 @@ def test_the_failed_write_of_a_run_that_stopped_does_not_fail_the_run_that_wrote
     assert report.ok and EpochCommitted(QUERY, 0, "r2", ("r2.0.0.0", "r2.0.1.0")) in report.records
     assert AttemptAborted(QUERY, 0, "r1.0.0.0", AbortReason.SUPERSEDED) in report.records
     assert count_rows(range(20), ids_out(pipe)).exact and pipe.watermark() == 0
+
+
+def test_a_damaged_failed_write_record_is_named_and_recover_changes_nothing(pipe, zk_server, zk_root, capsys):
+    assert pipe.task("r1", 0, 0, range(3))
+    pipe.barrier(0, "r1")
+    path = f"{pipe.qp.failed_writes(0)}/r1"
+    pipe.zk.create(path, b'{"error": 7}', makepath=True)
+    code = cli.main(["recover", "--zk", zk_server.hosts, "--root", zk_root, "--app", "app"])
+    err = capsys.readouterr().err
+    assert code == 2 and path in err and "is not a string" in err and "Traceback" not in err
+    assert pipe.record(0).state is EpochState.OPEN and pipe.watermark() == -1 and ids_out(pipe) == []
