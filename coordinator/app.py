@@ -11,6 +11,9 @@ The run that completed N is the most recently started run that registered for
 N: once commits/N exists no later run re-runs N. Its winners are committed; every other
 pre-commit of N (losers, earlier runs) is aborted. The decision is written to
 ZooKeeper before any commit, so a successor resumes it rather than re-deciding.
+If that run's write of N failed (a ``foreachBatch`` function swallowed the error
+of ``TwoPhaseBatchSink.write``, which recorded it under ``failed_writes``), N is
+marked FAILED instead and none of it is committed: ``twophase replay`` runs it again.
 
 Usage::
 
@@ -42,7 +45,7 @@ from coordinator.precommits import Attempt, PrecommitRegistry
 from coordinator.report import (AbortReason, AttemptAborted, AttemptCleanedUp, EpochBlocked, EpochCommitted,
                                 EpochSkipped, Operation, OperationFailed, PassReport, Record, SkipReason)
 from coordinator.slots import Slot, read_slots, releasable
-from coordinator.state import EPOCH_TRANSITIONS, EpochRecord, EpochState
+from coordinator.state import EpochRecord, EpochState
 from coordinator.zk import RecordError, children, dump, epoch_numbers, parse_object, read_epoch, read_object
 from twophase.checkpoint import completed_epochs
 from twophase.cli_args import check_positive_seconds
@@ -361,10 +364,13 @@ class AppCoordinator:
                 return
             complete = epoch < epochs[-1] or epoch <= barrier or epoch in in_checkpoint
             if work.record.state is EpochState.FAILED:
-                if not options.retry_failed:
-                    log.error("app %s epoch %d is FAILED (%s); later epochs wait: run `twophase recover "
-                              "--retry-failed`", self.app, epoch, work.record.error)
-                    this_pass.records.append(EpochBlocked(qp.query_id, epoch, work.record.error))
+                # An epoch whose write failed was never all written: no retry can commit it, a replay must
+                # run it again.
+                replay = work.record.run in registry.failed_writes(epoch)
+                if replay or not options.retry_failed:
+                    log.error("app %s epoch %d is FAILED (%s); later epochs wait: run `twophase %s`", self.app, epoch,
+                              work.record.error, "replay" if replay else "recover --retry-failed")
+                    this_pass.records.append(EpochBlocked(qp.query_id, epoch, work.record.error, replay))
                     return
                 work = self._decide(work, work.record.transition(EpochState.COMMITTING, error=None), this_pass)
                 if work is None:
@@ -429,7 +435,10 @@ class AppCoordinator:
             # decided) commits: those in flight when the first delete is refused.
             self.fence.check()
         if work.record.state is EpochState.OPEN:
-            run = work.registry.latest_run(work.attempts)
+            failed = self._failed_writes(work)
+            run = work.registry.latest_run(work.attempts, failed)
+            if run in failed:
+                return self._fail_epoch(work, run, failed[run], this_pass)
             winners = tuple(sorted(a.name for a in work.attempts if a.run == run and a.won))
             work = self._decide(work, work.record.transition(EpochState.COMMITTING, run=run, winners=winners), this_pass)
             if work is None:
@@ -459,6 +468,33 @@ class AppCoordinator:
                      self.app, work.query_id, work.epoch, len(record.winners), record.run)
         this_pass.records.append(committed)
         return True
+
+    def _failed_writes(self, work: EpochWork) -> dict[str, str]:
+        """The runs whose write of a complete epoch failed (``TwoPhaseBatchSink.write``), with their errors.
+
+        Such a record is never missed: the driver writes it before the failed write raises, so before the
+        foreachBatch function returns, and Spark writes ``commits/N`` only after that (the barrier, read from
+        the commit log, and epoch N + 1 come later still). So whatever told this pass that N is complete was
+        written after the record; the sync brings this client's ZooKeeper server up to date first, so that a
+        lagging follower cannot hide a record written through another server.
+        """
+        self.client.retry(self.client.sync, work.paths.epoch(work.epoch))
+        return work.registry.failed_writes(work.epoch)
+
+    def _fail_epoch(self, work: EpochWork, run: str, error: str, this_pass: _Pass) -> bool:
+        """The write of the run that completed the epoch failed: record it FAILED (never committed: some of its
+        partitions have no pre-commit), then abort the pre-commits it has (one that fails to abort is left to
+        ``twophase replay``, which aborts the epoch's pre-commits first). False: later epochs wait."""
+        error = (f"the write of run {run} failed ({error}); no row of the epoch is committed: stop the query, "
+                 f"then run `twophase replay --app {self.app} --epoch {work.epoch}` with its checkpoint")
+        failed = self._decide(work, work.record.transition(EpochState.FAILED, run=run, error=error), this_pass)
+        if failed is None:
+            return False
+        log.error("app %s query %s: epoch %d is FAILED: %s", self.app, work.query_id, work.epoch, error)
+        aborts = [_Verdict(a, AbortReason.WRITE_FAILED) for a in work.attempts]
+        self._finish_all(failed, aborts, recovering=True, this_pass=this_pass)
+        this_pass.records.append(EpochBlocked(work.query_id, work.epoch, error, replay=True))
+        return False
 
     def _finish_all(self, work: EpochWork, verdicts: list[_Verdict], recovering: bool, this_pass: _Pass) -> bool:
         """Commit or abort each attempt as its verdict says; False if any failed.
@@ -586,8 +622,9 @@ class AppCoordinator:
             if permanent:
                 raw, stat = self.client.retry(self.client.get, work.paths.epoch(work.epoch))
                 current = EpochRecord.decode(raw, work.paths.epoch(work.epoch))
-                # Not from COMMITTED (a late attempt's abort, in GC) nor twice.
-                if EPOCH_TRANSITIONS.allows(current.state, EpochState.FAILED):
+                # Only a decided epoch: not an OPEN one (a stale pre-commit's abort), not a COMMITTED one (a
+                # late attempt's abort, in GC), not twice.
+                if current.state is EpochState.COMMITTING:
                     failed = current.transition(EpochState.FAILED, error=f"{attempt}: {error}")
                     txn.set_data(work.paths.epoch(work.epoch), failed.encode(), version=stat.version)
             self.client.retry(self.client.ensure_path, work.paths.failures(work.epoch))

@@ -16,6 +16,7 @@
     <root>/apps/<app>/queries/<query>/epochs/<N>/attempts/<run>.<N>.<p>.<a>   signed pre-commit
     <root>/apps/<app>/queries/<query>/epochs/<N>/winners/<run>.<p>        winning attempt name
     <root>/apps/<app>/queries/<query>/epochs/<N>/failures/<attempt>       last phase-two error
+    <root>/apps/<app>/queries/<query>/epochs/<N>/failed_writes/<run>      {"error": why}  the run's write failed
     <root>/apps/<app>/queries/<query>/slots/<p>/<slot>    {"attempt": name, "epoch": N}  the slot's holder
     <root>/daemon/election                       leader election of the HA daemons
 
@@ -132,6 +133,11 @@ class QueryPaths:
     def failures(self, epoch: int) -> str:
         """The last phase-two failure per attempt."""
         return f"{self.epoch(epoch)}/failures"
+
+    def failed_writes(self, epoch: int) -> str:
+        """One child per run whose write of the epoch failed (``TwoPhaseBatchSink.write``): the coordinator
+        never commits the epoch for that run."""
+        return f"{self.epoch(epoch)}/failed_writes"
 
     @property
     def slots(self) -> str:

@@ -32,7 +32,7 @@ Usage (in a Spark task)::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -41,7 +41,7 @@ from kazoo.exceptions import NodeExistsError, NoNodeError, RolledBackError, Runt
 
 from coordinator.layout import QueryPaths
 from coordinator.slots import holder_data, intent_data, lowest_free, slot_of_intent
-from coordinator.zk import children, read_many
+from coordinator.zk import RecordError, children, dump, parse_object, read_many
 from twophase.signing import Signer
 from twophase.sink import TxnContext
 
@@ -150,14 +150,15 @@ class PrecommitRegistry:
             slots, pool_made = set(), False
         return Admission(ctx=self._intend(ctx, slots, epoch_made=epoch_made.get() is not None, pool_made=pool_made))
 
-    def latest_run(self, attempts: Sequence[Attempt]) -> str | None:
-        """The most recently started run among those with attempts.
+    def latest_run(self, attempts: Sequence[Attempt], others: Iterable[str] = ()) -> str | None:
+        """The most recently started run among those with attempts and ``others`` (runs without any, such
+        as those whose write of the epoch failed).
 
         By run start order, not by registration order: a zombie writer of a dead
         run that registers late must not pass for the run that completed the epoch.
         Runs without a run node (none in practice) rank by their first registration.
         """
-        runs = {a.run: a.zxid for a in reversed(attempts)}  # reversed: the first zxid wins
+        runs = dict.fromkeys(others, 0) | {a.run: a.zxid for a in reversed(attempts)}  # reversed: the first zxid wins
         pending = {run: self._client.exists_async(self._paths.run(run)) for run in runs}
         rank = {}
         for run, result in pending.items():
@@ -323,6 +324,32 @@ class PrecommitRegistry:
         except NoNodeError:
             pass
         self.drop_intent(ctx)
+
+    def record_failed_write(self, run_id: str, epoch: int, error: str) -> None:
+        """Record that run ``run_id``'s write of ``epoch`` failed (the driver, before the write raises): the
+        coordinator will mark the epoch FAILED rather than commit it for that run. Makes the epoch's nodes if
+        no task did (the job failed before any began); idempotent."""
+        self.ensure_run(run_id)  # ranks the run among the epoch's runs, as a registration of its would
+        for folder in (self._paths.intents(epoch), self._paths.attempts(epoch), self._paths.winners(epoch),
+                       self._paths.failed_writes(epoch)):
+            self._client.retry(self._client.ensure_path, folder)
+        try:
+            self._client.retry(self._client.create, f"{self._paths.failed_writes(epoch)}/{run_id}",
+                               dump({"error": error}))
+        except NodeExistsError:
+            pass
+
+    def failed_writes(self, epoch: int) -> dict[str, str]:
+        """The runs whose write of ``epoch`` failed, each with the error it recorded. RecordError, naming
+        the znode, on one twophase did not write."""
+        base = self._paths.failed_writes(epoch)
+        found = {}
+        for run, raw, _ in read_many(self._client, {n: f"{base}/{n}" for n in children(self._client, base)}):
+            error = parse_object(raw, f"{base}/{run}", {}).get("error")
+            if not isinstance(error, str):
+                raise RecordError(f"znode {base}/{run}: \"error\" {error!r:.40} is not a string")
+            found[run] = error
+        return found
 
     def load(self, epoch: int) -> list[Attempt]:
         """Every registered attempt of an epoch, oldest first. Raises SignatureError on tampering."""

@@ -31,6 +31,7 @@ class AbortReason(str, Enum):
     INCOMPLETE = "incomplete"      # recovery: Spark never completed the epoch and will re-run it
     LATE = "late"                  # registered after its epoch was committed (a zombie task)
     REPLAYED = "replayed"          # `twophase replay`: Spark re-runs the epoch from its recorded offsets
+    WRITE_FAILED = "write_failed"  # the write of the run that completed the epoch failed: the epoch is FAILED
 
 
 class SkipReason(str, Enum):
@@ -149,7 +150,8 @@ class OperationFailed(_Record):
 
 @dataclass(frozen=True)
 class EpochBlocked(_Record):
-    """The epoch is FAILED: it and every later epoch of the query wait for an operator.
+    """The epoch is FAILED: it and every later epoch of the query wait for an operator. ``replay``: the
+    epoch's write failed, so only ``twophase replay`` (not a retry) can bring its rows.
 
     ::
 
@@ -160,6 +162,7 @@ class EpochBlocked(_Record):
     query_id: str
     epoch: int
     error: str | None
+    replay: bool = False
 
 
 @dataclass(frozen=True)

@@ -3,9 +3,10 @@
 ::
 
     OPEN ──> COMMITTING ──> COMMITTED
-                 │  ^
-                 v  │ (operator retry: twophase recover --retry-failed)
-               FAILED
+      │          │  ^
+      │          v  │ (operator retry: twophase recover --retry-failed)
+      └──────> FAILED
+      (the write of the run that completed the epoch failed: never committed, `twophase replay` runs it again)
 
 Usage::
 
@@ -32,11 +33,11 @@ class EpochState(str, Enum):
     OPEN = "open"              # pre-commits arriving; Spark has not completed the epoch
     COMMITTING = "committing"  # decision recorded: which attempts commit, the rest abort
     COMMITTED = "committed"    # every decided attempt committed, every other aborted
-    FAILED = "failed"          # a handle can never be committed; needs an operator
+    FAILED = "failed"          # a handle can never be committed, or the epoch's write failed; needs an operator
 
 
 EPOCH_TRANSITIONS = Transitions("epoch", {
-    EpochState.OPEN: {EpochState.COMMITTING},
+    EpochState.OPEN: {EpochState.COMMITTING, EpochState.FAILED},
     EpochState.COMMITTING: {EpochState.COMMITTED, EpochState.FAILED},
     EpochState.FAILED: {EpochState.COMMITTING},
     EpochState.COMMITTED: (),

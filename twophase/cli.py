@@ -134,6 +134,7 @@ _ABORTED_BECAUSE = {
     AbortReason.INCOMPLETE: "Spark never completed the epoch and will re-run it",
     AbortReason.LATE: "registered after the epoch was committed",
     AbortReason.REPLAYED: "the epoch is replayed: Spark re-runs it",
+    AbortReason.WRITE_FAILED: "the epoch's write failed: the epoch is FAILED",
 }
 _SKIPPED_BECAUSE = {
     SkipReason.INCOMPLETE: "not completed by Spark; left open",
@@ -165,6 +166,8 @@ def describe(record: Record) -> str:
         return (f"{where}: {record.operation.value} of {subject} failed "
                 f"({record.tries} {'try' if record.tries == 1 else 'tries'}): {record.error}; {then}")
     if isinstance(record, EpochBlocked):
+        if record.replay:  # the error says to replay it
+            return f"{where}: FAILED ({record.error}); every later epoch waits"
         return (f"{where}: FAILED ({record.error}); it and every later epoch wait: "
                 f"fix the cause, then run `twophase recover --retry-failed`")
     if isinstance(record, EpochSkipped):

@@ -10,10 +10,14 @@ function re-runs the micro-batch in a new run, whose pre-commits replace the old
 
 Each app takes one DataFrame per micro-batch: within a run the first attempt of a partition wins, so
 a second write of the same batch would find its partitions taken; it is refused. Write every
-micro-batch (an empty DataFrame is fine): ``await_committed`` waits for the query's last one. Let a
-failed write fail the function: if it were swallowed, Spark would record the micro-batch and its
-epoch would commit without the failed partitions; the target halts the run, so the next micro-batch
-fails naming the write that failed.
+micro-batch (an empty DataFrame is fine): ``await_committed`` waits for the query's last one.
+
+Let a failed write fail the function. A failed write (its Spark job failed: some partitions have no
+pre-commit) records itself under its epoch (``epochs/<N>/failed_writes/<run>``) and halts the run
+before it raises. If the function swallows the error anyway, Spark records micro-batch N, but the
+coordinator finds the record and marks epoch N FAILED instead of committing it: none of its rows
+become visible, ``twophase status`` shows the failed write, the next micro-batch fails naming it, and
+``twophase replay`` runs the micro-batch again once the query is stopped.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from pyspark.sql.streaming import StreamingQuery
 
 from coordinator.app import CommitPolicy
 from coordinator.layout import DEFAULT_ROOT
+from coordinator.precommits import PrecommitRegistry
 from twophase.signing import load_secret
 from twophase.sink import TwoPhaseCommitSink
 from twophase.spark.driver import DriverHook, HookConfig
@@ -108,19 +113,37 @@ class TwoPhaseBatchSink:
              .option("twophase.zk", self.zk).option("twophase.app", self.app).option("twophase.root", self.root)
              .option("twophase.coordinator", self.coordinator).option(SINK_DIGEST, self._digest).save())
         except BaseException as e:
-            # Spark records the micro-batch once the function returns: a caller that swallowed this would
-            # let epoch N commit without this write's failed partitions. Halting the run makes its next
-            # micro-batch fail, naming why, instead of carrying on quietly.
-            reason = (f"the write of micro-batch {batch_id} to app {self.app} failed ({e!r}); let the error fail "
-                      "the foreachBatch function")
-            halted = self._hook.paths.query(query).halted(run)
-            try:
-                self._hook.client.create(halted, reason.encode(), makepath=True)
-            except NodeExistsError:
-                pass
-            except Exception as halt_error:  # noqa: BLE001 - the write's own error is the one to raise
-                log.error("app %s: cannot halt run %s after its write failed: %r", self.app, run, halt_error)
+            self._failed(query, run, batch_id, e)
             raise
+
+    def _failed(self, query: str, run: str, batch_id: int, error: BaseException) -> None:
+        """Record the failed write of micro-batch ``batch_id`` under its epoch, then halt the run.
+
+        Spark records the micro-batch (``commits/N``) once the function returns: a caller that swallowed
+        the error would have epoch N commit without this write's failed partitions. The record is in
+        ZooKeeper before the write raises, so before the function returns and before ``commits/N`` (or the
+        barrier, or epoch N + 1) can tell any coordinator that N is complete; once it knows, the coordinator
+        reads the record and marks the epoch FAILED instead of committing it (coordinator/app.py,
+        ``_failed_writes``). The halt makes the run's next micro-batch fail, naming this write.
+        """
+        qp = self._hook.paths.query(query)
+        reason = f"the write of micro-batch {batch_id} to app {self.app} failed ({error!r:.2000})"
+        try:
+            PrecommitRegistry(self._hook.client, qp, self._hook.signer).record_failed_write(run, batch_id, reason)
+        except Exception as record_error:  # noqa: BLE001 - the write's own error is the one to raise
+            log.error("app %s: cannot record the failed write of micro-batch %d: %r", self.app, batch_id, record_error)
+            error.add_note(f"twophase could not record this failed write ({record_error!r}): if the foreachBatch "
+                           f"function swallows it, epoch {batch_id} of app {self.app} may commit without the failed "
+                           "partitions")
+        halt = (f"{reason}; if the foreachBatch function went on regardless, epoch {batch_id} is FAILED, not "
+                f"committed: stop the query, run `twophase replay --app {self.app} --epoch {batch_id}`, and let a "
+                "failed write fail the function")
+        try:
+            self._hook.client.create(qp.halted(run), halt.encode(), makepath=True)
+        except NodeExistsError:
+            pass
+        except Exception as halt_error:  # noqa: BLE001 - the write's own error is the one to raise
+            log.error("app %s: cannot halt run %s after its write failed: %r", self.app, run, halt_error)
 
     def await_committed(self, query: StreamingQuery, timeout: float = 60.0) -> int | None:
         """Block until every micro-batch Spark completed for ``query`` is committed in this app."""
