@@ -264,6 +264,7 @@ class PostgresSink(TwoPhaseCommitSink):
         """Check the server (max_prepared_transactions), the table, its columns' types and upsert's
         unique index; create the marker table if it is missing. ValueError naming what is wrong."""
         with self._connect(self.dsn) as conn:
+            conn.execute(f"SET lock_timeout = {int(self.lock_timeout * 1000)}")  # never hang the query's start
             prepared = int(conn.execute("SHOW max_prepared_transactions").fetchone()[0])
             if prepared <= 0:
                 raise ValueError(f"PostgreSQL at {self.dsn!r} has max_prepared_transactions = 0, so PREPARE "
@@ -387,17 +388,28 @@ class PostgresSink(TwoPhaseCommitSink):
                              f"UNIQUE ({', '.join(key)})")
 
     def _create_markers(self, conn: psycopg.Connection) -> None:
-        """CREATE TABLE IF NOT EXISTS is not safe against a concurrent creator (two queries starting at
-        once): an advisory lock makes the second wait and find the table."""
+        """Create the marker table and its index unless they exist.
+
+        CREATE TABLE IF NOT EXISTS is not safe against a concurrent creator (two queries starting at
+        once): an advisory lock makes the second wait and find the table. Existing ones are looked up
+        first, because CREATE INDEX IF NOT EXISTS locks the table before it finds the index, and would
+        wait for every prepared transaction holding a marker row (a restarted query's)."""
         table = identifier(self.marker_table)
-        index = sql.Identifier(f"{self.marker_table[-1][:50]}_epochs")
+        index = f"{self.marker_table[-1][:50]}_epochs"  # created in the table's schema
+        exists = "SELECT to_regclass(%s) IS NOT NULL AND to_regclass(%s) IS NOT NULL"
+        names = (table.as_string(conn), identifier((*self.marker_table[:-1], index)).as_string(conn))
+        if conn.execute(exists, names).fetchone()[0]:
+            return
         with conn.transaction():
             conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (f"twophase {'.'.join(self.marker_table)}",))
+            if conn.execute(exists, names).fetchone()[0]:
+                return  # a concurrent creator made them
             conn.execute(sql.SQL(
                 "CREATE TABLE IF NOT EXISTS {} (gid text PRIMARY KEY, app text NOT NULL, query_id text NOT NULL, "
                 "epoch bigint NOT NULL, partition integer NOT NULL, attempt integer NOT NULL, "
                 "committed_at timestamptz NOT NULL DEFAULT now())").format(table))
-            conn.execute(sql.SQL("CREATE INDEX IF NOT EXISTS {} ON {} (app, query_id, epoch)").format(index, table))
+            conn.execute(sql.SQL("CREATE INDEX IF NOT EXISTS {} ON {} (app, query_id, epoch)")
+                         .format(sql.Identifier(index), table))
 
     def _marked(self, conn: psycopg.Connection, gid: str) -> bool | None:
         """Whether ``gid``'s marker row exists (it committed); None if the marker table is gone."""
