@@ -15,7 +15,8 @@ Usage::
 
     # The password comes from PGPASSWORD or a passfile in every process, never from the dsn.
     sink = PostgresSink("host=db.internal dbname=shop user=spark", "public.orders")
-    write_stream(df, sink, app="orders", zk="127.0.0.1:2181", checkpoint="/data/orders-checkpoint")
+    write_stream(df, sink, app="orders", zk="127.0.0.1:2181") \\
+        .option("checkpointLocation", "/data/orders-checkpoint").start()
 
     PostgresSink(dsn, "stock", mode="upsert", key="sku")   # the last row of a key wins
 """

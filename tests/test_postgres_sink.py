@@ -24,7 +24,7 @@ from sinks.postgres import LockTimeout, PostgresHandle, PostgresSink
 from tests.harness import QUERY, SIGNER, Pipeline, stage
 from tests.waiting import wait_for, wait_until
 from twophase.pgserver import PostgresServer
-from twophase.sink import AbortFailed, CommitFailed, TxnContext
+from twophase.sink import AbortFailed, CommitFailed, CommitOutcomeUnknown, TxnContext
 from twophase.verify import count_rows
 
 
@@ -101,6 +101,16 @@ def test_a_handle_rolled_back_by_hand_can_never_commit(sink, pg_dsn):
     with pytest.raises(CommitFailed, match=handle.gid):
         sink.commit(handle)
     assert ids(pg_dsn) == [] and markers(pg_dsn) == []
+
+
+def test_without_its_marker_table_a_lost_transactions_outcome_is_unknown(sink, pg_dsn):
+    handle = prepare(sink, ctx(), [{"id": 1}])
+    execute(pg_dsn, sql.SQL("ROLLBACK PREPARED {}").format(sql.Literal(handle.gid)))
+    execute(pg_dsn, "DROP TABLE twophase_commits")  # by an operator
+    with pytest.raises(CommitOutcomeUnknown, match="cannot tell whether it committed"):
+        sink.commit(handle)
+    with pytest.raises(RuntimeError, match="cannot tell whether it committed"):
+        sink.abort(handle)
 
 
 def test_abort_discards_is_idempotent_and_refuses_a_committed_handle(sink, pg_dsn):
@@ -221,6 +231,17 @@ def test_upsert_one_key_in_two_partitions_of_an_epoch_fails_loudly(upsert, pg_ds
     with pytest.raises(LockTimeout, match=r"repartition"):
         prepare(upsert, ctx(partition=1), [{"sku": "a", "qty": 2, "note": "p1"}])
     upsert.abort(held)
+
+
+def test_append_one_key_of_a_unique_index_in_two_partitions_fails_loudly(pg_dsn):
+    execute(pg_dsn, "CREATE TABLE t (id bigint PRIMARY KEY)")
+    sink = PostgresSink(pg_dsn, "t", lock_timeout=0.2)
+    sink.check_target(None)
+    held = prepare(sink, ctx(partition=0), [{"id": 1}])
+    with pytest.raises(LockTimeout, match=r"partition the rows by that key"):
+        prepare(sink, ctx(partition=1), [{"id": 1}])
+    sink.commit(held)
+    assert ids(pg_dsn) == [1]
 
 
 def test_upsert_needs_a_unique_index_on_exactly_the_key(pg_dsn):
