@@ -27,6 +27,7 @@ import hashlib
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 import psycopg
@@ -199,37 +200,20 @@ class PostgresSink(TwoPhaseCommitSink):
         """``COMMIT PREPARED``. No such prepared transaction: a no-op if its marker row exists (committed
         before), else CommitFailed (rolled back or lost). Other errors (the server restarting) propagate
         and are retried."""
-        if handle.gid is None:
-            return
-        with self._connect(handle.dsn) as conn:
-            try:
-                conn.execute(sql.SQL("COMMIT PREPARED {}").format(sql.Literal(handle.gid)))
-            except psycopg.errors.UndefinedObject:
-                committed = self._marked(conn, handle.gid)
-                if committed is None:
-                    raise CommitOutcomeUnknown(
-                        f"prepared transaction {handle.gid!r} is gone and the marker table "
-                        f"{'.'.join(self.marker_table)!r} too: cannot tell whether it committed") from None
-                if not committed:
-                    raise CommitFailed(f"prepared transaction {handle.gid!r} ({handle.rows} rows) is gone without a "
-                                       "marker row: it was rolled back (by hand?) or lost") from None
+        outcome = self._finish(handle, "COMMIT")
+        if outcome is _Outcome.UNKNOWN:
+            raise CommitOutcomeUnknown(self._unknown(handle))
+        if outcome is _Outcome.LOST:
+            raise CommitFailed(f"prepared transaction {handle.gid!r} ({handle.rows} rows) is gone without a "
+                               "marker row: it was rolled back (by hand?) or lost")
 
     def abort(self, handle: PostgresHandle) -> None:
         """``ROLLBACK PREPARED``; AbortFailed if it was committed (its marker row exists). Idempotent."""
-        if handle.gid is None:
-            return
-        with self._connect(handle.dsn) as conn:
-            try:
-                conn.execute(sql.SQL("ROLLBACK PREPARED {}").format(sql.Literal(handle.gid)))
-            except psycopg.errors.UndefinedObject:
-                committed = self._marked(conn, handle.gid)
-                if committed is None:
-                    raise RuntimeError(f"prepared transaction {handle.gid!r} is gone and the marker table "
-                                       f"{'.'.join(self.marker_table)!r} too: cannot tell whether it committed"
-                                       ) from None
-                if committed:
-                    raise AbortFailed(f"prepared transaction {handle.gid!r} ({handle.rows} rows) was committed "
-                                      "already") from None
+        outcome = self._finish(handle, "ROLLBACK")
+        if outcome is _Outcome.UNKNOWN:
+            raise RuntimeError(self._unknown(handle))
+        if outcome is _Outcome.COMMITTED:
+            raise AbortFailed(f"prepared transaction {handle.gid!r} ({handle.rows} rows) was committed already")
 
     def abort_unregistered(self, ctx: TxnContext) -> None:
         """Roll back the dead attempt's prepared transaction, if it prepared one (and nothing else)."""
@@ -412,13 +396,36 @@ class PostgresSink(TwoPhaseCommitSink):
             conn.execute(sql.SQL("CREATE INDEX IF NOT EXISTS {} ON {} (app, query_id, epoch)")
                          .format(sql.Identifier(index), table))
 
-    def _marked(self, conn: psycopg.Connection, gid: str) -> bool | None:
-        """Whether ``gid``'s marker row exists (it committed); None if the marker table is gone."""
-        try:
-            return conn.execute(sql.SQL("SELECT 1 FROM {} WHERE gid = %s").format(identifier(self.marker_table)),
-                                (gid,)).fetchone() is not None
-        except psycopg.errors.UndefinedTable:
-            return None
+    def _finish(self, handle: PostgresHandle, verb: str) -> _Outcome:
+        """``<verb> PREPARED`` the handle's transaction; if there is no such prepared transaction, its
+        marker row tells what became of it."""
+        if handle.gid is None:
+            return _Outcome.DONE
+        with self._connect(handle.dsn) as conn:
+            try:
+                conn.execute(sql.SQL(verb + " PREPARED {}").format(sql.Literal(handle.gid)))
+                return _Outcome.DONE
+            except psycopg.errors.UndefinedObject:
+                pass
+            try:
+                marked = conn.execute(sql.SQL("SELECT 1 FROM {} WHERE gid = %s").format(
+                    identifier(self.marker_table)), (handle.gid,)).fetchone()
+            except psycopg.errors.UndefinedTable:
+                return _Outcome.UNKNOWN
+        return _Outcome.LOST if marked is None else _Outcome.COMMITTED
+
+    def _unknown(self, handle: PostgresHandle) -> str:
+        return (f"prepared transaction {handle.gid!r} is gone and the marker table "
+                f"{'.'.join(self.marker_table)!r} too: cannot tell whether it committed")
+
+
+class _Outcome(Enum):
+    """What ``_finish`` found."""
+
+    DONE = "done"            # COMMIT/ROLLBACK PREPARED did it now (or there was nothing to do)
+    COMMITTED = "committed"  # no such prepared transaction; its marker row exists
+    LOST = "lost"            # no such prepared transaction, no marker row: rolled back or lost
+    UNKNOWN = "unknown"      # no such prepared transaction, and no marker table to ask
 
 
 def _as_dict(row: Any) -> dict[str, Any]:

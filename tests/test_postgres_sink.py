@@ -22,6 +22,7 @@ from coordinator.state import EpochState
 from coordinator.status import read_status
 from sinks.postgres import LockTimeout, PostgresHandle, PostgresSink
 from tests.harness import QUERY, SIGNER, Pipeline, stage
+from tests.test_sink_hooks import six_committed_epochs
 from tests.waiting import wait_for, wait_until
 from twophase.pgserver import PostgresServer
 from twophase.sink import AbortFailed, CommitFailed, CommitOutcomeUnknown, TxnContext
@@ -176,9 +177,7 @@ def test_retire_epoch_deletes_the_markers_of_that_query_up_to_the_epoch(sink, pg
 
 
 def test_the_coordinator_retires_markers_beyond_its_retention(pipe, pg_dsn):
-    for epoch in range(6):
-        pipe.task("r1", epoch, 0, range(epoch * 10, epoch * 10 + 10))
-    pipe.barrier(5, "r1")
+    six_committed_epochs(pipe)
     app = pipe.coordinator(retain_epochs=2)
     app.reconcile()
     app.reconcile()
