@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime
 import decimal
+import json
 import pickle
 import threading
 import uuid
@@ -22,6 +23,7 @@ from coordinator.state import EpochState
 from coordinator.status import read_status
 from sinks.postgres import LockTimeout, PostgresHandle, PostgresSink
 from tests.harness import QUERY, SIGNER, Pipeline, stage
+from tests.test_log_sink import in_subprocess
 from tests.test_sink_hooks import six_committed_epochs
 from tests.waiting import wait_for, wait_until
 from twophase.pgserver import PostgresServer
@@ -152,6 +154,31 @@ def test_abort_unregistered_rolls_back_the_dead_attempts_prepared_transaction_on
     assert prepared(pg_dsn) == [survivor.gid]
     sink.commit(survivor)
     assert ids(pg_dsn) == [1]
+
+
+def test_phase_one_and_phase_two_in_processes_of_their_own(sink, pg_dsn):
+    """A writer process prepares and exits; this process commits. A writer that dies right after
+    PREPARE leaves its transaction prepared, for abort_unregistered. A fresh interpreter commits."""
+    out = in_subprocess("import dataclasses, json\n"
+                        "from tests.harness import stage\n"
+                        "sink, context = args\n"
+                        "txn = stage(sink, context, [{'id': i} for i in range(20)])\n"
+                        "print(json.dumps(dataclasses.asdict(sink.pre_commit(txn))))\n",
+                        sink, ctx(run="writer"))
+    handle = PostgresHandle(**json.loads(out.strip().splitlines()[-1]))
+    assert ids(pg_dsn) == []
+    sink.commit(handle)
+    in_subprocess("import os\n"
+                  "from tests.harness import stage\n"
+                  "sink, context = args\n"
+                  "sink.pre_commit(stage(sink, context, [{'id': 999}]))\n"
+                  "os._exit(0)  # killed before registering its handle\n",
+                  sink, ctx(run="dead"))
+    assert prepared(pg_dsn) == [sink.gid(ctx(run="dead"))]
+    sink.abort_unregistered(ctx(run="dead"))
+    later = prepare(sink, ctx(run="r2"), [{"id": 20}])
+    in_subprocess("sink, handle = args\nsink.commit(handle)\n", sink, later)
+    assert ids(pg_dsn) == list(range(21)) and prepared(pg_dsn) == []
 
 
 def test_the_coordinator_cleans_up_an_attempt_killed_after_prepare(pipe, pg_dsn):
