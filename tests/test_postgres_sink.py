@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import datetime
 import decimal
-import json
 import pickle
 import threading
 import uuid
@@ -156,24 +155,23 @@ def test_abort_unregistered_rolls_back_the_dead_attempts_prepared_transaction_on
     assert ids(pg_dsn) == [1]
 
 
+# A task in a process of its own: prepares its rows, prints its pickled handle and exits at once
+# (os._exit: no cleanup of any kind, as a kill right after PREPARE would leave it).
+WRITER = ("import os\n"
+          "from tests.harness import stage\n"
+          "sink, context, rows = args\n"
+          "print(cloudpickle.dumps(sink.pre_commit(stage(sink, context, rows))).hex(), flush=True)\n"
+          "os._exit(0)\n")
+
+
 def test_phase_one_and_phase_two_in_processes_of_their_own(sink, pg_dsn):
-    """A writer process prepares and exits; this process commits. A writer that dies right after
-    PREPARE leaves its transaction prepared, for abort_unregistered. A fresh interpreter commits."""
-    out = in_subprocess("import dataclasses, json\n"
-                        "from tests.harness import stage\n"
-                        "sink, context = args\n"
-                        "txn = stage(sink, context, [{'id': i} for i in range(20)])\n"
-                        "print(json.dumps(dataclasses.asdict(sink.pre_commit(txn))))\n",
-                        sink, ctx(run="writer"))
-    handle = PostgresHandle(**json.loads(out.strip().splitlines()[-1]))
-    assert ids(pg_dsn) == []
+    """A writer process prepares and exits; this process commits. One that exits without registering
+    leaves its transaction prepared, for abort_unregistered. A fresh interpreter commits."""
+    out = in_subprocess(WRITER, sink, ctx(run="writer"), [{"id": i} for i in range(20)])
+    handle = cloudpickle.loads(bytes.fromhex(out.strip().splitlines()[-1]))
+    assert isinstance(handle, PostgresHandle) and ids(pg_dsn) == []
     sink.commit(handle)
-    in_subprocess("import os\n"
-                  "from tests.harness import stage\n"
-                  "sink, context = args\n"
-                  "sink.pre_commit(stage(sink, context, [{'id': 999}]))\n"
-                  "os._exit(0)  # killed before registering its handle\n",
-                  sink, ctx(run="dead"))
+    in_subprocess(WRITER, sink, ctx(run="dead"), [{"id": 999}])
     assert prepared(pg_dsn) == [sink.gid(ctx(run="dead"))]
     sink.abort_unregistered(ctx(run="dead"))
     later = prepare(sink, ctx(run="r2"), [{"id": 20}])
