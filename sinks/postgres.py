@@ -319,6 +319,8 @@ class PostgresSink(TwoPhaseCommitSink):
 
     def _fix_columns(self, txn: PostgresTxn, names: Sequence[str]) -> None:
         if txn.columns is None:
+            if self.key is not None and not set(self.key) <= set(names):
+                raise ValueError(f"PostgresSink key={self.key}: rows with the columns {list(names)} lack a key column")
             txn.columns = list(names)
         elif txn.columns != list(names):
             raise ValueError(f"PostgresSink: rows with the columns {list(names)} after rows with {txn.columns}; "

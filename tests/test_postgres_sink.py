@@ -249,6 +249,13 @@ def test_upsert_a_later_epoch_wins_even_while_the_earlier_one_is_still_prepared(
     assert stock(pg_dsn) == [("a", 3, "e2"), ("b", 1, "e0")]
 
 
+def test_upsert_refuses_rows_without_the_key(upsert, pg_dsn):
+    txn = upsert.begin_transaction(ctx())
+    with pytest.raises(ValueError, match=r"key=\['sku'\]: rows with the columns \['qty'\] lack a key column"):
+        upsert.write(txn, {"qty": 1})
+    upsert.abort_transaction(txn)
+
+
 def test_upsert_one_key_in_two_partitions_of_an_epoch_fails_loudly(upsert, pg_dsn):
     held = prepare(upsert, ctx(partition=0), [{"sku": "a", "qty": 1, "note": "p0"}])
     upsert.lock_timeout = 0.2
