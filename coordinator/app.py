@@ -403,15 +403,19 @@ class AppCoordinator:
     def _abort_incomplete(self, work: EpochWork, this_pass: _Pass) -> None:
         """Pre-commits of an epoch that Spark will re-run are never reused.
 
-        Those of runs older than the latest one are aborted at once; with
-        abort_incomplete (recovery while no query runs) all of them are.
+        Those of runs older than the latest one (the newest run that began the epoch) are aborted at
+        once, and so are the transactions their dead attempts began without registering: one of those
+        may hold what the latest run's attempts write (a PostgreSQL row lock on a key), and the epoch
+        could never complete while it does. A zombie of such an attempt that registers later finds its
+        intent gone and aborts itself. With abort_incomplete (recovery while no query runs) all of them are.
         """
-        latest_run = work.registry.latest_run(work.attempts)
         everything = this_pass.options.abort_incomplete
+        unregistered = work.registry.unregistered(work.epoch, work.attempts)
+        latest_run = work.registry.latest_run(work.attempts, {ctx.run_id for ctx in unregistered})
         stale = [_Verdict(a, AbortReason.INCOMPLETE if a.run == latest_run else AbortReason.SUPERSEDED)
                  for a in work.attempts if a.run != latest_run or everything]
-        if self._finish_all(work, stale, recovering=True, this_pass=this_pass) and everything:
-            self._abort_unregistered(work, this_pass)
+        if self._finish_all(work, stale, recovering=True, this_pass=this_pass):
+            self._abort_unregistered(work, this_pass, None if everything else latest_run)
 
     def _decide(self, work: EpochWork, decided: EpochRecord, this_pass: _Pass) -> EpochWork | None:
         """Record the decision before acting on it; None if the record changed under us."""
@@ -579,14 +583,16 @@ class AppCoordinator:
             return tries, e
         return tries, None
 
-    def _abort_unregistered(self, work: EpochWork, this_pass: _Pass) -> bool:
+    def _abort_unregistered(self, work: EpochWork, this_pass: _Pass, running: str | None = None) -> bool:
         """Have the sink clean up after attempts that began a transaction and never registered it.
 
-        Only once the epoch is settled: until then such an attempt may still be running.
-        False if the sink failed (retried on the next pass).
+        Only once the epoch is settled, or for runs older than the ``running`` one: until then such
+        an attempt may still be running. False if the sink failed (retried on the next pass).
         """
         dry_run = this_pass.options.dry_run
         for ctx in work.registry.unregistered(work.epoch, work.attempts):
+            if ctx.run_id == running:
+                continue
             if not dry_run:
                 self.fence.check()
                 tries, error = self._call(self.sink().abort_unregistered, ctx)

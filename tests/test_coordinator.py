@@ -519,3 +519,22 @@ def test_watches_wake_the_loop_only_for_an_epoch_or_a_barrier_that_can_complete_
     app._on_barrier(QUERY, b'{"epoch": 1, "run": "r1"}')                  # above the last commit
     app._on_barrier(QUERY, b"[]")                                         # malformed: the pass reports it
     assert app._stirs[QUERY] == 4
+
+
+def test_a_dead_attempt_of_a_superseded_run_is_cleaned_up_while_the_new_run_writes_the_epoch(pipe):
+    """A task of run r1 killed after its pre-commit, before registering, may hold what r2 writes again (a
+    PostgreSQL row lock on a key): its transaction is cleaned up once r2 began the epoch, not only once
+    r2 completed it, which it might never do while the lock is held. r2's own running attempt is left alone."""
+    pipe.registry.ensure_run("r1")
+    dead = TxnContext("app", QUERY, "r1", 0, 0, 0)
+    pipe.registry.intend(dead)
+    pipe.sink.pre_commit(stage(pipe.sink, dead, [{"id": 999}]))
+    running = pipe.begin("r2", 0, 0)  # its intent recorded, its rows being written, nothing registered
+    app = pipe.coordinator()
+    report = app.reconcile()
+    assert records_of(report, AttemptCleanedUp) == [AttemptCleanedUp(QUERY, 0, "r1.0.0.0")]
+    assert pending_files(pipe) == [] and pipe.watermark() == -1
+    assert pipe.finish(running, range(10))  # its intent was kept: it registers and wins
+    pipe.barrier(0, "r2")
+    app.reconcile()
+    assert pipe.watermark() == 0 and count_rows(range(10), ids_out(pipe)).exact

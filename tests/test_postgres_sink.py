@@ -22,6 +22,7 @@ from coordinator.state import EpochState
 from coordinator.status import read_status
 from sinks.postgres import LockTimeout, PostgresHandle, PostgresSink
 from tests.harness import QUERY, SIGNER, Pipeline, stage
+from tests.test_coordinator import records_of
 from tests.test_log_sink import in_subprocess
 from tests.test_sink_hooks import six_committed_epochs
 from tests.waiting import wait_for, wait_until
@@ -262,6 +263,26 @@ def test_upsert_one_key_in_two_partitions_of_an_epoch_fails_loudly(upsert, pg_ds
     with pytest.raises(LockTimeout, match=r"repartition"):
         prepare(upsert, ctx(partition=1), [{"sku": "a", "qty": 2, "note": "p1"}])
     upsert.abort(held)
+
+
+def test_upsert_after_a_crash_a_dead_attempts_prepared_key_does_not_block_the_new_run(upsert, zk, zk_root, pg_dsn):
+    """Run r1's task prepared key 'a' and died before registering (its driver was killed): the coordinator
+    rolls it back as soon as run r2 begins the epoch, so r2's upsert of 'a' neither waits nor fails."""
+    pipe = Pipeline(zk, zk_root, upsert)
+    pipe.registry.ensure_run("r1")
+    dead = ctx(run="r1")
+    pipe.registry.intend(dead)
+    prepare(upsert, dead, [{"sku": "a", "qty": 1, "note": "r1"}])
+    running = pipe.begin("r2", 0, 0)
+    app = pipe.coordinator()
+    assert records_of(app.reconcile(), AttemptCleanedUp) == [AttemptCleanedUp(QUERY, 0, "r1.0.0.0")]
+    assert prepared(pg_dsn) == []
+    running.write({"sku": "a", "qty": 2, "note": "r2"})
+    running.close(None)
+    assert running.won
+    pipe.barrier(0, "r2")
+    app.reconcile()
+    assert stock(pg_dsn) == [("a", 2, "r2")] and pipe.watermark() == 0
 
 
 def test_append_one_key_of_a_unique_index_in_two_partitions_fails_loudly(pg_dsn):
