@@ -200,6 +200,7 @@ class AppCoordinator:
         self._committed: dict[str, int] = {}         # per query, the last epoch this coordinator committed
         self._ready: dict[str, tuple[int, float]] = {}  # per query, a ready hint: (epoch, look until, monotonic)
         self._ready_lock = threading.Lock()
+        self._closed = False                         # close()d: its watches stop at their next event
 
     def acquire(self) -> None:
         """Take ownership of the app's phase two, fencing any previous owner.
@@ -221,6 +222,12 @@ class AppCoordinator:
         self.client.retry(self.client.ensure_path, self.paths.queries)
         ChildrenWatch(self.client, self.paths.queries, self._watch_queries)
 
+    def close(self) -> None:
+        """Stop watching the app (a daemon no longer serving it): each watch ends at its next event."""
+        self._closed = True
+        with self._ready_lock:
+            self._ready.clear()
+
     def reconcile_logged(self, changed_only: bool = False) -> None:
         """One reconcile pass for a long-running loop: transient trouble is logged, fencing is raised."""
         try:
@@ -233,7 +240,9 @@ class AppCoordinator:
         except Exception:
             log.exception("app %s: reconcile failed, retrying", self.app)
 
-    def _watch_queries(self, query_ids: list[str]) -> None:
+    def _watch_queries(self, query_ids: list[str]) -> bool | None:
+        if self._closed:
+            return False  # kazoo drops a watch whose callback returns False
         for qid in set(query_ids) - self._watched:
             self._watched.add(qid)
             qp = self.paths.query(qid)
@@ -246,7 +255,9 @@ class AppCoordinator:
     # Watches only wake the loop, and a full pass runs every poll_interval whatever they say: the two
     # filters below save passes that would find nothing to do; they never decide anything.
 
-    def _on_epochs(self, query_id: str, names: list[str]) -> None:
+    def _on_epochs(self, query_id: str, names: list[str]) -> bool | None:
+        if self._closed:
+            return False
         # An epoch N + 1 appearing proves N complete, unless this coordinator committed N already (the
         # barrier came first); one disappearing (garbage collection, replay discarding) makes nothing due.
         seen, self._epochs_seen[query_id] = self._epochs_seen.get(query_id), set(names)
@@ -254,7 +265,9 @@ class AppCoordinator:
         if seen is None or any(not n.isdigit() or int(n) > committed + 1 for n in set(names) - seen):
             self._stir(query_id)
 
-    def _on_barrier(self, query_id: str, data: bytes | None) -> None:
+    def _on_barrier(self, query_id: str, data: bytes | None) -> bool | None:
+        if self._closed:
+            return False
         # A barrier at or below the last epoch this coordinator committed tells it nothing new (the epoch
         # was committed when the next one appeared, the usual order).
         try:
@@ -264,7 +277,9 @@ class AppCoordinator:
         if not isinstance(epoch, int) or epoch > self._committed.get(query_id, -1):
             self._stir(query_id)
 
-    def _on_ready(self, query_id: str, data: bytes | None) -> None:
+    def _on_ready(self, query_id: str, data: bytes | None) -> bool | None:
+        if self._closed:
+            return False
         # The batch path's writer says Spark is about to write commits/N (twophase/spark/stream_sink.py):
         # passes look at the checkpoint every READY_POLL seconds until N is committed or READY_WINDOW ends.
         try:
@@ -366,7 +381,7 @@ class AppCoordinator:
             if work.record.state is EpochState.FAILED:
                 # An epoch whose write failed was never all written: no retry can commit it, a replay must
                 # run it again.
-                replay = work.record.run in registry.failed_writes(epoch)
+                replay = work.record.replay  # its run's write failed: only a replay brings its rows
                 if replay or not options.retry_failed:
                     log.error("app %s epoch %d is FAILED (%s); later epochs wait: run `twophase %s`", self.app, epoch,
                               work.record.error, "replay" if replay else "recover --retry-failed")
@@ -491,12 +506,16 @@ class AppCoordinator:
         ``twophase replay``, which aborts the epoch's pre-commits first). False: later epochs wait."""
         error = (f"the write of run {run} failed ({error}); no row of the epoch is committed: stop the query, "
                  f"then run `twophase replay --app {self.app} --epoch {work.epoch}` with its checkpoint")
-        failed = self._decide(work, work.record.transition(EpochState.FAILED, run=run, error=error), this_pass)
+        failed = self._decide(work, work.record.transition(EpochState.FAILED, run=run, error=error, replay=True),
+                              this_pass)
         if failed is None:
             return False
         log.error("app %s query %s: epoch %d is FAILED: %s", self.app, work.query_id, work.epoch, error)
         aborts = [_Verdict(a, AbortReason.WRITE_FAILED) for a in work.attempts]
-        self._finish_all(failed, aborts, recovering=True, this_pass=this_pass)
+        # The failed partitions' attempts are over (their job failed): what they began goes now, not at the
+        # replay, so that a log sink's open transactions do not hold back readers meanwhile.
+        if self._finish_all(failed, aborts, recovering=True, this_pass=this_pass):
+            self._abort_unregistered(failed, this_pass)
         this_pass.records.append(EpochBlocked(work.query_id, work.epoch, error, replay=True))
         return False
 

@@ -91,13 +91,18 @@ class CoordinatorDaemon:
             client.retry(client.ensure_path, app_names(self.root))
             client.ChildrenWatch(app_names(self.root), lambda _: self._wake.set())
             last_full = None
+            hinted: set[str] | None = None  # after a wait only a ready poll ended: the apps to visit
             while not stop.is_set() and not self._session_lost.is_set():
                 self._wake.clear()
-                # As the embedded host does: a pass woken by a watch or a ready hint visits only the queries
-                # that changed; one every poll_interval visits them all, in case a watch was lost.
+                # As the embedded host does: a pass woken by a watch visits only the queries that changed,
+                # one woken by a ready poll only the apps with a hint, and one every poll_interval every
+                # query of every app, in case a watch was lost.
                 now = time.monotonic()
                 full = last_full is None or now - last_full >= self.policy.poll_interval
-                for name in self._daemon_apps(client):
+                names = self._daemon_apps(client)
+                for name in set(apps) - set(names):
+                    apps.pop(name).close()  # no longer a daemon app: its watches and hints must not wake us
+                for name in names:
                     if name not in apps:
                         app = AppCoordinator(client, self.root, name, self.signer,
                                              f"daemon {self.identifier}", self.policy, self._wake)
@@ -110,19 +115,23 @@ class CoordinatorDaemon:
                             continue
                         apps[name] = app
                         self._troubled.pop((name, "start"), None)
-                        apps[name].reconcile_logged()  # a new app's first pass visits every query
-                        continue
-                    apps[name].reconcile_logged(changed_only=not full)
+                        app.reconcile_logged()  # a new app's first pass visits every query
+                    elif full or hinted is None or name in hinted:
+                        apps[name].reconcile_logged(changed_only=not full)
                 if full:
                     last_full = now
-                waits = [wait for wait in (app.ready_wait() for app in apps.values()) if wait is not None]
-                self._wake.wait(min(waits, default=self.policy.poll_interval))
+                polls = {name: wait for name, app in apps.items() if (wait := app.ready_wait()) is not None}
+                until_full = last_full + self.policy.poll_interval - time.monotonic()
+                woken = self._wake.wait(min(polls.values(), default=max(0.0, until_full)))
+                hinted = None if woken else set(polls)
         except Fenced:
             log.error("daemon %s: fenced by a newer leader; stepping down", self.identifier)
         except Exception as e:  # noqa: BLE001 - said with its cause; the daemon contends again
             log.error("daemon %s: leading failed: %r; stepping down", self.identifier, e, exc_info=e)
             stop.wait(self.policy.poll_interval)  # not a tight loop when the cause persists
         finally:
+            for app in apps.values():
+                app.close()  # the client outlives this leadership: its watches must not wake the next one
             self.leading.clear()
             log.info("daemon %s: no longer leading", self.identifier)
 

@@ -53,6 +53,7 @@ class EpochRecord:
     winners: tuple[str, ...] = ()              # attempt names (TxnContext.name) to commit
     updated: float = field(default_factory=time.time)
     error: str | None = None
+    replay: bool = False                       # FAILED for good: its run's write failed, only a replay helps
 
     def transition(self, state: EpochState, **changes: Any) -> EpochRecord:
         """This record moved to ``state`` (with ``changes``); IllegalTransition if the move is not allowed."""
@@ -90,6 +91,9 @@ class EpochRecord:
             updated = data.get("updated", 0.0)
             if isinstance(updated, bool) or not isinstance(updated, (int, float)):
                 raise ValueError(f"updated {updated!r:.80} is not a timestamp")
+            if not isinstance(data.get("replay", False), bool):
+                raise ValueError(f"replay {data['replay']!r:.80} is not a boolean")
         except ValueError as e:  # not JSON too
             raise RecordError(f"znode {path}: not an epoch record: {e}") from None
-        return cls(EpochState(data["state"]), data.get("run"), tuple(winners), updated, data.get("error"))
+        return cls(EpochState(data["state"]), data.get("run"), tuple(winners), updated, data.get("error"),
+                   data.get("replay", False))

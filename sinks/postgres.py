@@ -50,6 +50,7 @@ MODES = ("append", "upsert")
 GID_PREFIX = "tp1"             # the version of the gid format (docs/postgres-sink.md)
 MAX_GID_BYTES = 200            # PostgreSQL's limit for a prepared transaction's global id
 ROW_BUFFER = 10_000            # rows from write() loaded per COPY
+CONNECT_TIMEOUT = 10           # seconds, unless the dsn sets connect_timeout
 _SECRETS = ("password", "sslpassword")
 _SEQ = "_twophase_seq"         # the arrival order of staged rows, in upsert mode
 
@@ -271,7 +272,10 @@ class PostgresSink(TwoPhaseCommitSink):
 
     # -- internals ----------------------------------------------------------------
     def _connect(self, dsn: str, purpose: str = "phase two") -> psycopg.Connection:
-        extra = {} if "application_name" in conninfo_to_dict(dsn) else {"application_name": f"twophase {purpose}"}
+        given = conninfo_to_dict(dsn)
+        extra = {} if "application_name" in given else {"application_name": f"twophase {purpose}"}
+        if "connect_timeout" not in given:
+            extra["connect_timeout"] = CONNECT_TIMEOUT  # a server that drops packets fails the call, not hangs it
         return psycopg.connect(dsn, autocommit=True, **extra)
 
     def _connection(self, txn: PostgresTxn) -> psycopg.Connection:

@@ -180,3 +180,26 @@ def test_a_ready_hint_has_the_daemon_watch_the_checkpoint_until_spark_records_th
         stop.set()
         thread.join(60)
     assert not thread.is_alive()
+
+
+def test_an_app_that_leaves_daemon_mode_is_let_go_with_its_watches(zk, zk_server, zk_root, tmp_path, monkeypatch):
+    """Its next driver runs phase two embedded: the daemon stops serving it and closes its coordinator, whose
+    watches and ready hints would otherwise keep waking the daemon's loop."""
+    closed = []
+    close = AppCoordinator.close
+    monkeypatch.setattr(AppCoordinator, "close", lambda self: (closed.append(self.app), close(self)))
+    pipe = Pipeline(zk, zk_root, FileSink(str(tmp_path / "out")), mode="daemon")
+    stop = threading.Event()
+    daemon = CoordinatorDaemon(zk_server.hosts, zk_root, SIGNER, CommitPolicy(poll_interval=0.2))
+    thread = threading.Thread(target=daemon.run, args=(stop,), name="daemon-under-test")
+    thread.start()
+    try:
+        expected = run_epoch(pipe, 0)
+        wait_until(lambda: pipe.watermark() == 0, what="the daemon to commit epoch 0")
+        publish_app(zk, pipe.paths, SIGNER, pipe.sink, "embedded")
+        wait_until(lambda: closed == ["app"], what="the daemon to let the app go")
+    finally:
+        stop.set()
+        thread.join(60)
+    assert not thread.is_alive() and closed == ["app"]
+    assert count_rows(expected, ids_out(pipe)).exact

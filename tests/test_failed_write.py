@@ -64,7 +64,10 @@ def test_an_epoch_whose_write_failed_is_failed_not_committed_however_spark_recor
     assert (record.state, record.run, record.winners, record.error) == (EpochState.FAILED, "r1", (), blocked.error)
     assert count_rows(range(10), ids_out(pipe)).exact and pipe.watermark() == 0
 
-    # Later passes, an operator's retry included, leave it FAILED: only a replay can bring its rows.
+    # Later passes, an operator's retry included, leave it FAILED: only a replay can bring its rows. The
+    # record itself says so, should the failed_writes znode be lost.
+    assert record.replay
+    pipe.zk.delete(pipe.qp.failed_writes(1), recursive=True)
     again = pipe.coordinator("c2").reconcile(PassOptions(retry_failed=True, checkpoint=options.checkpoint))
     assert again.records == (EpochBlocked(QUERY, 1, blocked.error, replay=True),)
     assert count_rows(range(10), ids_out(pipe)).exact and pipe.record(1).state is EpochState.FAILED

@@ -103,3 +103,13 @@ def test_status_says_when_the_target_cannot_be_asked(zk, zk_root, tmp_path):
     status = read_status(zk, pipe.paths, SIGNER, prepared_older_than=60)
     assert status.prepared == () and "target down" in status.prepared_error
     assert read_status(zk, pipe.paths, SIGNER).prepared_error is None  # not asked: not loaded
+
+
+def test_status_can_be_told_not_to_ask_the_target(zk, zk_root, zk_server, tmp_path):
+    sink = PreparedListingSink(str(tmp_path / "out"))
+    sink.down = True
+    Pipeline(zk, zk_root, sink)
+    asked = twophase("status", "--zk", zk_server.hosts, "--root", zk_root, "--app", "app")
+    assert asked.returncode == 0 and "PREPARED TRANSACTIONS UNKNOWN" in asked.stdout and "target down" in asked.stdout
+    result = twophase("status", "--zk", zk_server.hosts, "--root", zk_root, "--app", "app", "--no-prepared")
+    assert result.returncode == 0 and "PREPARED" not in result.stdout

@@ -82,7 +82,7 @@ def cmd_status(args: argparse.Namespace, client: KazooClient, signer: Signer) ->
     """``twophase status``: print the app's state; exit code 1 if an epoch is FAILED."""
     paths = AppPaths(args.root, args.app)
     _require_app(client, paths)
-    status = read_status(client, paths, signer, args.prepared_older_than)
+    status = read_status(client, paths, signer, None if args.no_prepared else args.prepared_older_than)
     if args.json:
         _print_json(as_json(status))
     else:
@@ -120,7 +120,7 @@ def print_status(status: AppStatus) -> None:
         print(f"  PREPARED TRANSACTIONS UNKNOWN: {status.prepared_error}")
     if status.prepared:
         print(f"  prepared transactions older than the threshold ({len(status.prepared)}; they hold locks and "
-              "hold back VACUUM until committed or rolled back):")
+              "resources in the target until committed or rolled back):")
         for t in status.prepared:
             owner = f"attempt {t.attempt}" if t.attempt else "not this app's"
             print(f"    {t.id}  age {_age(time.time() - t.age)}  {owner}" + (f"  in {t.where}" if t.where else ""))
@@ -271,6 +271,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the state as JSON")
     p.add_argument("--prepared-older-than", type=positive_seconds, default=300.0, metavar="SECONDS",
                    help="list the sink target's prepared transactions older than this (default %(default)s)")
+    p.add_argument("--no-prepared", action="store_true",
+                   help="do not load the sink nor ask its target for prepared transactions")
     p.set_defaults(func=cmd_status)
 
     p = sub.add_parser("recover", help="commit pre-commits of completed epochs, abort the rest")

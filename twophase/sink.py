@@ -220,10 +220,11 @@ class TwoPhaseCommitSink(ABC):
     def retire_epoch(self, app: str, query_id: str, epoch: int) -> None:
         """Forget what the sink kept to make commit idempotent for this query's epochs up to ``epoch``.
 
-        The coordinator calls this when it drops a committed epoch's record (past its retention):
-        commit and abort are never called again for those epochs' handles. Idempotent; a failure is
-        retried on the next pass, and the epoch's record stays until it succeeds. The default does
-        nothing.
+        The coordinator calls this when it drops a committed epoch's record (past its retention): the
+        current owner never commits those epochs' handles again. ``recover_and_abort`` may still come
+        for a late zombie's pre-commit of such an epoch (never committed), and must then succeed when
+        the target has nothing left of it. Idempotent; a failure is retried on the next pass, and the
+        epoch's record stays until it succeeds. The default does nothing.
         """
 
     def prepared_transactions(self, older_than: float) -> list[PreparedTransaction]:

@@ -73,6 +73,7 @@ class CoordinatorHost:
                     log.warning("app %s: ZooKeeper trouble, retrying: %r", coordinator.app, e)
                 if full:
                     last_full = now
-                coordinator.wake.wait(coordinator.ready_wait() or coordinator.policy.poll_interval)
+                until_full = last_full + coordinator.policy.poll_interval - time.monotonic()
+                coordinator.wake.wait(coordinator.ready_wait() or max(0.0, until_full))
         except Fenced:
             log.info("app %s: fenced; another coordinator owns phase two now", coordinator.app)

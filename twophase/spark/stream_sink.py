@@ -30,6 +30,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import pyarrow as pa
 from kazoo.client import KazooClient
 from kazoo.exceptions import NodeExistsError, NoNodeError
 from pyspark.sql.datasource import (
@@ -54,6 +55,7 @@ from twophase.task import PhaseTwoHalted, TaskAttempt
 SINK_FORMAT = "twophase"
 SINK_DIGEST = "twophase.sinkDigest"  # the stored sink the query was started with (see sink_digest)
 _OWN = {name.lower() for name in (*SPARK_OWN, *EXACTLY_ONCE, SINK_DIGEST)}  # every option the format takes
+_CHECKED: set[tuple[str | None, str]] = set()  # (sink digest, schema) the batch writer had check_target pass
 # How long commit() waits for the driver hook to publish a run it has not seen yet: the hook sees a
 # query within a poll (0.25 s) and publishes its run once the first task recorded it.
 HOOK_WAIT = 60.0
@@ -213,7 +215,10 @@ class SinkFormat(DataSource):
 
     def writer(self, schema: StructType, overwrite: bool) -> TwoPhaseBatchWriter:
         sink, where, secret = self._stored()
-        sink.check_target(to_arrow_schema(schema, timezone="UTC"))  # a foreachBatch DataFrame's own columns
+        checked = (lowered(self.options).get(SINK_DIGEST.lower()), schema.json())
+        if checked not in _CHECKED:  # a foreachBatch DataFrame's own columns, once, not every micro-batch
+            sink.check_target(arrow_schema(schema))
+            _CHECKED.add(checked)
         return TwoPhaseBatchWriter(sink, where, secret)
 
     def _stored(self) -> tuple[TwoPhaseCommitSink, ExactlyOnce, bytes]:
@@ -236,6 +241,15 @@ class SinkFormat(DataSource):
                 "write_stream or TwoPhaseBatchSink of the app stored its own since. One sink per app: give "
                 "each sink an app of its own")
         return Signer(secret).loads(blob, paths.sink, what=f"sink of app {where.app!r}"), where, secret
+
+
+def arrow_schema(schema: StructType) -> pa.Schema | None:
+    """The query's columns as ``check_target`` takes them; None where PySpark has no Arrow type for one
+    (a year-month interval): the sink then checks what it can without them."""
+    try:
+        return to_arrow_schema(schema, timezone="UTC")
+    except TypeError:  # PySparkTypeError
+        return None
 
 
 def sink_digest(blob: bytes) -> str:

@@ -24,7 +24,6 @@ Example::
 from __future__ import annotations
 
 from pyspark.sql import DataFrame
-from pyspark.sql.pandas.types import to_arrow_schema
 from pyspark.sql.streaming import DataStreamWriter, StreamingQuery
 
 from coordinator.app import CommitPolicy
@@ -38,7 +37,7 @@ from twophase.spark.kafka_sink import kafka_hook
 from twophase.spark.queries import QueryWatcher
 from twophase.spark.sink_options import check_app_settings, exactly_once
 from twophase.spark.source import KafkaSource
-from twophase.spark.stream_sink import SINK_DIGEST, SINK_FORMAT, SinkFormat, sink_digest
+from twophase.spark.stream_sink import SINK_DIGEST, SINK_FORMAT, SinkFormat, arrow_schema, sink_digest
 from twophase.spark.waiter import await_watermark
 from twophase.supervisor import Supervision
 
@@ -69,7 +68,7 @@ def write_stream(df: DataFrame, sink: TwoPhaseCommitSink, app: str, zk: str, *, 
     if not isinstance(sink, TwoPhaseCommitSink):
         raise TypeError(f"sink must be a TwoPhaseCommitSink, got {type(sink).__name__}")
     check_app_settings(app, root, coordinator)
-    sink.check_target(to_arrow_schema(df.schema, timezone="UTC"))
+    sink.check_target(arrow_schema(df.schema))
     spark = df.sparkSession
     register(spark)
     config = HookConfig(zk, root, app, load_secret(), coordinator, policy or CommitPolicy(), supervision or Supervision())

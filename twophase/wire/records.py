@@ -337,7 +337,9 @@ def record_batch(
     builder = _BatchBuilder(MAGIC, COMPRESSION_NONE, int(transactional), producer_id, producer_epoch,
                             base_sequence, _NO_SIZE_LIMIT)
     for offset_delta, (timestamp_ms, key, value, headers) in enumerate(records):
-        builder.append(offset_delta, timestamp_ms, key, value, list(headers))  # it takes a list only
+        # It takes exactly a list of (str, bytes | None) tuples: a caller's bytearray or list pair is converted.
+        builder.append(offset_delta, timestamp_ms, key, value,
+                       [(str(name), None if data is None else bytes(data)) for name, data in headers])
     built = builder.build()
     if compression == COMPRESSION_NONE:
         return bytes(built)
