@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Make a fresh Debian machine ready for twophase: Java + ZooKeeper, .venv, the package.
+# Make a fresh Debian machine ready for twophase: Java + ZooKeeper + PostgreSQL, .venv, the package.
 # Idempotent and fast on re-runs. Exports nothing: source scripts/env.sh afterwards.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -21,6 +21,8 @@ pick_python() {
 pkgs=()
 command -v java >/dev/null 2>&1 || pkgs+=(default-jre-headless)
 [[ -f /usr/share/java/zookeeper.jar ]] || pkgs+=(zookeeper)
+# The PostgreSQL server binaries for twophase/pgserver.py (its tests and the PostgreSQL sink's).
+compgen -G '/usr/lib/postgresql/*/bin/initdb' >/dev/null || pkgs+=(postgresql)
 command -v kcat >/dev/null 2>&1 || pkgs+=(kcat)  # a librdkafka client the broker tests use
 [[ -x .venv/bin/python ]] || pick_python >/dev/null || pkgs+=(python3 python3-venv)
 if ((${#pkgs[@]})); then
