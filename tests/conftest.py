@@ -1,5 +1,6 @@
-"""Shared pytest fixtures: a private ZooKeeper server, kazoo clients, one SparkSession, and a
-check that every test gives back the descriptors and threads it took (tests/leakcheck.py)."""
+"""Shared pytest fixtures: a private ZooKeeper server, kazoo clients, a private PostgreSQL server and
+a fresh database per test, one SparkSession, and a check that every test gives back the descriptors
+and threads it took (tests/leakcheck.py)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 from kazoo.client import KazooClient
 
 from tests import leakcheck
+from twophase.pgserver import PostgresServer
 from twophase.zkserver import ZooKeeperServer
 
 
@@ -69,18 +71,48 @@ leakcheck.SESSION_OWNERS.append(lambda: [fd for c in _process_zk_clients() for f
 leakcheck.SESSION_EPOLLS.append(lambda: len(_process_zk_clients()))
 
 
-@pytest.fixture(scope="session")
-def zk_server() -> Iterator[ZooKeeperServer]:
-    server = ZooKeeperServer().start()
+def _log_file_owner(server: ZooKeeperServer | PostgresServer):
+    """A session server's log file, which the first test using the server opens; reopened under a
+    new number when a test restarts the server."""
 
-    def log_file() -> list[int]:  # reopened under a new number when a test restarts the server
+    def log_file() -> list[int]:
         f = server._log_file
         return [] if f is None or f.closed else [f.fileno()]
 
+    return log_file
+
+
+@pytest.fixture(scope="session")
+def zk_server() -> Iterator[ZooKeeperServer]:
+    server = ZooKeeperServer().start()
+    log_file = _log_file_owner(server)
     leakcheck.SESSION_OWNERS.append(log_file)
     yield server
     leakcheck.SESSION_OWNERS.remove(log_file)
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def pg_server() -> Iterator[PostgresServer]:
+    """One PostgreSQL server for the session (superuser postgres, trust auth on 127.0.0.1).
+    Tests that kill, restart or reconfigure a server start their own."""
+    server = PostgresServer().start()
+    log_file = _log_file_owner(server)
+    leakcheck.SESSION_OWNERS.append(log_file)
+    yield server
+    leakcheck.SESSION_OWNERS.remove(log_file)
+    server.stop()
+
+
+@pytest.fixture
+def pg_dsn(pg_server: PostgresServer) -> Iterator[str]:
+    """The conninfo string of a fresh database on the shared server, so tests never see each
+    other's tables; dropped afterwards with its prepared transactions (they would use up the
+    server's max_prepared_transactions)."""
+    name = f"t_{uuid.uuid4().hex[:12]}"
+    dsn = pg_server.create_database(name)
+    yield dsn
+    pg_server.drop_database(name)
 
 
 @pytest.fixture

@@ -22,7 +22,7 @@ What is not a leak: objects that live for the whole session on purpose and may b
 *during* some test (session fixtures are set up lazily, inside the first test that asks for
 them). Each such owner is registered in :data:`SESSION_OWNERS` by the code that creates it, as a
 function returning the descriptors it holds right now (see tests/conftest.py: the shared
-ZooKeeper server's log file, the Spark session's py4j sockets and the JVM's stdin pipe, the
+ZooKeeper and PostgreSQL servers' log files, the Spark session's py4j sockets and the JVM's stdin pipe, the
 per-process ZooKeeper clients of coordinator.zk.shared_client and the Spark driver hooks). Only
 those exact descriptor numbers are ignored, looked up at check time (a restarted ZooKeeper
 server reopens its log file under a new number). Likewise :data:`SESSION_THREADS` names the
