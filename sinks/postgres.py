@@ -390,14 +390,20 @@ class PostgresSink(TwoPhaseCommitSink):
         """CREATE TABLE IF NOT EXISTS is not safe against a concurrent creator (two queries starting at
         once): an advisory lock makes the second wait and find the table."""
         table = identifier(self.marker_table)
-        index = sql.Identifier(f"{self.marker_table[-1][:50]}_epochs")
+        name = f"{self.marker_table[-1][:50]}_epochs"
+        index = sql.Identifier(name)
         with conn.transaction():
             conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (f"twophase {'.'.join(self.marker_table)}",))
             conn.execute(sql.SQL(
                 "CREATE TABLE IF NOT EXISTS {} (gid text PRIMARY KEY, app text NOT NULL, query_id text NOT NULL, "
                 "epoch bigint NOT NULL, partition integer NOT NULL, attempt integer NOT NULL, "
                 "committed_at timestamptz NOT NULL DEFAULT now())").format(table))
-            conn.execute(sql.SQL("CREATE INDEX IF NOT EXISTS {} ON {} (app, query_id, epoch)").format(index, table))
+            # CREATE INDEX takes a SHARE lock on the table even when the index exists, and every prepared
+            # transaction holds ROW EXCLUSIVE on it (its marker row) until it is committed: a driver
+            # restarting with epochs still prepared would wait here forever for its own coordinator.
+            qualified = sql.Identifier(*self.marker_table[:-1], name).as_string(conn)
+            if conn.execute("SELECT to_regclass(%s)", (qualified,)).fetchone()[0] is None:
+                conn.execute(sql.SQL("CREATE INDEX IF NOT EXISTS {} ON {} (app, query_id, epoch)").format(index, table))
 
     def _marked(self, conn: psycopg.Connection, gid: str) -> bool | None:
         """Whether ``gid``'s marker row exists (it committed); None if the marker table is gone."""
