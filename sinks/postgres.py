@@ -15,7 +15,8 @@ Usage::
 
     # The password comes from PGPASSWORD or a passfile in every process, never from the dsn.
     sink = PostgresSink("host=db.internal dbname=shop user=spark", "public.orders")
-    write_stream(df, sink, app="orders", zk="127.0.0.1:2181", checkpoint="/data/orders-checkpoint")
+    write_stream(df, sink, app="orders", zk="127.0.0.1:2181") \\
+        .option("checkpointLocation", "/data/orders-checkpoint").start()
 
     PostgresSink(dsn, "stock", mode="upsert", key="sku")   # the last row of a key wins
 """
@@ -26,6 +27,7 @@ import hashlib
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 import psycopg
@@ -198,37 +200,20 @@ class PostgresSink(TwoPhaseCommitSink):
         """``COMMIT PREPARED``. No such prepared transaction: a no-op if its marker row exists (committed
         before), else CommitFailed (rolled back or lost). Other errors (the server restarting) propagate
         and are retried."""
-        if handle.gid is None:
-            return
-        with self._connect(handle.dsn) as conn:
-            try:
-                conn.execute(sql.SQL("COMMIT PREPARED {}").format(sql.Literal(handle.gid)))
-            except psycopg.errors.UndefinedObject:
-                committed = self._marked(conn, handle.gid)
-                if committed is None:
-                    raise CommitOutcomeUnknown(
-                        f"prepared transaction {handle.gid!r} is gone and the marker table "
-                        f"{'.'.join(self.marker_table)!r} too: cannot tell whether it committed") from None
-                if not committed:
-                    raise CommitFailed(f"prepared transaction {handle.gid!r} ({handle.rows} rows) is gone without a "
-                                       "marker row: it was rolled back (by hand?) or lost") from None
+        outcome = self._finish(handle, "COMMIT")
+        if outcome is _Outcome.UNKNOWN:
+            raise CommitOutcomeUnknown(self._unknown(handle))
+        if outcome is _Outcome.LOST:
+            raise CommitFailed(f"prepared transaction {handle.gid!r} ({handle.rows} rows) is gone without a "
+                               "marker row: it was rolled back (by hand?) or lost")
 
     def abort(self, handle: PostgresHandle) -> None:
         """``ROLLBACK PREPARED``; AbortFailed if it was committed (its marker row exists). Idempotent."""
-        if handle.gid is None:
-            return
-        with self._connect(handle.dsn) as conn:
-            try:
-                conn.execute(sql.SQL("ROLLBACK PREPARED {}").format(sql.Literal(handle.gid)))
-            except psycopg.errors.UndefinedObject:
-                committed = self._marked(conn, handle.gid)
-                if committed is None:
-                    raise RuntimeError(f"prepared transaction {handle.gid!r} is gone and the marker table "
-                                       f"{'.'.join(self.marker_table)!r} too: cannot tell whether it committed"
-                                       ) from None
-                if committed:
-                    raise AbortFailed(f"prepared transaction {handle.gid!r} ({handle.rows} rows) was committed "
-                                      "already") from None
+        outcome = self._finish(handle, "ROLLBACK")
+        if outcome is _Outcome.UNKNOWN:
+            raise RuntimeError(self._unknown(handle))
+        if outcome is _Outcome.COMMITTED:
+            raise AbortFailed(f"prepared transaction {handle.gid!r} ({handle.rows} rows) was committed already")
 
     def abort_unregistered(self, ctx: TxnContext) -> None:
         """Roll back the dead attempt's prepared transaction, if it prepared one (and nothing else)."""
@@ -264,6 +249,7 @@ class PostgresSink(TwoPhaseCommitSink):
         """Check the server (max_prepared_transactions), the table, its columns' types and upsert's
         unique index; create the marker table if it is missing. ValueError naming what is wrong."""
         with self._connect(self.dsn) as conn:
+            conn.execute(f"SET lock_timeout = {int(self.lock_timeout * 1000)}")  # never hang the query's start
             prepared = int(conn.execute("SHOW max_prepared_transactions").fetchone()[0])
             if prepared <= 0:
                 raise ValueError(f"PostgreSQL at {self.dsn!r} has max_prepared_transactions = 0, so PREPARE "
@@ -333,6 +319,8 @@ class PostgresSink(TwoPhaseCommitSink):
 
     def _fix_columns(self, txn: PostgresTxn, names: Sequence[str]) -> None:
         if txn.columns is None:
+            if self.key is not None and not set(self.key) <= set(names):
+                raise ValueError(f"PostgresSink key={self.key}: rows with the columns {list(names)} lack a key column")
             txn.columns = list(names)
         elif txn.columns != list(names):
             raise ValueError(f"PostgresSink: rows with the columns {list(names)} after rows with {txn.columns}; "
@@ -387,31 +375,59 @@ class PostgresSink(TwoPhaseCommitSink):
                              f"UNIQUE ({', '.join(key)})")
 
     def _create_markers(self, conn: psycopg.Connection) -> None:
-        """CREATE TABLE IF NOT EXISTS is not safe against a concurrent creator (two queries starting at
-        once): an advisory lock makes the second wait and find the table."""
+        """Create the marker table and its index unless they exist.
+
+        CREATE TABLE IF NOT EXISTS is not safe against a concurrent creator (two queries starting at
+        once): an advisory lock makes the second wait and find the table. Existing ones are looked up
+        first, because CREATE INDEX IF NOT EXISTS locks the table before it finds the index, and would
+        wait for every prepared transaction holding a marker row (a restarted query's)."""
         table = identifier(self.marker_table)
-        name = f"{self.marker_table[-1][:50]}_epochs"
-        index = sql.Identifier(name)
+        index = f"{self.marker_table[-1][:50]}_epochs"  # created in the table's schema
+        exists = "SELECT to_regclass(%s) IS NOT NULL AND to_regclass(%s) IS NOT NULL"
+        names = (table.as_string(conn), identifier((*self.marker_table[:-1], index)).as_string(conn))
+        if conn.execute(exists, names).fetchone()[0]:
+            return
         with conn.transaction():
             conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (f"twophase {'.'.join(self.marker_table)}",))
+            if conn.execute(exists, names).fetchone()[0]:
+                return  # a concurrent creator made them
             conn.execute(sql.SQL(
                 "CREATE TABLE IF NOT EXISTS {} (gid text PRIMARY KEY, app text NOT NULL, query_id text NOT NULL, "
                 "epoch bigint NOT NULL, partition integer NOT NULL, attempt integer NOT NULL, "
                 "committed_at timestamptz NOT NULL DEFAULT now())").format(table))
-            # CREATE INDEX takes a SHARE lock on the table even when the index exists, and every prepared
-            # transaction holds ROW EXCLUSIVE on it (its marker row) until it is committed: a driver
-            # restarting with epochs still prepared would wait here forever for its own coordinator.
-            qualified = sql.Identifier(*self.marker_table[:-1], name).as_string(conn)
-            if conn.execute("SELECT to_regclass(%s)", (qualified,)).fetchone()[0] is None:
-                conn.execute(sql.SQL("CREATE INDEX IF NOT EXISTS {} ON {} (app, query_id, epoch)").format(index, table))
+            conn.execute(sql.SQL("CREATE INDEX IF NOT EXISTS {} ON {} (app, query_id, epoch)")
+                         .format(sql.Identifier(index), table))
 
-    def _marked(self, conn: psycopg.Connection, gid: str) -> bool | None:
-        """Whether ``gid``'s marker row exists (it committed); None if the marker table is gone."""
-        try:
-            return conn.execute(sql.SQL("SELECT 1 FROM {} WHERE gid = %s").format(identifier(self.marker_table)),
-                                (gid,)).fetchone() is not None
-        except psycopg.errors.UndefinedTable:
-            return None
+    def _finish(self, handle: PostgresHandle, verb: str) -> _Outcome:
+        """``<verb> PREPARED`` the handle's transaction; if there is no such prepared transaction, its
+        marker row tells what became of it."""
+        if handle.gid is None:
+            return _Outcome.DONE
+        with self._connect(handle.dsn) as conn:
+            try:
+                conn.execute(sql.SQL(verb + " PREPARED {}").format(sql.Literal(handle.gid)))
+                return _Outcome.DONE
+            except psycopg.errors.UndefinedObject:
+                pass
+            try:
+                marked = conn.execute(sql.SQL("SELECT 1 FROM {} WHERE gid = %s").format(
+                    identifier(self.marker_table)), (handle.gid,)).fetchone()
+            except psycopg.errors.UndefinedTable:
+                return _Outcome.UNKNOWN
+        return _Outcome.LOST if marked is None else _Outcome.COMMITTED
+
+    def _unknown(self, handle: PostgresHandle) -> str:
+        return (f"prepared transaction {handle.gid!r} is gone and the marker table "
+                f"{'.'.join(self.marker_table)!r} too: cannot tell whether it committed")
+
+
+class _Outcome(Enum):
+    """What ``_finish`` found."""
+
+    DONE = "done"            # COMMIT/ROLLBACK PREPARED did it now (or there was nothing to do)
+    COMMITTED = "committed"  # no such prepared transaction; its marker row exists
+    LOST = "lost"            # no such prepared transaction, no marker row: rolled back or lost
+    UNKNOWN = "unknown"      # no such prepared transaction, and no marker table to ask
 
 
 def _as_dict(row: Any) -> dict[str, Any]:
