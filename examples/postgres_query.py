@@ -2,10 +2,16 @@
 
 With no arguments it runs on its own: a private ZooKeeper and a private PostgreSQL server
 (``twophase.pgserver``, in temp dirs), a table ``events (id bigint, batch bigint, payload text)``,
-3 micro-batches of 1,000 rows over 4 tasks with a third of first task attempts failing mid-write;
-then an independent reader (plain SQL over a fresh connection) counts the rows::
+3 micro-batches of 1,000 rows over 4 tasks with a third of first task attempts failing mid-write,
+the query as a driver process of its own; then an independent reader (plain SQL over a fresh
+connection) counts the rows, and the server's statistics the rows failed attempts loaded and rolled
+back::
 
-    python -m examples.postgres_query
+    $ python -m examples.postgres_query
+    ...
+    query exited 0; task attempts failed and retried: 5, their 1250 rows loaded and rolled back
+    SELECT id FROM events over a fresh connection: rows in 3000, rows out 3000, lost 0, duplicated 0, unexpected 0: EXACTLY ONCE
+    prepared transactions left: 0
 
 Against a ZooKeeper and a PostgreSQL of your own (the table must exist with those columns; the
 password comes from PGPASSWORD or a passfile, never from the dsn)::
@@ -33,6 +39,7 @@ import secrets
 import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -43,6 +50,7 @@ from sinks.postgres import PostgresSink
 
 TABLE_COLUMNS = "id bigint, batch bigint, payload text"  # INPUT_SCHEMA in PostgreSQL's types
 DEMO_BATCHES, DEMO_ROWS = 3, 1000
+REPO = Path(__file__).resolve().parents[1]
 
 
 class FaultyPostgresSink(PostgresSink):
@@ -144,27 +152,41 @@ def run(args: argparse.Namespace) -> int:
 
 
 def demo() -> int:
-    """Everything private and temporary: ZooKeeper, PostgreSQL, input, checkpoint; 0 if exactly once."""
+    """Everything private and temporary: ZooKeeper, PostgreSQL, input, checkpoint; the query runs as a
+    driver process of its own (its Spark log, failed attempts included, goes to a file). 0 if exactly once."""
+    from examples.demo_processes import kill_group, spawn
     from twophase.pgserver import PostgresServer
     from twophase.verify import count_rows
     from twophase.zkserver import ZooKeeperServer
 
-    # Signs what the coordinator stores in ZooKeeper; Spark's workers inherit it.
+    # Signs what the coordinator stores in ZooKeeper; the driver and Spark's workers inherit it.
     os.environ.setdefault("TWOPHASE_SECRET", secrets.token_hex(32))
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))
     with tempfile.TemporaryDirectory(prefix="twophase-pg-example-") as work, \
             ZooKeeperServer() as zk, PostgresServer() as pg:
         dsn = pg.create_database("example")
         create_table(dsn, "events")
         for b in range(DEMO_BATCHES):
             write_input(f"{work}/in", b, range(b * DEMO_ROWS, (b + 1) * DEMO_ROWS))
-        print(f"ZooKeeper {zk.hosts}, PostgreSQL {pg.host}:{pg.port}; {DEMO_BATCHES} batches x {DEMO_ROWS} rows "
-              "into table events, a third of first task attempts failing mid-write", flush=True)
-        args = parse_args(["--zk", zk.hosts, "--dsn", dsn, "--table", "events", "--input", f"{work}/in",
-                           "--checkpoint", f"{work}/ck", "--fail-rate", "0.33"])
-        rc = run(args)
+        print(f"ZooKeeper {zk.hosts}, PostgreSQL {pg.host}:{pg.port}: {DEMO_BATCHES} batches x {DEMO_ROWS} rows "
+              "into table events over 4 tasks, a third of first task attempts failing mid-write", flush=True)
+        driver = spawn([sys.executable, "-m", "examples.postgres_query", "--zk", zk.hosts, "--dsn", dsn,
+                        "--table", "events", "--input", f"{work}/in", "--checkpoint", f"{work}/ck",
+                        "--fail-rate", "0.33"], f"{work}/driver.log")
+        try:
+            rc = driver.wait()
+        finally:
+            kill_group(driver)
+        log = Path(f"{work}/driver.log").read_text(errors="replace")
         report = count_rows(range(DEMO_BATCHES * DEMO_ROWS), read_ids(dsn, "events"))
         left = prepared_left(dsn)
-    print(f"query exited {rc}; SELECT id FROM events over a fresh connection: {report}")
+        with psycopg.connect(dsn) as conn:  # every row COPY loaded, those of rolled-back attempts included
+            (loaded,) = conn.execute("SELECT n_tup_ins FROM pg_stat_user_tables WHERE relname = 'events'").fetchone()
+    if rc != 0:
+        print("the query failed; the end of its log:", *log.splitlines()[-40:], sep="\n")
+    print(f"query exited {rc}; task attempts failed and retried: {log.count('ERROR Executor: Exception in task')}, "
+          f"their {loaded - report.rows_out} rows loaded and rolled back")
+    print(f"SELECT id FROM events over a fresh connection: {report}")
     print(f"prepared transactions left: {len(left)}")
     return 0 if rc == 0 and report.exact and not left else 1
 
