@@ -44,7 +44,11 @@ os.environ.setdefault("PYSPARK_SUBMIT_ARGS", "--conf spark.ui.showConsoleProgres
 
 import psycopg  # noqa: E402
 from psycopg import sql  # noqa: E402
-from pyspark.sql.datasource import DataSource, DataSourceStreamArrowWriter, WriterCommitMessage  # noqa: E402
+from pyspark.sql.datasource import (  # noqa: E402
+    DataSource,
+    DataSourceStreamArrowWriter,
+    WriterCommitMessage,
+)
 
 from examples.file_sink_query import INPUT_SCHEMA, build_spark, write_input  # noqa: E402
 from examples.postgres_query import create_table, read_ids  # noqa: E402

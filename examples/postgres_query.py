@@ -45,7 +45,14 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from examples.file_sink_query import INPUT_SCHEMA, build_spark, fails_first_attempt, query_parser, run_query, write_input
+from examples.file_sink_query import (
+    INPUT_SCHEMA,
+    build_spark,
+    fails_first_attempt,
+    query_parser,
+    run_query,
+    write_input,
+)
 from sinks.postgres import PostgresSink
 
 TABLE_COLUMNS = "id bigint, batch bigint, payload text"  # INPUT_SCHEMA in PostgreSQL's types

@@ -18,7 +18,14 @@ import pytest
 
 from examples import file_sink_query
 from examples.file_sink_query import write_input
-from examples.postgres_query import create_table, make_sink, parse_args, prepared_left, read_ids, start_query
+from examples.postgres_query import (
+    create_table,
+    make_sink,
+    parse_args,
+    prepared_left,
+    read_ids,
+    start_query,
+)
 from sinks.postgres import PostgresSink
 from tests.test_chaos_driver import (
     APP,
