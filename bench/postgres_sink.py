@@ -22,7 +22,8 @@ private ZooKeeper and one private PostgreSQL server (``twophase.pgserver``, fsyn
 The order alternates every round, after an untimed warm-up of each. The clock runs from
 ``start()`` to ``awaitTermination()`` and, for the exactly-once writer, until its last epoch is
 committed (``await_committed``). Every run's table is counted afterwards (outside the clock): every
-row exactly once. Target (issue 15): the exactly-once overhead against plain COPY <= 10 %.
+row exactly once. Target (issue 15): the exactly-once overhead against plain COPY <= 10 %, judged on
+the median over rounds of each round's pair (1 - plain seconds / exactly-once seconds).
 """
 
 from __future__ import annotations
@@ -201,9 +202,13 @@ def report_table(args: argparse.Namespace, times: dict[str, list[float]], total:
     for name, t in times.items():
         print(f"{name:<16}{rates[name]:>16.0f}{total / max(t):>10.0f}{total / min(t):>10.0f}")
     print("-" * 52)
-    overhead = 1 - rates[EXACTLY_ONCE] / rates[PLAIN]
-    verdict = "PASS" if overhead <= TARGET_OVERHEAD else "MISS"
-    print(f"exactly-once overhead vs plain COPY: {overhead:6.1%}  target <= {TARGET_OVERHEAD:.0%}  {verdict}")
+    # A round's two runs are back to back, so its ratio is what a drifting load (other jobs on the host)
+    # disturbs least: the verdict is on the median of the rounds' ratios.
+    paired = statistics.median(1 - p / e for p, e in zip(times[PLAIN], times[EXACTLY_ONCE]))
+    print(f"exactly-once overhead vs plain COPY, of the median rates:        {1 - rates[EXACTLY_ONCE] / rates[PLAIN]:6.1%}")
+    verdict = "PASS" if paired <= TARGET_OVERHEAD else "MISS"
+    print(f"exactly-once overhead vs plain COPY, median of the rounds' pairs: {paired:6.1%}  "
+          f"target <= {TARGET_OVERHEAD:.0%}  {verdict}")
 
 
 if __name__ == "__main__":
