@@ -113,6 +113,15 @@ def prepared_left(dsn: str) -> list[str]:
             "SELECT gid FROM pg_prepared_xacts WHERE database = current_database() ORDER BY gid")]
 
 
+def loaded_rows(dsn: str, table: str) -> int:
+    """Rows ever inserted into ``table``, those of rolled-back attempts included: the server's statistics
+    (``n_tup_ins``), which each connection reports when it closes."""
+    with psycopg.connect(dsn) as conn:
+        (n,) = conn.execute("SELECT coalesce(sum(n_tup_ins), 0) FROM pg_stat_user_tables WHERE relname = %s",
+                            (table,)).fetchone()
+        return n
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     """The example queries' options (``query_parser``) and where the rows go."""
     parser = query_parser(__doc__.splitlines()[0], app="postgres-example")
@@ -187,8 +196,7 @@ def demo() -> int:
         log = Path(f"{work}/driver.log").read_text(errors="replace")
         report = count_rows(range(DEMO_BATCHES * DEMO_ROWS), read_ids(dsn, "events"))
         left = prepared_left(dsn)
-        with psycopg.connect(dsn) as conn:  # every row COPY loaded, those of rolled-back attempts included
-            (loaded,) = conn.execute("SELECT n_tup_ins FROM pg_stat_user_tables WHERE relname = 'events'").fetchone()
+        loaded = loaded_rows(dsn, "events")
     if rc != 0:
         print("the query failed; the end of its log:", *log.splitlines()[-40:], sep="\n")
     print(f"query exited {rc}; task attempts failed and retried: {log.count('ERROR Executor: Exception in task')}, "

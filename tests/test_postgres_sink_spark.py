@@ -9,6 +9,7 @@ connection) counts every row: nothing lost, nothing twice, and no prepared trans
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from examples import file_sink_query
 from examples.file_sink_query import write_input
 from examples.postgres_query import (
     create_table,
+    loaded_rows,
     make_sink,
     parse_args,
     prepared_left,
@@ -63,14 +65,6 @@ def write_batches(tmp_path, ranges: list[range]) -> None:
         write_input(str(tmp_path / "in"), b, ids)
 
 
-def inserted(dsn: str) -> int:
-    """Rows ever inserted into the table, rolled-back ones included (the server's statistics)."""
-    with psycopg.connect(dsn) as conn:
-        (n,) = conn.execute("SELECT coalesce(sum(n_tup_ins), 0) FROM pg_stat_user_tables WHERE relname = %s",
-                            (TABLE,)).fetchone()
-        return n
-
-
 def assert_exactly_once(dsn: str, expected: range, logs: str = "") -> None:
     report = count_rows(expected, read_ids(dsn, TABLE))
     assert report.exact, f"{report}\n{logs}"
@@ -89,7 +83,7 @@ def test_batch_path_exactly_once_while_half_the_first_attempts_fail(spark, zk_se
     assert await_committed(query, timeout=120) == BATCHES - 1
     assert_exactly_once(pg_dsn, range(BATCHES * ROWS))
     # The failed attempts had loaded their rows before they died: those were rolled back, not skipped.
-    wait_until(lambda: inserted(pg_dsn) > BATCHES * ROWS, what="the server to count the rolled-back rows")
+    wait_until(lambda: loaded_rows(pg_dsn, TABLE) > BATCHES * ROWS, what="the server to count the rolled-back rows")
 
 
 def test_foreach_path_exactly_once_while_half_the_first_attempts_fail(spark, zk_server, zk_root, pg_dsn, tmp_path):
@@ -259,3 +253,11 @@ def test_postgres_killed_between_prepare_and_commit_prepared(zk, zk_server, zk_r
             if run.proc.poll() is None:
                 kill_run(run)
 
+
+
+def test_example_without_arguments_runs_on_its_own():
+    """The README's one command: private ZooKeeper and PostgreSQL, failing attempts, exactly once."""
+    done = subprocess.run([sys.executable, "-m", MODULE], capture_output=True, text=True, timeout=JOB_TIMEOUT)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "lost 0, duplicated 0, unexpected 0: EXACTLY ONCE" in done.stdout, done.stdout
+    assert "prepared transactions left: 0" in done.stdout, done.stdout
