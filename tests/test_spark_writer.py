@@ -43,6 +43,10 @@ def test_write_stream_writes_every_row_exactly_once_through_retried_tasks(spark,
     # The discovery lets the hook go once no query of the app runs and all it completed is committed.
     wait_until(lambda: DriverHook.current((zk_server.hosts, zk_root, "batch")) is None,
                what="the driver hook of the finished app to be released")
+    # Restarted with no new input, the run plans no batch: await_committed finds the app through its hook.
+    again = start(spark, lambda df: write_stream(df, sink, app="batch", zk=zk_server.hosts, root=zk_root), tmp_path)
+    again.awaitTermination()
+    assert await_committed(again, timeout=60) == 2
 
 
 def test_foreach_batch_writes_one_micro_batch_to_two_sinks_each_exactly_once(spark, zk_server, zk_root, tmp_path):

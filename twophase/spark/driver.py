@@ -121,6 +121,14 @@ class DriverHook:
             return cls._hooks.get(key)
 
     @classmethod
+    def holding(cls, query_id: str) -> list[DriverHook]:
+        """The running hooks whose app has state for ``query_id`` in ZooKeeper."""
+        with cls._lock:
+            hooks = list(cls._hooks.values())
+        return [hook for hook in hooks
+                if hook.client.retry(hook.client.exists, hook.paths.query(query_id).base) is not None]
+
+    @classmethod
     def close_all(cls) -> None:
         """Stop every hook of this driver (their coordinators finish the current step first)."""
         with cls._lock:
@@ -173,8 +181,11 @@ class DriverHook:
         self._close()
 
     def _close(self) -> None:
-        live = self.publisher.live_runs()
-        if live and self.failure is None:
+        jobs = [self._publisher_job] + ([self.host.supervisor] if self.host is not None else [])
+        self._publisher_job.request_stop()
+        if self.client.connected:
+            self._publisher_job.join(10)
+        if self.failure is None and self._still_running():
             # Its phase two stops with the hook: refuse further batches rather than pre-commit
             # rows that nothing would commit. Ending the query before closing avoids this.
             try:
@@ -182,7 +193,6 @@ class DriverHook:
                                     f"while its query was still running")
             except KazooException as e:
                 log.error("app %s: cannot halt the runs of a closing hook: %r", self.config.app, e)
-        jobs = [self._publisher_job] + ([self.host.supervisor] if self.host is not None else [])
         for job in jobs:
             job.request_stop()
         if self.client.connected:  # let a commit in flight finish its step; without ZooKeeper none can
@@ -192,6 +202,19 @@ class DriverHook:
         self._close_client()  # a job blocked on ZooKeeper gets ConnectionClosedError and ends
         for job in jobs:
             job.join(10)
+
+    def _still_running(self) -> bool:
+        """Whether a run of the app is still going, as Spark says now: the publisher's view is up to a poll
+        old, and a query that just ended (its hook released once all was committed) must not be halted."""
+        if not self.publisher.live_runs():
+            return False
+        try:
+            seen = self.watcher.poll()
+        except Exception as e:  # noqa: BLE001 - Spark going away: keep the publisher's view
+            log.debug("app %s: cannot poll the queries a last time: %r", self.config.app, e)
+        else:
+            self.publisher.update(seen.active, seen.ended)
+        return bool(self.publisher.live_runs())
 
     def _close_client(self) -> None:
         # stop() ends kazoo's connection thread even while ZooKeeper is unreachable, so the

@@ -35,7 +35,7 @@ from twophase.spark.discovery import WriterDiscovery, write_options
 from twophase.spark.driver import DriverHook, HookConfig
 from twophase.spark.kafka_sink import kafka_hook
 from twophase.spark.queries import QueryWatcher
-from twophase.spark.sink_options import check_app_settings, exactly_once
+from twophase.spark.sink_options import ExactlyOnce, check_app_settings, exactly_once
 from twophase.spark.source import KafkaSource
 from twophase.spark.stream_sink import SINK_DIGEST, SINK_FORMAT, SinkFormat, arrow_schema, sink_digest
 from twophase.spark.waiter import await_watermark
@@ -93,9 +93,17 @@ def await_committed(query: StreamingQuery, timeout: float = 60.0) -> int | None:
     last = QueryWatcher.snapshot_of(query._jsq).last_batch
     if last is None:
         return None
-    _, options = write_options(query._jsq)
-    where = exactly_once(options, also=options)
-    hook = DriverHook.current((where.zk, where.root, where.app))
+    planned = write_options(query._jsq)
+    if planned is not None:
+        where = exactly_once(planned[1], also=planned[1])
+        hook = DriverHook.current((where.zk, where.root, where.app))
+    else:  # a restarted run that planned no batch yet (no new input): its epochs are earlier runs'
+        holding = DriverHook.holding(str(query.id))
+        if len(holding) != 1:
+            raise ValueError(f"query {query.id} has planned no batch in this run, and {len(holding)} twophase apps "
+                             "of this driver hold its state: cannot tell which one to wait for")
+        hook = holding[0]
+        where = ExactlyOnce(hook.config.zk, hook.config.app, hook.config.root)
     watermark = AppPaths(where.root, where.app).query(str(query.id)).watermark
     # Its own client: the discovery releases the hook (closing the hook's client) the moment all is committed.
     return await_watermark(shared_client(where.zk), watermark, last, timeout, where.app,
