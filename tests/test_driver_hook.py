@@ -85,3 +85,30 @@ def test_a_publisher_failing_for_good_stops_the_query_with_its_cause(spark, zk, 
             query.stop()
     # Nothing of the refused batch became visible.
     assert {r["id"] for r in read_committed_rows(str(tmp_path / "out"))} <= set(range(10))
+
+
+def test_a_hook_closed_under_a_running_query_halts_its_run_and_one_closed_after_does_not(spark, zk, zk_server,
+                                                                                         zk_root, tmp_path):
+    write_input(str(tmp_path / "in"), 0, range(10))
+    writer = TwoPhaseSink(FileSink(str(tmp_path / "out")), app="closes", zk=zk_server.hosts, root=zk_root,
+                          spark=spark)
+    query = (spark.readStream.schema("id LONG, batch LONG, payload STRING").json(str(tmp_path / "in"))
+             .writeStream.foreach(writer).option("checkpointLocation", str(tmp_path / "ck"))
+             .trigger(processingTime="100 milliseconds").start())
+    try:
+        wait_until(lambda: writer.await_committed(query, timeout=120) == 0, timeout=120, what="epoch 0 committed")
+        halted = writer.paths.query(str(query.id)).halted(str(query.runId))
+        writer.close()  # phase two stops with it: the run must not pre-commit what nothing would commit
+        assert b"closed in the driver while its query was still running" in zk.get(halted)[0]
+        write_input(str(tmp_path / "in"), 1, range(10, 20))
+        with pytest.raises(StreamingQueryException, match="closed in the driver"):
+            query.awaitTermination(120)
+    finally:
+        query.stop()
+    write_input(str(tmp_path / "in"), 2, range(20, 30))
+    with TwoPhaseSink(FileSink(str(tmp_path / "out2")), app="closes-after", zk=zk_server.hosts, root=zk_root,
+                      spark=spark) as after:
+        ended = start_query(spark, after, str(tmp_path / "in"), str(tmp_path / "ck2"))
+        ended.awaitTermination()
+        after.await_committed(ended, timeout=120)
+    assert not zk.exists(after.paths.query(str(ended.id)).halted(str(ended.runId)))
