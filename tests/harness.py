@@ -5,6 +5,8 @@ Tasks run through twophase.task.TaskAttempt, the code TwoPhaseSink runs in Spark
 
 from __future__ import annotations
 
+import threading
+
 from coordinator.app import AppCoordinator, CommitPolicy, publish_app
 from coordinator.layout import AppPaths
 from coordinator.precommits import PrecommitRegistry
@@ -77,3 +79,25 @@ def stage(sink, ctx, rows):
 
 def ids_out(pipe: Pipeline) -> list:
     return [r["id"] for r in read_committed_rows(pipe.sink.path)]
+
+
+class PassCounter:
+    """Counts reconcile passes, so a test can await them: ``reconcile = counter.wrap(reconcile)``."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._passed = threading.Condition()
+
+    def wrap(self, reconcile):
+        def counted(*args, **kwargs):
+            try:
+                return reconcile(*args, **kwargs)
+            finally:
+                with self._passed:
+                    self.count += 1
+                    self._passed.notify_all()
+        return counted
+
+    def await_passes(self, n: int) -> None:
+        with self._passed:
+            assert self._passed.wait_for(lambda: self.count >= n, timeout=30), f"{self.count} passes, awaited {n}"

@@ -15,7 +15,7 @@ from coordinator.daemon import CoordinatorDaemon
 from coordinator.layout import AppPaths
 from coordinator.zk import dump
 from sinks.files import FileSink, read_committed_rows
-from tests.harness import SIGNER, Pipeline, ids_out
+from tests.harness import SIGNER, PassCounter, Pipeline, ids_out
 from tests.slow_sinks import SlowCommitFileSink
 from tests.waiting import wait_until
 from twophase.verify import count_rows
@@ -140,23 +140,8 @@ def test_a_ready_hint_has_the_daemon_watch_the_checkpoint_until_spark_records_th
                                                                                         tmp_path, monkeypatch):
     """As the embedded host does: the leader, whose next full pass is a minute away and which has no
     barrier, commits epoch 0 once commits/0 appears after the writer's ready hint."""
-    passes = threading.Condition()
-    done: list[int] = []
-    reconcile = AppCoordinator.reconcile
-
-    def counted(self, *args, **kwargs):
-        try:
-            return reconcile(self, *args, **kwargs)
-        finally:
-            with passes:
-                done.append(1)
-                passes.notify_all()
-
-    def await_passes(n: int) -> None:
-        with passes:
-            assert passes.wait_for(lambda: len(done) >= n, timeout=30), f"{len(done)} passes, awaited {n}"
-
-    monkeypatch.setattr(AppCoordinator, "reconcile", counted)
+    passes = PassCounter()
+    monkeypatch.setattr(AppCoordinator, "reconcile", passes.wrap(AppCoordinator.reconcile))
     pipe = Pipeline(zk, zk_root, FileSink(str(tmp_path / "out")), mode="daemon")
     checkpoint = tmp_path / "ck"
     (checkpoint / "commits").mkdir(parents=True)
@@ -169,9 +154,9 @@ def test_a_ready_hint_has_the_daemon_watch_the_checkpoint_until_spark_records_th
     try:
         wait_until(lambda: zk.exists(pipe.paths.fence) and b"daemon" in zk.get(pipe.paths.fence)[0],
                    what="the leader to take the app")
-        await_passes(1)  # the first (full) pass found epoch 0 incomplete
+        passes.await_passes(1)  # the first (full) pass found epoch 0 incomplete
         zk.create(pipe.qp.ready, dump({"epoch": 0, "run": "r1"}))
-        await_passes(len(done) + 3)  # passes keep looking while the hint waits for commits/0
+        passes.await_passes(passes.count + 3)  # passes keep looking while the hint waits for commits/0
         assert pipe.watermark() == -1
         (checkpoint / "commits" / "0").write_text("v1\n{}\n")
         wait_until(lambda: pipe.watermark() == 0, timeout=30, what="epoch 0 to commit within the hint's window")

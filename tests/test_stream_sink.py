@@ -10,7 +10,7 @@ from coordinator.app import AppCoordinator, CommitPolicy
 from coordinator.layout import AppPaths
 from coordinator.zk import dump
 from sinks.files import FileSink
-from tests.harness import QUERY, SIGNER, Pipeline, ids_out
+from tests.harness import QUERY, SIGNER, PassCounter, Pipeline, ids_out
 from tests.waiting import wait_until
 from twophase.spark.host import CoordinatorHost
 from twophase.spark.waiter import await_watermark
@@ -70,30 +70,15 @@ def test_a_ready_hint_has_the_coordinator_watch_the_checkpoint_until_spark_recor
     assert pipe.task("r1", 0, 0, [1, 2]) and pipe.task("r1", 0, 1, [3])
     zk.set(pipe.qp.base, dump({"checkpoint": str(checkpoint)}))
     coordinator = AppCoordinator(zk, zk_root, "app", SIGNER, "c1", CommitPolicy(poll_interval=60.0))
-    passes = threading.Condition()
-    done: list[int] = []
-    reconcile = coordinator.reconcile
-
-    def counted(*args, **kwargs):
-        try:
-            return reconcile(*args, **kwargs)
-        finally:
-            with passes:
-                done.append(1)
-                passes.notify_all()
-
-    def await_passes(n: int) -> None:
-        with passes:
-            assert passes.wait_for(lambda: len(done) >= n, timeout=30), f"{len(done)} passes, awaited {n}"
-
-    coordinator.reconcile = counted
+    passes = PassCounter()
+    coordinator.reconcile = passes.wrap(coordinator.reconcile)
     host = CoordinatorHost(coordinator, Supervision(), on_give_up=lambda e: None)
     host.start()
     try:
-        await_passes(1)  # the first (full) pass found epoch 0 incomplete
+        passes.await_passes(1)  # the first (full) pass found epoch 0 incomplete
         zk.create(pipe.qp.ready, dump({"epoch": 0, "run": "r1"}))
         wait_until(lambda: QUERY in coordinator._ready, what="the hint to reach the coordinator")
-        await_passes(len(done) + 2)  # passes keep looking while the hint waits for commits/0
+        passes.await_passes(passes.count + 2)  # passes keep looking while the hint waits for commits/0
         assert pipe.watermark() == -1
         (checkpoint / "commits" / "0").write_text("v1\n{}\n")
         await_watermark(zk, pipe.qp.watermark, 0, timeout=30, app="app")
