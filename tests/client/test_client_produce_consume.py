@@ -209,3 +209,14 @@ def test_a_server_that_is_not_kafka_is_a_clear_connection_error():
             Connection("127.0.0.1", listener.getsockname()[1], timeout_s=5)
     finally:
         listener.close()
+
+
+def test_a_negative_timestamp_is_refused_before_anything_is_queued(broker, topic):
+    with Producer(broker.bootstrap) as p:
+        with pytest.raises(ValueError, match="invalid timestamp -1"):
+            p.send(topic, b"v", timestamp_ms=-1)
+        with pytest.raises(ValueError, match="invalid timestamp -5"):
+            p.send_many([(topic, None, None, b"v", None, -5)])
+        with pytest.raises(ValueError, match="invalid timestamp -1"):
+            p.send_many([(topic, None, None, b"v", None, None)], timestamp_ms=-1)
+        p.flush()

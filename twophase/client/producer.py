@@ -131,6 +131,8 @@ class Producer:
             raise ValueError(f"topic {topic!r} has partitions 0..{len(partitions) - 1}, not {partition}")
         if partition is None and key is not None:
             partition = partition_for_key(key, len(partitions))
+        if timestamp_ms is not None and timestamp_ms < 0:
+            raise ValueError(f"invalid timestamp {timestamp_ms}: a record's timestamp is non-negative or None (now)")
         timestamp = int(time.time() * 1000) if timestamp_ms is None else timestamp_ms
         size = RECORD_OVERHEAD + len(key or b"") + len(value or b"") + sum(len(n) + len(v or b"") for n, v in headers)
         with self._cond:
@@ -155,6 +157,8 @@ class Producer:
         if self.transactional_id is not None:
             self._txn.require(TxnState.IN_TRANSACTION, action="send")
         self._raise_errors()
+        if timestamp_ms is not None and timestamp_ms < 0:
+            raise ValueError(f"invalid timestamp {timestamp_ms}: a record's timestamp is non-negative or None (now)")
         now = int(time.time() * 1000) if timestamp_ms is None else timestamp_ms
         counts: dict[str, int] = {}  # topic -> its number of partitions
         sent, records = 0, iter(records)
@@ -169,6 +173,8 @@ class Producer:
                         partition = partition_for_key(key, count)
                 elif not 0 <= partition < count:
                     raise ValueError(f"topic {topic!r} has partitions 0..{count - 1}, not {partition}")
+                if timestamp is not None and timestamp < 0:
+                    raise ValueError(f"invalid timestamp {timestamp}: a record's timestamp is non-negative or None")
                 size = RECORD_OVERHEAD + len(key or b"") + len(value or b"")
                 if headers:
                     headers = tuple(headers)
