@@ -29,7 +29,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -47,16 +47,17 @@ from coordinator.report import (AbortReason, AttemptAborted, AttemptCleanedUp, E
 from coordinator.slots import Slot, read_slots, releasable
 from coordinator.state import EpochRecord, EpochState
 from coordinator.zk import RecordError, children, dump, epoch_numbers, parse_object, read_epoch, read_object
-from twophase.checkpoint import completed_epochs
+from twophase.checkpoint import completed_epochs, is_completed
 from twophase.cli_args import check_positive_seconds
 from twophase.signing import Signer
 from twophase.sink import AbortFailed, CommitFailed, CommitOutcomeUnknown, TwoPhaseCommitSink
 
 log = logging.getLogger("twophase.coordinator")
 
-# After a ready hint (coordinator/layout.py QueryPaths.ready) passes look for the epoch's commits/N this
-# often, for at most this long: Spark writes it right after the hint, unless the driver dies in between.
-READY_POLL = 0.02
+# After a ready hint (coordinator/layout.py QueryPaths.ready) the loop looks for the epoch's commits/N this
+# often (a stat, no ZooKeeper request: only its appearing runs a pass), for at most this long: Spark writes
+# it right after the hint, unless the driver dies in between.
+READY_POLL = 0.005
 READY_WINDOW = 10.0
 
 # Sink errors that no retry can fix: the handle can never be committed, or was committed and
@@ -135,6 +136,17 @@ class _Pass:
     settled: set[str] = field(default_factory=set)  # queries found with every epoch committed
 
 
+def await_work(wake: threading.Event, until: float, apps: Iterable[AppCoordinator]) -> None:
+    """A coordinator loop's wait between passes: until ``wake`` is set (a watch, a stop, a ready hint's
+    ``commits/N`` appearing: :meth:`AppCoordinator.ready_wait`) or the monotonic time ``until``."""
+    while not wake.is_set():
+        left = until - time.monotonic()
+        if left <= 0:
+            return
+        polls = [wait for app in apps if (wait := app.ready_wait()) is not None]
+        wake.wait(min([left, *polls]))
+
+
 def publish_app(client: KazooClient, paths: AppPaths, signer: Signer, sink: TwoPhaseCommitSink, mode: str) -> None:
     """Store the app's coordinator mode and its sink, signed, where any coordinator can load it."""
     client.retry(client.ensure_path, paths.sink)
@@ -199,6 +211,7 @@ class AppCoordinator:
         self._epochs_seen: dict[str, set[str]] = {}  # per query, its epochs as its watch last saw them
         self._committed: dict[str, int] = {}         # per query, the last epoch this coordinator committed
         self._ready: dict[str, tuple[int, float]] = {}  # per query, a ready hint: (epoch, look until, monotonic)
+        self._checkpoints: dict[str, str | None] = {}  # per query, its checkpoint as a pass last read it
         self._ready_lock = threading.Lock()
         self._closed = False                         # close()d: its watches stop at their next event
 
@@ -292,17 +305,32 @@ class AppCoordinator:
             self._stir(query_id)
 
     def ready_wait(self) -> float | None:
-        """READY_POLL while a ready hint waits for its epoch's ``commits/N`` (the queries concerned are
-        stirred, so the next watch-woken pass visits them), else None: the loop's usual wait."""
+        """READY_POLL while a ready hint waits for its epoch's ``commits/N``, else None (the loop's usual
+        wait). A query whose ``commits/N`` has appeared, or whose checkpoint no pass has read yet, is
+        stirred: that wakes the loop for a pass over it. Looking costs a stat per hint, so the loop calls
+        this between passes (:func:`await_work`), not a pass per look."""
         now = time.monotonic()
         waiting = False
         for query_id, hint in list(self._ready.items()):
             epoch, until = hint
             if epoch <= self._committed.get(query_id, -1) or now > until:
                 self._drop_hint(query_id, hint)
-            else:
-                self._changed(query_id)  # visited by the pass after the wait, which nothing else wakes
+                continue
+            if query_id not in self._checkpoints:
+                self._stir(query_id)  # the pass reads where the checkpoint is
                 waiting = True
+                continue
+            checkpoint = self._checkpoints[query_id]
+            try:
+                done = is_completed(checkpoint, epoch) if checkpoint else None
+            except (OSError, ValueError):  # not a local path
+                done = None
+            if done is None:  # nothing to look at here: the barrier decides, as without a hint
+                self._drop_hint(query_id, hint)
+                continue
+            if done:
+                self._stir(query_id)
+            waiting = True
         return READY_POLL if waiting else None
 
     def _drop_hint(self, query_id: str, hint: tuple[int, float]) -> None:
@@ -363,6 +391,7 @@ class AppCoordinator:
             return
         barrier = read_epoch(self.client, qp.barrier)
         checkpoint = options.checkpoint or read_object(self.client, qp.base, {}).get("checkpoint")
+        self._checkpoints[qp.query_id] = checkpoint
         in_checkpoint = self._checkpoint_epochs(checkpoint)
         hint = self._ready.get(qp.query_id)
         if hint is not None and (hint[0] <= barrier or hint[0] in in_checkpoint):

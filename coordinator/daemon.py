@@ -21,7 +21,7 @@ import time
 
 from kazoo.client import KazooState
 
-from coordinator.app import AppCoordinator, CommitPolicy
+from coordinator.app import AppCoordinator, CommitPolicy, await_work
 from coordinator.fence import Fenced
 from coordinator.layout import AppPaths, app_names, election_path
 from coordinator.zk import RecordError, children, connect, read_object
@@ -91,12 +91,11 @@ class CoordinatorDaemon:
             client.retry(client.ensure_path, app_names(self.root))
             client.ChildrenWatch(app_names(self.root), lambda _: self._wake.set())
             last_full = None
-            hinted: set[str] | None = None  # after a wait only a ready poll ended: the apps to visit
             while not stop.is_set() and not self._session_lost.is_set():
                 self._wake.clear()
-                # As the embedded host does: a pass woken by a watch visits only the queries that changed,
-                # one woken by a ready poll only the apps with a hint, and one every poll_interval every
-                # query of every app, in case a watch was lost.
+                # As the embedded host does: a pass woken by a watch (or a ready hint's commits/N appearing)
+                # visits only the queries that changed, one every poll_interval every query of every app,
+                # in case a watch was lost.
                 now = time.monotonic()
                 full = last_full is None or now - last_full >= self.policy.poll_interval
                 names = self._daemon_apps(client)
@@ -116,14 +115,11 @@ class CoordinatorDaemon:
                         apps[name] = app
                         self._troubled.pop((name, "start"), None)
                         app.reconcile_logged()  # a new app's first pass visits every query
-                    elif full or hinted is None or name in hinted:
+                    else:
                         apps[name].reconcile_logged(changed_only=not full)
                 if full:
                     last_full = now
-                polls = {name: wait for name, app in apps.items() if (wait := app.ready_wait()) is not None}
-                until_full = last_full + self.policy.poll_interval - time.monotonic()
-                woken = self._wake.wait(min(polls.values(), default=max(0.0, until_full)))
-                hinted = None if woken else set(polls)
+                await_work(self._wake, last_full + self.policy.poll_interval, apps.values())
         except Fenced:
             log.error("daemon %s: fenced by a newer leader; stepping down", self.identifier)
         except Exception as e:  # noqa: BLE001 - said with its cause; the daemon contends again

@@ -81,8 +81,9 @@ def ids_out(pipe: Pipeline) -> list:
     return [r["id"] for r in read_committed_rows(pipe.sink.path)]
 
 
-class PassCounter:
-    """Counts reconcile passes, so a test can await them: ``reconcile = counter.wrap(reconcile)``."""
+class CallCounter:
+    """Counts calls of a function (reconcile passes, looks for a checkpoint), so a test can await them:
+    ``reconcile = counter.wrap(reconcile)``."""
 
     def __init__(self) -> None:
         self.count = 0
@@ -98,6 +99,6 @@ class PassCounter:
                     self._passed.notify_all()
         return counted
 
-    def await_passes(self, n: int) -> None:
+    def await_calls(self, n: int) -> None:
         with self._passed:
-            assert self._passed.wait_for(lambda: self.count >= n, timeout=30), f"{self.count} passes, awaited {n}"
+            assert self._passed.wait_for(lambda: self.count >= n, timeout=30), f"{self.count} calls, awaited {n}"

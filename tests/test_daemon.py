@@ -15,7 +15,7 @@ from coordinator.daemon import CoordinatorDaemon
 from coordinator.layout import AppPaths
 from coordinator.zk import dump
 from sinks.files import FileSink, read_committed_rows
-from tests.harness import SIGNER, PassCounter, Pipeline, ids_out
+from tests.harness import SIGNER, CallCounter, Pipeline, ids_out
 from tests.slow_sinks import SlowCommitFileSink
 from tests.waiting import wait_until
 from twophase.verify import count_rows
@@ -139,9 +139,11 @@ def test_an_app_that_cannot_start_does_not_stop_the_daemon_serving_the_others(zk
 def test_a_ready_hint_has_the_daemon_watch_the_checkpoint_until_spark_records_the_epoch(zk, zk_server, zk_root,
                                                                                         tmp_path, monkeypatch):
     """As the embedded host does: the leader, whose next full pass is a minute away and which has no
-    barrier, commits epoch 0 once commits/0 appears after the writer's ready hint."""
-    passes = PassCounter()
+    barrier, commits epoch 0 once commits/0 appears after the writer's ready hint, looking at the checkpoint
+    without a pass per look meanwhile."""
+    passes, looks = CallCounter(), CallCounter()
     monkeypatch.setattr(AppCoordinator, "reconcile", passes.wrap(AppCoordinator.reconcile))
+    monkeypatch.setattr(AppCoordinator, "ready_wait", looks.wrap(AppCoordinator.ready_wait))
     pipe = Pipeline(zk, zk_root, FileSink(str(tmp_path / "out")), mode="daemon")
     checkpoint = tmp_path / "ck"
     (checkpoint / "commits").mkdir(parents=True)
@@ -154,10 +156,13 @@ def test_a_ready_hint_has_the_daemon_watch_the_checkpoint_until_spark_records_th
     try:
         wait_until(lambda: zk.exists(pipe.paths.fence) and b"daemon" in zk.get(pipe.paths.fence)[0],
                    what="the leader to take the app")
-        passes.await_passes(1)  # the first (full) pass found epoch 0 incomplete
+        passes.await_calls(1)  # the first (full) pass found epoch 0 incomplete
+        before = passes.count
         zk.create(pipe.qp.ready, dump({"epoch": 0, "run": "r1"}))
-        passes.await_passes(passes.count + 3)  # passes keep looking while the hint waits for commits/0
-        assert pipe.watermark() == -1
+        passes.await_calls(before + 1)  # the pass the hint asks for
+        hinted = passes.count
+        looks.await_calls(looks.count + 5)  # the loop keeps looking while the hint waits for commits/0
+        assert passes.count == hinted and pipe.watermark() == -1
         (checkpoint / "commits" / "0").write_text("v1\n{}\n")
         wait_until(lambda: pipe.watermark() == 0, timeout=30, what="epoch 0 to commit within the hint's window")
         assert sorted(ids_out(pipe)) == [1, 2, 3]

@@ -10,7 +10,7 @@ from coordinator.app import AppCoordinator, CommitPolicy
 from coordinator.layout import AppPaths
 from coordinator.zk import dump
 from sinks.files import FileSink
-from tests.harness import QUERY, SIGNER, PassCounter, Pipeline, ids_out
+from tests.harness import SIGNER, CallCounter, Pipeline, ids_out
 from tests.waiting import wait_until
 from twophase.spark.host import CoordinatorHost
 from twophase.spark.waiter import await_watermark
@@ -63,28 +63,47 @@ def test_exactly_once_options_match_case_insensitively():
 
 def test_a_ready_hint_has_the_coordinator_watch_the_checkpoint_until_spark_records_the_epoch(zk, zk_root, tmp_path):
     """The writer's commit() hints that commits/N is coming: the embedded coordinator, whose next full pass
-    is a minute away and which has no barrier, commits epoch 0 once commits/0 appears in the checkpoint."""
+    is a minute away and which has no barrier, commits epoch 0 once commits/0 appears in the checkpoint.
+    While it waits it only looks at the checkpoint: no pass, so no ZooKeeper request, per look."""
     pipe = Pipeline(zk, zk_root, FileSink(str(tmp_path / "out")))
     checkpoint = tmp_path / "ck"
     (checkpoint / "commits").mkdir(parents=True)
     assert pipe.task("r1", 0, 0, [1, 2]) and pipe.task("r1", 0, 1, [3])
     zk.set(pipe.qp.base, dump({"checkpoint": str(checkpoint)}))
     coordinator = AppCoordinator(zk, zk_root, "app", SIGNER, "c1", CommitPolicy(poll_interval=60.0))
-    passes = PassCounter()
+    passes, looks = CallCounter(), CallCounter()
     coordinator.reconcile = passes.wrap(coordinator.reconcile)
+    coordinator.ready_wait = looks.wrap(coordinator.ready_wait)
     host = CoordinatorHost(coordinator, Supervision(), on_give_up=lambda e: None)
     host.start()
     try:
-        passes.await_passes(1)  # the first (full) pass found epoch 0 incomplete
+        passes.await_calls(1)  # the first (full) pass found epoch 0 incomplete
+        before = passes.count
         zk.create(pipe.qp.ready, dump({"epoch": 0, "run": "r1"}))
-        wait_until(lambda: QUERY in coordinator._ready, what="the hint to reach the coordinator")
-        passes.await_passes(passes.count + 2)  # passes keep looking while the hint waits for commits/0
-        assert pipe.watermark() == -1
+        passes.await_calls(before + 1)  # the pass the hint asks for
+        hinted = passes.count
+        looks.await_calls(looks.count + 5)  # the loop keeps looking while the hint waits for commits/0
+        assert passes.count == hinted and pipe.watermark() == -1
         (checkpoint / "commits" / "0").write_text("v1\n{}\n")
         await_watermark(zk, pipe.qp.watermark, 0, timeout=30, app="app")
         assert sorted(ids_out(pipe)) == [1, 2, 3]
     finally:
         host.supervisor.stop()
+
+
+@pytest.mark.parametrize("base", [{}, {"checkpoint": "hdfs://namenode/ck/orders"}], ids=["none", "not-local"])
+def test_a_ready_hint_is_dropped_where_the_coordinator_cannot_look_at_the_checkpoint(zk, zk_root, tmp_path, base):
+    """No checkpoint recorded, or not a local path: nothing to look at, so the loop goes back to its usual
+    wait at once (the barrier decides, as without a hint) rather than poll for ten seconds."""
+    pipe = Pipeline(zk, zk_root, FileSink(str(tmp_path / "out")))
+    assert pipe.task("r1", 0, 0, [1, 2])
+    zk.set(pipe.qp.base, dump(base))
+    coordinator = AppCoordinator(zk, zk_root, "app", SIGNER, "c1")
+    coordinator.acquire()
+    coordinator.reconcile()  # reads where the checkpoint is
+    coordinator._on_ready(pipe.qp.query_id, dump({"epoch": 0, "run": "r1"}))
+    assert coordinator.ready_wait() is None
+    assert coordinator._ready == {}
 
 
 def test_the_twophase_format_refuses_options_it_does_not_take(zk, zk_server, zk_root, tmp_path):

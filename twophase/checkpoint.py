@@ -38,6 +38,12 @@ def completed_epochs(checkpoint: str) -> list[int]:
     return _batch_ids(os.path.join(local_path(checkpoint), "commits"))
 
 
+def is_completed(checkpoint: str, epoch: int) -> bool:
+    """Whether ``commits/<epoch>`` exists: one stat, cheap enough to poll (Spark renames the file into
+    place, so it is never seen half-written)."""
+    return os.path.exists(os.path.join(local_path(checkpoint), "commits", str(epoch)))
+
+
 def last_completed_epoch(checkpoint: str) -> int | None:
     """The highest batch id with commits/N, or None before the first batch completes."""
     done = completed_epochs(checkpoint)

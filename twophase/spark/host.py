@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 from kazoo.exceptions import KazooException
 
-from coordinator.app import AppCoordinator
+from coordinator.app import AppCoordinator, await_work
 from coordinator.fence import Fenced
 from twophase.supervisor import Supervision, Supervisor
 
@@ -73,7 +73,6 @@ class CoordinatorHost:
                     log.warning("app %s: ZooKeeper trouble, retrying: %r", coordinator.app, e)
                 if full:
                     last_full = now
-                until_full = last_full + coordinator.policy.poll_interval - time.monotonic()
-                coordinator.wake.wait(coordinator.ready_wait() or max(0.0, until_full))
+                await_work(coordinator.wake, last_full + coordinator.policy.poll_interval, [coordinator])
         except Fenced:
             log.info("app %s: fenced; another coordinator owns phase two now", coordinator.app)
