@@ -134,6 +134,9 @@ class _Pass:
     options: PassOptions
     records: list[Record] = field(default_factory=list)  # appended from commit threads: list.append is atomic
     settled: set[str] = field(default_factory=set)  # queries found with every epoch committed
+    # Queries whose only pending epoch is one Spark has not completed yet, nothing left to clean up in it:
+    # quiet too, as only a watch (its barrier, the next epoch) or a ready hint's commits/N can change that.
+    waiting: set[str] = field(default_factory=set)
 
 
 def await_work(wake: threading.Event, until: float, apps: Iterable[AppCoordinator]) -> None:
@@ -302,7 +305,10 @@ class AppCoordinator:
         if isinstance(epoch, int) and epoch > self._committed.get(query_id, -1):
             with self._ready_lock:
                 self._ready[query_id] = (epoch, time.monotonic() + READY_WINDOW)
-            self._stir(query_id)
+            if query_id in self._checkpoints:
+                self.wake.set()  # the loop starts looking (await_work); nothing is due before commits/N
+            else:
+                self._stir(query_id)  # a pass reads where the checkpoint is
 
     def ready_wait(self) -> float | None:
         """READY_POLL while a ready hint waits for its epoch's ``commits/N``, else None (the loop's usual
@@ -363,7 +369,8 @@ class AppCoordinator:
             qp = self.paths.query(qid)
             self._reconcile_query(qp, this_pass)
             # Settled, and (unless dry) _release_slots has released its slots at its watermark.
-            quiet = qid in this_pass.settled and not any(q == qid for q, _ in self._unclean)
+            quiet = ((qid in this_pass.settled or qid in this_pass.waiting)
+                     and not any(q == qid for q, _ in self._unclean))
             if quiet and not this_pass.options.dry_run:
                 self._quiet_at[qid] = stirs
             else:
@@ -420,7 +427,8 @@ class AppCoordinator:
                 if work is None:
                     return
             if not complete:
-                self._abort_incomplete(work, this_pass)
+                if self._abort_incomplete(work, this_pass):
+                    this_pass.waiting.add(qp.query_id)
                 this_pass.records.append(EpochSkipped(qp.query_id, epoch, SkipReason.INCOMPLETE))
                 return
             if not self._phase_two(work, this_pass):
@@ -444,7 +452,7 @@ class AppCoordinator:
             log.warning("app %s: cannot read checkpoint %s: %s", self.app, checkpoint, e)
             return set()
 
-    def _abort_incomplete(self, work: EpochWork, this_pass: _Pass) -> None:
+    def _abort_incomplete(self, work: EpochWork, this_pass: _Pass) -> bool:
         """Pre-commits of an epoch that Spark will re-run are never reused.
 
         Those of runs older than the latest one (the newest run that began the epoch) are aborted at
@@ -452,14 +460,15 @@ class AppCoordinator:
         may hold what the latest run's attempts write (a PostgreSQL row lock on a key), and the epoch
         could never complete while it does. A zombie of such an attempt that registers later finds its
         intent gone and aborts itself. With abort_incomplete (recovery while no query runs) all of them are.
+        False if a sink call failed (retried on the next pass).
         """
         everything = this_pass.options.abort_incomplete
         unregistered = work.registry.unregistered(work.epoch, work.attempts)
         latest_run = work.registry.latest_run(work.attempts, {ctx.run_id for ctx in unregistered})
         stale = [_Verdict(a, AbortReason.INCOMPLETE if a.run == latest_run else AbortReason.SUPERSEDED)
                  for a in work.attempts if a.run != latest_run or everything]
-        if self._finish_all(work, stale, recovering=True, this_pass=this_pass):
-            self._abort_unregistered(work, this_pass, None if everything else latest_run)
+        return (self._finish_all(work, stale, recovering=True, this_pass=this_pass)
+                and self._abort_unregistered(work, this_pass, None if everything else latest_run))
 
     def _decide(self, work: EpochWork, decided: EpochRecord, this_pass: _Pass) -> EpochWork | None:
         """Record the decision before acting on it; None if the record changed under us."""

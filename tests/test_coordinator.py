@@ -504,6 +504,30 @@ def test_a_pass_woken_by_a_watch_skips_a_quiet_query_until_its_watches_fire(pipe
     assert count_rows(range(20), ids_out(pipe)).exact
 
 
+def test_a_query_waiting_for_spark_to_complete_its_epoch_is_quiet_until_a_watch_fires(pipe):
+    """Between batches the loop wakes often (ready hints, other queries): a query whose only pending epoch
+    Spark has not completed yet, with nothing of it to clean up, costs those passes no ZooKeeper request."""
+    from tests.waiting import wait_until
+
+    pipe.task("r1", 0, 0, range(10))  # no barrier, no checkpoint, no epoch 1: incomplete
+    app = pipe.coordinator()
+    app.prepare()
+    wait_until(lambda: app._stirs.get(QUERY, 0) >= 2)  # each watch fires once when set
+    visited = []
+    reconcile_query = app._reconcile_query
+    app._reconcile_query = lambda qp, this_pass: (visited.append(qp.query_id), reconcile_query(qp, this_pass))
+
+    app.reconcile(changed_only=True)  # visited: epoch 0 is incomplete, nothing to clean up
+    app.reconcile(changed_only=True)
+    assert visited == [QUERY] and pipe.watermark() == -1  # skipped: nothing can be due before a watch fires
+    stirs = app._stirs[QUERY]
+    pipe.barrier(0, "r1")
+    wait_until(lambda: app._stirs[QUERY] > stirs)
+    app.reconcile(changed_only=True)
+    assert visited == [QUERY] * 2 and pipe.watermark() == 0
+    assert count_rows(range(10), ids_out(pipe)).exact
+
+
 def test_watches_wake_the_loop_only_for_an_epoch_or_a_barrier_that_can_complete_one(pipe):
     pipe.task("r1", 0, 0, range(10))
     pipe.barrier(0, "r1")

@@ -231,7 +231,10 @@ class SinkFormat(DataSource):
         secret = load_secret()
         client = shared_client(where.zk)
         paths = AppPaths(where.root, where.app)
-        blob = client.retry(client.exists, paths.sink) and client.retry(client.get, paths.sink)[0]
+        try:  # one round trip: Spark asks for a writer twice a batch (its tasks', then the commit's)
+            blob = client.retry(client.get, paths.sink)[0]
+        except NoNodeError:
+            blob = b""
         if not blob:
             raise DriverHookMissing(f"app {where.app} has no sink stored in ZooKeeper: start the query with "
                                     "twophase.spark.write_stream(df, sink, app=..., zk=...)")
