@@ -32,6 +32,7 @@ Usage (in a Spark task)::
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -79,6 +80,39 @@ class Admission:
     halted: str | None = None       # why the driver stopped phase two for the run: write nothing
     winner: str | None = None       # the attempt that already won (run, epoch, partition): skip the rows
     ctx: TxnContext | None = None   # neither: the intent is recorded, and this is the context with its slot
+    intent: IntentWatch | None = None  # with ctx: whether the attempt still holds that intent
+
+
+class IntentWatch:
+    """Whether an attempt still holds its intent, told without a round trip while nothing happened to it.
+
+    :meth:`PrecommitRegistry.admit` makes it right after the intent's multi-op: an exists request with a
+    watch, sent without waiting for its answer (the task writes meanwhile). ZooKeeper fires the watch when
+    the coordinator deletes the intent (it settled the epoch without the attempt), kazoo when the session
+    is lost; until then the intent is held. Once it fired, or if it could not be set, :meth:`held` asks
+    ZooKeeper, as :meth:`PrecommitRegistry.holds_intent` does::
+
+        admission = registry.admit(ctx)
+        ...                                  # write the attempt's rows
+        if admission.intent.held():          # else a zombie: its epoch was settled without it
+            handle = sink.pre_commit(txn)
+    """
+
+    def __init__(self, registry: PrecommitRegistry, ctx: TxnContext) -> None:
+        self._registry = registry
+        self._ctx = ctx
+        self._fired = threading.Event()
+        self._watching = registry._client.exists_async(registry.intent_path(ctx), watch=lambda _: self._fired.set())
+
+    def held(self) -> bool:
+        """False once the coordinator cleaned this attempt up."""
+        try:
+            watching = self._watching.get() is not None  # answered long since: the task wrote in between
+        except Exception:  # noqa: BLE001 - the watch is an optimisation: ask ZooKeeper instead
+            watching = False
+        if watching and not self._fired.is_set():
+            return True
+        return self._registry.holds_intent(self._ctx)
 
 
 class IntentGone(RuntimeError):
@@ -91,7 +125,8 @@ class PrecommitRegistry:
     """The pre-commits of one query in ZooKeeper: writers record them, the coordinator reads them.
 
     Writers (Spark tasks) call :meth:`admit` (or its parts :meth:`ensure_run`, :meth:`halted`,
-    :meth:`winner`, :meth:`intend`), :meth:`holds_intent`, :meth:`register` and :meth:`forget` or
+    :meth:`winner`, :meth:`intend`), :meth:`holds_intent` (or the admission's :class:`IntentWatch`),
+    :meth:`register` and :meth:`forget` or
     :meth:`drop_intent`; the coordinator calls
     :meth:`load`, :meth:`latest_run` and :meth:`unregistered`. See the module docstring for
     a task's sequence.
@@ -127,7 +162,10 @@ class PrecommitRegistry:
         unless halted or won, :meth:`intend`'s multi-op (creating the epoch's nodes with it if they are
         missing). A halt is reported before a winner, as separate calls would."""
         self.ensure_run(ctx.run_id)
-        return self._client.retry(self._admit, ctx)
+        admission = self._client.retry(self._admit, ctx)
+        if admission.ctx is None:
+            return admission
+        return replace(admission, intent=IntentWatch(self, admission.ctx))
 
     def _admit(self, ctx: TxnContext) -> Admission:
         pool = self._paths.partition_slots(ctx.partition)
@@ -194,7 +232,7 @@ class PrecommitRegistry:
         ``intents``, ``attempts`` and ``winners`` children in the same multi-op (one write where
         ensure_path took a dozen round trips), so registration never finds them missing."""
         epoch = self._paths.epoch(ctx.epoch)
-        intent = f"{self._paths.intents(ctx.epoch)}/{ctx.name}"
+        intent = self.intent_path(ctx)
         pool = self._paths.partition_slots(ctx.partition)
         while True:
             slot = lowest_free(held)
@@ -234,9 +272,13 @@ class PrecommitRegistry:
             else:
                 raise RuntimeError(f"recording the intent {ctx.name} failed unexpectedly at {path}: {error!r}")
 
+    def intent_path(self, ctx: TxnContext) -> str:
+        """The znode of an attempt's intent."""
+        return f"{self._paths.intents(ctx.epoch)}/{ctx.name}"
+
     def holds_intent(self, ctx: TxnContext) -> bool:
         """False once the coordinator cleaned this attempt up (it settled the epoch without it)."""
-        return self._client.retry(self._client.exists, f"{self._paths.intents(ctx.epoch)}/{ctx.name}") is not None
+        return self._client.retry(self._client.exists, self.intent_path(ctx)) is not None
 
     def unregistered(self, epoch: int, attempts: Sequence[Attempt]) -> list[TxnContext]:
         """Attempts that began a transaction but hold no registered pre-commit, each in its slot."""
@@ -249,7 +291,7 @@ class PrecommitRegistry:
     def drop_intent(self, ctx: TxnContext) -> None:
         """Drop an attempt's intent: it cleaned up its transaction itself, or the coordinator did."""
         try:
-            self._client.retry(self._client.delete, f"{self._paths.intents(ctx.epoch)}/{ctx.name}")
+            self._client.retry(self._client.delete, self.intent_path(ctx))
         except NoNodeError:
             pass
 
@@ -264,7 +306,7 @@ class PrecommitRegistry:
         txn = self._client.transaction()
         txn.create(attempt)    # fails if it registered: ZooKeeper has no "check absent"
         txn.delete(attempt)
-        txn.delete(f"{self._paths.intents(ctx.epoch)}/{ctx.name}")
+        txn.delete(self.intent_path(ctx))
         created, _, deleted = txn.commit()
         if isinstance(created, NodeExistsError):
             return False
@@ -285,7 +327,7 @@ class PrecommitRegistry:
         name = ctx.name
         attempt_path = f"{self._paths.attempts(ctx.epoch)}/{name}"
         txn = self._client.transaction()
-        txn.check(f"{self._paths.intents(ctx.epoch)}/{name}", -1)  # exists: the attempt still holds its slot
+        txn.check(self.intent_path(ctx), -1)  # exists: the attempt still holds its slot
         txn.create(attempt_path, self._signer.dumps({"handle": handle, "won": True}, attempt_path))
         txn.create(f"{self._paths.winners(ctx.epoch)}/{winner_name(ctx)}", name.encode())
         intent, *created = txn.commit()

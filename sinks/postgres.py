@@ -179,14 +179,15 @@ class PostgresSink(TwoPhaseCommitSink):
                 with self._waits(txn):
                     self._merge(conn, txn)
             try:
-                conn.execute(sql.SQL("INSERT INTO {} (gid, app, query_id, epoch, partition, attempt) "
-                                     "VALUES (%s, %s, %s, %s, %s, %s)").format(identifier(self.marker_table)),
-                             (txn.gid, ctx.app, ctx.query_id, ctx.epoch, ctx.partition, ctx.attempt))
+                with conn.pipeline():  # one round trip for both: a failed INSERT leaves the PREPARE unrun
+                    conn.execute(sql.SQL("INSERT INTO {} (gid, app, query_id, epoch, partition, attempt) "
+                                         "VALUES (%s, %s, %s, %s, %s, %s)").format(identifier(self.marker_table)),
+                                 (txn.gid, ctx.app, ctx.query_id, ctx.epoch, ctx.partition, ctx.attempt))
+                    conn.execute(sql.SQL("PREPARE TRANSACTION {}").format(sql.Literal(txn.gid)))
             except psycopg.errors.UndefinedTable:
                 raise RuntimeError(f"PostgresSink marker_table={'.'.join(self.marker_table)!r} does not exist in "
                                    f"database {self.database!r}: check_target creates it before the query writes "
                                    "(write_stream, foreachBatch and TwoPhaseSink call it)") from None
-            conn.execute(sql.SQL("PREPARE TRANSACTION {}").format(sql.Literal(txn.gid)))
         return PostgresHandle(self.dsn, txn.gid, ctx.app, ctx.query_id, ctx.epoch, txn.rows)
 
     def abort_transaction(self, txn: PostgresTxn) -> None:

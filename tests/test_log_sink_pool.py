@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import pytest
 
-from coordinator.precommits import IntentGone
+from coordinator.precommits import IntentGone, IntentWatch
 from coordinator.report import Operation, OperationFailed
 from coordinator.state import EpochState
 from sinks.log import LogSink, transactional_id
@@ -144,6 +144,7 @@ def test_the_residual_race_fails_the_next_holders_commit_loudly(zk, zk_root, sin
     holder = pipe.begin("r1", 2, 0)
     assert holder.ctx.slot == zombie.ctx.slot == 0 and pipe.finish(holder, rows_of(2, 0))   # prepared, registered
     zombie._txn = sink.begin_transaction(zombie.ctx)          # resumes: its InitProducerId aborts the holder's
+    zombie._intent = IntentWatch(pipe.registry, zombie.ctx)   # what open() takes from its admission
     with pytest.raises(IntentGone):
         resume(pipe, zombie, range(1000, 1005))
     pipe.barrier(2, "r1")

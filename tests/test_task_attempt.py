@@ -13,6 +13,7 @@ from coordinator.precommits import PrecommitRegistry
 from coordinator.zk import connect
 from sinks.files import FileSink
 from tests.harness import QUERY, SIGNER, Pipeline, ids_out
+from tests.waiting import wait_until
 from twophase.sink import TxnContext
 from twophase.task import PhaseTwoHalted, TaskAttempt
 from twophase.verify import count_rows
@@ -44,7 +45,7 @@ def ctx(epoch=0, partition=0, attempt=0, run="r1") -> TxnContext:
     return TxnContext("app", QUERY, run, epoch, partition, attempt)
 
 
-def test_open_is_one_pipelined_read_and_one_multi_op_and_close_one_check_and_one_multi_op(pipe, counted):
+def test_open_is_one_pipelined_read_and_one_multi_op_and_close_one_multi_op(pipe, counted):
     client, sent = counted
     assert pipe.task("r1", 0, 0, [0]) is True  # the query's first: makes epochs/ and slots/ the slow way
     registry = PrecommitRegistry(client, pipe.qp, SIGNER)
@@ -53,13 +54,14 @@ def test_open_is_one_pipelined_read_and_one_multi_op_and_close_one_check_and_one
         attempt = TaskAttempt(pipe.sink, registry, ctx(epoch, partition))
         sent.clear()
         assert attempt.open()
-        # halted, winner, held slots, the epoch's nodes: sent together, answered in one round trip
-        assert sent == Counter(GetData=2, GetChildren=1, Exists=1, Transaction=1)
+        # halted, winner, held slots, the epoch's nodes: sent together, answered in one round trip; then the
+        # intent's multi-op and, not waited for, the watch on the intent (IntentWatch)
+        assert sent == Counter(GetData=2, GetChildren=1, Exists=2, Transaction=1)
         attempt.write({"id": epoch * 10 + partition})
         sent.clear()
         attempt.close(None)
         assert attempt.won
-        assert sum(sent.values()) == 2  # holds_intent, then the registration multi-op
+        assert sent == Counter(Transaction=1)  # the registration multi-op: the watch says the intent is held
     assert sorted(pipe.zk.get_children(pipe.qp.epoch(1))) == ["attempts", "intents", "winners"]
     pipe.barrier(1, "r1")
     pipe.coordinator().reconcile()
@@ -116,3 +118,15 @@ def test_the_row_writer_writes_into_the_attempts_transaction(pipe):
     pipe.barrier(0, "r1")
     pipe.coordinator().reconcile()
     assert count_rows(range(5), ids_out(pipe)).exact
+
+
+def test_an_intent_the_coordinator_deletes_while_the_attempt_writes_is_seen_through_its_watch(pipe, counted):
+    client, sent = counted
+    registry = PrecommitRegistry(client, pipe.qp, SIGNER)
+    registry.ensure_run("r1")
+    admission = registry.admit(ctx())
+    sent.clear()
+    assert admission.intent.held() and not sent  # the watch has not fired: no round trip
+    pipe.zk.delete(registry.intent_path(admission.ctx))  # cleaned up: its epoch was settled without it
+    wait_until(lambda: not admission.intent.held(), what="the intent's watch to fire")
+    assert set(sent) == {"Exists"}  # once fired, held() asks ZooKeeper

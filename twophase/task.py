@@ -19,7 +19,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
-from coordinator.precommits import IntentGone, PrecommitRegistry
+from coordinator.precommits import IntentGone, IntentWatch, PrecommitRegistry
 from twophase.sink import TwoPhaseCommitSink, TxnContext
 
 
@@ -39,6 +39,7 @@ class TaskAttempt:
         self.registry = registry
         self.ctx = ctx
         self._txn: Any = None
+        self._intent: IntentWatch | None = None  # set with _txn
         self.won: bool | None = None  # after close(None): did this attempt's pre-commit win?
 
     def open(self) -> bool:
@@ -48,7 +49,7 @@ class TaskAttempt:
             raise PhaseTwoHalted(f"twophase stopped run {self.ctx.run_id} of app {self.ctx.app}: {admission.halted}")
         if admission.winner is not None:
             return False
-        self.ctx = admission.ctx
+        self.ctx, self._intent = admission.ctx, admission.intent
         self._txn = self.sink.begin_transaction(self.ctx)
         return True
 
@@ -75,7 +76,7 @@ class TaskAttempt:
             self.registry.drop_intent(self.ctx)  # cleaned up already: nothing for abort_unregistered
             return
         try:
-            holds_intent = self.registry.holds_intent(self.ctx)
+            holds_intent = self._intent.held()
         except BaseException:
             self.sink.abort_transaction(txn)  # ZooKeeper gone: nothing may be registered; free the producer
             raise
