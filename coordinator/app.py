@@ -384,10 +384,14 @@ class AppCoordinator:
     def _settle_epochs(self, qp: QueryPaths, this_pass: _Pass) -> None:
         options = this_pass.options
         epochs = epoch_numbers(self.client, qp.epochs)
+        watermark = read_epoch(self.client, qp.watermark) if epochs else -1
+        hint = self._ready.get(qp.query_id)
+        if hint is not None and (not epochs or hint[0] <= watermark):
+            # Stale: its epoch is committed (a new owner's watch reads the last hint of a query that ended).
+            self._drop_hint(qp.query_id, hint)
         if not epochs:
             this_pass.settled.add(qp.query_id)
             return
-        watermark = read_epoch(self.client, qp.watermark)
         registry = PrecommitRegistry(self.client, qp, self.signer)
         if not options.dry_run:
             self._retry_cleanups(qp, registry, this_pass)

@@ -106,6 +106,21 @@ def test_a_ready_hint_is_dropped_where_the_coordinator_cannot_look_at_the_checkp
     assert coordinator._ready == {}
 
 
+def test_a_new_owner_drops_the_last_hint_of_a_query_whose_epochs_are_committed(zk, zk_root, tmp_path):
+    """Its watch reads each query's ready znode when set: the last hint of a query that ended names an epoch
+    committed long ago, and must not keep the loop looking (a pass per look) for the hint's window."""
+    pipe = Pipeline(zk, zk_root, FileSink(str(tmp_path / "out")))
+    assert pipe.task("r1", 0, 0, [1, 2])
+    pipe.barrier(0, "r1")
+    zk.create(pipe.qp.ready, dump({"epoch": 0, "run": "r1"}))
+    assert pipe.coordinator("c1").reconcile().ok and pipe.watermark() == 0
+    successor = AppCoordinator(zk, zk_root, "app", SIGNER, "c2")
+    successor.prepare()
+    wait_until(lambda: pipe.qp.query_id in successor._ready, what="the successor's watch to read the hint")
+    successor.reconcile()
+    assert successor.ready_wait() is None and successor._ready == {}
+
+
 def test_the_twophase_format_refuses_options_it_does_not_take(zk, zk_server, zk_root, tmp_path):
     Pipeline(zk, zk_root, FileSink(str(tmp_path / "out")))
     options = {"twophase.zk": zk_server.hosts, "twophase.root": zk_root, "twophase.app": "app",
