@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from typing import Any, TypeVar
 
 from kazoo.client import KazooClient
-from kazoo.exceptions import NoNodeError
+from kazoo.exceptions import NodeExistsError, NoNodeError
 from kazoo.protocol.states import ZnodeStat
 from kazoo.retry import KazooRetry
 
@@ -139,3 +139,14 @@ def children(client: KazooClient, path: str) -> list[str]:
         return sorted(client.retry(client.get_children, path))
     except NoNodeError:
         return []
+
+
+def put_data(client: KazooClient, path: str, data: bytes) -> None:
+    """Set ``path`` to ``data``, creating it (and its parents) if it does not exist yet."""
+    try:
+        client.retry(client.set, path, data)
+    except NoNodeError:
+        try:
+            client.retry(client.create, path, data, makepath=True)
+        except NodeExistsError:  # another writer created it meanwhile
+            client.retry(client.set, path, data)

@@ -8,15 +8,15 @@ import pytest
 
 from coordinator.app import AppCoordinator, CommitPolicy
 from coordinator.layout import AppPaths
-from coordinator.zk import dump
+from coordinator.zk import dump, parse_object
 from sinks.files import FileSink
 from tests.harness import SIGNER, CallCounter, Pipeline, ids_out
 from tests.waiting import wait_until
 from twophase.spark.host import CoordinatorHost
 from twophase.spark.waiter import await_watermark
 from twophase.supervisor import Supervision
-from twophase.spark.sink_options import WriterOptionError, exactly_once
-from twophase.spark.stream_sink import DriverHookMissing, SinkFormat, await_watched
+from twophase.spark.sink_options import ExactlyOnce, WriterOptionError, exactly_once
+from twophase.spark.stream_sink import AttemptReport, DriverHookMissing, SinkFormat, TwoPhaseStreamWriter, await_watched
 from twophase.task import PhaseTwoHalted
 
 
@@ -119,6 +119,19 @@ def test_a_new_owner_drops_the_last_hint_of_a_query_whose_epochs_are_committed(z
     wait_until(lambda: pipe.qp.query_id in successor._ready, what="the successor's watch to read the hint")
     successor.reconcile()
     assert successor.ready_wait() is None and successor._ready == {}
+
+
+def test_the_writers_commit_hints_each_batch_and_refuses_a_halted_run(zk, zk_server, zk_root, tmp_path):
+    writer = TwoPhaseStreamWriter(FileSink(str(tmp_path / "out")), ExactlyOnce(zk_server.hosts, "app", zk_root),
+                                  b"secret")
+    query = AppPaths(zk_root, "app").query("q5")
+    zk.create(f"{query.run('r1')}/alive", makepath=True)
+    for batch in (0, 1):  # the first hint creates the znode, the next ones set it
+        writer.commit([AttemptReport("q5", "r1", batch, 0, 0, 3, True), None], batch)
+        assert parse_object(zk.get(query.ready)[0], query.ready) == {"epoch": batch, "run": "r1"}
+    zk.create(query.halted("r1"), b"the embedded coordinator failed for good")
+    with pytest.raises(PhaseTwoHalted, match="failed for good"):
+        writer.commit([AttemptReport("q5", "r1", 2, 0, 0, 3, True)], 2)
 
 
 def test_the_twophase_format_refuses_options_it_does_not_take(zk, zk_server, zk_root, tmp_path):

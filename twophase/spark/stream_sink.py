@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 from kazoo.client import KazooClient
-from kazoo.exceptions import NodeExistsError, NoNodeError
+from kazoo.exceptions import KazooException, NoNodeError
 from pyspark.sql.datasource import (
     DataSource,
     DataSourceArrowWriter,
@@ -44,7 +44,7 @@ from pyspark.sql.types import StructType
 
 from coordinator.layout import AppPaths, QueryPaths
 from coordinator.precommits import PrecommitRegistry
-from coordinator.zk import dump, shared_client
+from coordinator.zk import dump, put_data, shared_client
 from twophase.signing import Signer, load_secret
 from twophase.sink import TwoPhaseCommitSink
 from twophase.spark.sink_options import (EXACTLY_ONCE, SPARK_OWN, ExactlyOnce, WriterOptionError, exactly_once,
@@ -121,17 +121,17 @@ class _AttemptWriter:
             return  # a batch without partitions pre-committed nothing
         client = shared_client(self.where.zk)
         query = self._query(reports[0].query_id)
-        await_watched(client, query, reports[0].run_id, self.where.app, HOOK_WAIT)
-        if batch_id is None:
-            return  # foreachBatch: commits/N comes only after the whole function returned
         hint = dump({"epoch": batch_id, "run": reports[0].run_id})
+        # Sent first, answered while await_watched's read is in flight: one round trip for both. A hint for
+        # a batch that then fails here costs the coordinator a few looks at the checkpoint, nothing more.
+        hinting = None if batch_id is None else client.set_async(query.ready, hint)
+        await_watched(client, query, reports[0].run_id, self.where.app, HOOK_WAIT)
+        if hinting is None:
+            return  # foreachBatch: commits/N comes only after the whole function returned
         try:
-            client.retry(client.set, query.ready, hint)
-        except NoNodeError:
-            try:
-                client.retry(client.create, query.ready, hint, makepath=True)
-            except NodeExistsError:  # another batch's commit created it meanwhile
-                client.retry(client.set, query.ready, hint)
+            hinting.get()
+        except KazooException:  # the query's first hint (no znode yet), or the connection dropped
+            put_data(client, query.ready, hint)
 
 
 class TwoPhaseStreamWriter(_AttemptWriter, DataSourceStreamArrowWriter):
