@@ -7,6 +7,8 @@ import struct
 
 import crc32c
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from kafka.partitioner.default import murmur2 as kafka_python_murmur2
 from kafka.record import MemoryRecords
 
@@ -20,7 +22,7 @@ from twophase.client.errors import (
     error_for,
 )
 from twophase.client.group import decode_assignment, encode_subscription, range_assign
-from twophase.client.partitioner import StickyPartitions, murmur2, partition_for_key
+from twophase.client.partitioner import StickyPartitions, murmur2, murmur2_many, partition_for_key
 from twophase.client.transactions import PreparedTxn, TxnState, TxnStateMachine
 from twophase.states import IllegalTransition
 from twophase.wire.compression import CODEC_NAMES
@@ -49,6 +51,18 @@ def test_murmur2_matches_kafka_python_on_many_keys():
         key = f"key-{i}".encode() * (i % 5 + 1)
         assert murmur2(key) == kafka_python_murmur2(key) & 0xFFFFFFFF
         assert partition_for_key(key, 7) == (kafka_python_murmur2(key) & 0x7FFFFFFF) % 7
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.binary(max_size=64), max_size=50))
+def test_murmur2_many_hashes_each_key_as_murmur2_does(keys):
+    assert murmur2_many(keys) == [murmur2(key) for key in keys]
+
+
+def test_murmur2_many_keeps_the_java_reference_values():
+    cases = {b"21": -973932308, b"foobar": -790332482, b"": 275646681, b"abc": 479470107,
+             b"lkjh234lh9fiuh90y23oiuhsafujhadof229phr9h19h89h8": -58897971}
+    assert murmur2_many(list(cases)) == [java & 0xFFFFFFFF for java in cases.values()]
 
 
 def test_sticky_partition_changes_only_after_a_batch_is_sent():

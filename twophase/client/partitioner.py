@@ -4,11 +4,15 @@ librdkafka's ``murmur2_random`` put them; keyless records stick to one partition
 Example::
 
     partition_for_key(b"user-42", 6)      # same as Java's Utils.toPositive(Utils.murmur2(key)) % 6
+    [key_partition(h, 6) for h in murmur2_many([b"user-42", b"user-43"])]   # the same, for many keys at once
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
+
+import numpy as np
 
 _M = 0x5BD1E995
 _MASK = 0xFFFFFFFF
@@ -39,9 +43,44 @@ def murmur2(data: bytes) -> int:
     return h
 
 
+def murmur2_many(keys: Sequence[bytes]) -> list[int]:
+    """:func:`murmur2` of each key, computed a 4-byte block at a time across all keys (numpy): a bulk
+    writer's keys cost a fraction of a microsecond each instead of several."""
+    if not keys:
+        return []
+    lengths = np.fromiter(map(len, keys), dtype=np.int64, count=len(keys))
+    data = np.frombuffer(b"".join(keys) + b"\0\0\0", dtype=np.uint8).astype(np.uint32)  # padded: tails read ahead
+    starts = np.concatenate(([0], np.cumsum(lengths)[:-1]))
+    blocks = lengths >> 2
+    m = np.uint32(_M)
+    h = np.uint32(0x9747B28C) ^ lengths.astype(np.uint32)
+    with np.errstate(over="ignore"):  # uint32 products wrap, as the reference's masks make them
+        for j in range(int(blocks.max())):
+            rows = np.nonzero(blocks > j)[0]
+            at = starts[rows] + 4 * j
+            k = data[at] | data[at + 1] << 8 | data[at + 2] << 16 | data[at + 3] << 24
+            k *= m
+            k ^= k >> 24
+            k *= m
+            h[rows] = (h[rows] * m) ^ k
+        tail, rest = starts + (blocks << 2), lengths & 3
+        h ^= np.where(rest == 3, data[tail + 2] << 16, 0).astype(np.uint32)
+        h ^= np.where(rest >= 2, data[tail + 1] << 8, 0).astype(np.uint32)
+        h = np.where(rest >= 1, (h ^ data[tail]) * m, h).astype(np.uint32)
+        h ^= h >> 13
+        h *= m
+        h ^= h >> 15
+    return h.tolist()
+
+
+def key_partition(hash32: int, num_partitions: int) -> int:
+    """The partition of a key whose :func:`murmur2` is ``hash32`` (Java's ``toPositive(hash) % n``)."""
+    return (hash32 & 0x7FFFFFFF) % num_partitions
+
+
 def partition_for_key(key: bytes, num_partitions: int) -> int:
     """The partition of a keyed record, as Kafka's default partitioner computes it (murmur2)."""
-    return (murmur2(key) & 0x7FFFFFFF) % num_partitions
+    return key_partition(murmur2(key), num_partitions)
 
 
 class StickyPartitions:

@@ -38,7 +38,7 @@ from .connection import MS, Connection
 from .errors import KafkaTimeout, ProducerFenced, TransactionStateError, check, error_for
 from .flushed import complete_flushed
 from .messages import message, part
-from .partitioner import StickyPartitions, partition_for_key
+from .partitioner import StickyPartitions, key_partition, murmur2_many, partition_for_key
 from .prepared import complete_prepared
 from .retry import retry
 from .security import SecuritySettings, as_security
@@ -164,13 +164,14 @@ class Producer:
         sent, records = 0, iter(records)
         while chunk := list(itertools.islice(records, SEND_MANY_CHUNK)):
             queued = []
+            hashes = iter(murmur2_many([key for _, partition, key, *_ in chunk if partition is None and key is not None]))
             for topic, partition, key, value, headers, timestamp in chunk:
                 count = counts.get(topic)
                 if count is None:
                     count = counts[topic] = len(self._cluster.partitions(topic, create=True))
                 if partition is None:
                     if key is not None:
-                        partition = partition_for_key(key, count)
+                        partition = key_partition(next(hashes), count)
                 elif not 0 <= partition < count:
                     raise ValueError(f"topic {topic!r} has partitions 0..{count - 1}, not {partition}")
                 if timestamp is not None and timestamp < 0:
