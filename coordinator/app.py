@@ -134,9 +134,11 @@ class _Pass:
     options: PassOptions
     records: list[Record] = field(default_factory=list)  # appended from commit threads: list.append is atomic
     settled: set[str] = field(default_factory=set)  # queries found with every epoch committed
-    # Queries whose only pending epoch is one Spark has not completed yet, nothing left to clean up in it:
-    # quiet too, as only a watch (its barrier, the next epoch) or a ready hint's commits/N can change that.
+    # Queries whose only pending epoch is one Spark has not completed yet, in which the pass found nothing
+    # to abort or clean up: quiet too, as only a watch (its barrier, the next epoch) or a ready hint's
+    # commits/N can change that.
     waiting: set[str] = field(default_factory=set)
+    revisit: set[str] = field(default_factory=set)  # never quiet after this pass: an attempt registered late
 
 
 def await_work(wake: threading.Event, until: float, apps: Iterable[AppCoordinator]) -> None:
@@ -213,7 +215,9 @@ class AppCoordinator:
         self._quiet_at: dict[str, int] = {}
         self._epochs_seen: dict[str, set[str]] = {}  # per query, its epochs as its watch last saw them
         self._committed: dict[str, int] = {}         # per query, the last epoch this coordinator committed
-        self._ready: dict[str, tuple[int, float]] = {}  # per query, a ready hint: (epoch, look until, monotonic)
+        # Per query, a ready hint: (epoch, look until (monotonic), the pass count when it asked for a pass).
+        self._ready: dict[str, tuple[int, float, int | None]] = {}
+        self._passes = 0  # passes made, so a hint knows whether the pass it asked for has run
         self._checkpoints: dict[str, str | None] = {}  # per query, its checkpoint as a pass last read it
         self._ready_lock = threading.Lock()
         self._closed = False                         # close()d: its watches stop at their next event
@@ -304,42 +308,48 @@ class AppCoordinator:
             return  # a hint only: a bad one is ignored, the barrier and the checkpoint still decide
         if isinstance(epoch, int) and epoch > self._committed.get(query_id, -1):
             with self._ready_lock:
-                self._ready[query_id] = (epoch, time.monotonic() + READY_WINDOW)
-            if query_id in self._checkpoints:
-                self.wake.set()  # the loop starts looking (await_work); nothing is due before commits/N
-            else:
-                self._stir(query_id)  # a pass reads where the checkpoint is
+                self._ready[query_id] = (epoch, time.monotonic() + READY_WINDOW, None)
+            self.wake.set()  # the loop starts looking (await_work); nothing is due before commits/N
 
     def ready_wait(self) -> float | None:
         """READY_POLL while a ready hint waits for its epoch's ``commits/N``, else None (the loop's usual
-        wait). A query whose ``commits/N`` has appeared, or whose checkpoint no pass has read yet, is
-        stirred: that wakes the loop for a pass over it. Looking costs a stat per hint, so the loop calls
-        this between passes (:func:`await_work`), not a pass per look."""
+        wait). Looking costs a stat per hint, so the loop calls this between passes (:func:`await_work`),
+        not a pass per look. A hint asks for one pass at most: when ``commits/N`` appears (the pass commits
+        the epoch), or when no pass has read where the query's checkpoint is yet; a hint no look can
+        settle (no checkpoint recorded, not a local one, no pass that could read it) is dropped, and the
+        barrier decides, as without a hint."""
         now = time.monotonic()
         waiting = False
         for query_id, hint in list(self._ready.items()):
-            epoch, until = hint
+            epoch, until, asked = hint
             if epoch <= self._committed.get(query_id, -1) or now > until:
                 self._drop_hint(query_id, hint)
                 continue
             if query_id not in self._checkpoints:
-                self._stir(query_id)  # the pass reads where the checkpoint is
+                if asked is not None and self._passes > asked:
+                    self._drop_hint(query_id, hint)  # the pass found no pending epoch to read it for
+                    continue
+                if asked is None:
+                    with self._ready_lock:
+                        if self._ready.get(query_id) == hint:
+                            self._ready[query_id] = (epoch, until, self._passes)
+                    self._stir(query_id)
                 waiting = True
                 continue
-            checkpoint = self._checkpoints[query_id]
             try:
+                checkpoint = self._checkpoints[query_id]
                 done = is_completed(checkpoint, epoch) if checkpoint else None
-            except (OSError, ValueError):  # not a local path
+            except (OSError, ValueError):  # not a local path, or no such directory here
                 done = None
-            if done is None:  # nothing to look at here: the barrier decides, as without a hint
+            if done is None or done:
                 self._drop_hint(query_id, hint)
-                continue
             if done:
-                self._stir(query_id)
-            waiting = True
+                self._stir(query_id)  # the pass this wakes commits the epoch
+            elif done is not None:
+                waiting = True
         return READY_POLL if waiting else None
 
-    def _drop_hint(self, query_id: str, hint: tuple[int, float]) -> None:
+    def _drop_hint(self, query_id: str, hint: tuple[int, float, int | None]) -> None:
         with self._ready_lock:  # kazoo's thread may have put a newer hint meanwhile: keep that one
             if self._ready.get(query_id) == hint:
                 del self._ready[query_id]
@@ -362,19 +372,22 @@ class AppCoordinator:
         """
         this_pass = _Pass(options or PassOptions())
         self._sink_checked = False
-        for qid in children(self.client, self.paths.queries):
-            stirs = self._stirs.get(qid, 0)  # before the pass: a watch firing during it counts as a change
-            if changed_only and self._quiet_at.get(qid) == stirs:
-                continue
-            qp = self.paths.query(qid)
-            self._reconcile_query(qp, this_pass)
-            # Settled, and (unless dry) _release_slots has released its slots at its watermark.
-            quiet = ((qid in this_pass.settled or qid in this_pass.waiting)
-                     and not any(q == qid for q, _ in self._unclean))
-            if quiet and not this_pass.options.dry_run:
-                self._quiet_at[qid] = stirs
-            else:
-                self._quiet_at.pop(qid, None)
+        try:
+            for qid in children(self.client, self.paths.queries):
+                stirs = self._stirs.get(qid, 0)  # before the pass: a watch firing during it counts as a change
+                if changed_only and self._quiet_at.get(qid) == stirs:
+                    continue
+                qp = self.paths.query(qid)
+                self._reconcile_query(qp, this_pass)
+                # Settled, and (unless dry) _release_slots has released its slots at its watermark.
+                quiet = ((qid in this_pass.settled or qid in this_pass.waiting) and qid not in this_pass.revisit
+                         and not any(q == qid for q, _ in self._unclean))
+                if quiet and not this_pass.options.dry_run:
+                    self._quiet_at[qid] = stirs
+                else:
+                    self._quiet_at.pop(qid, None)
+        finally:
+            self._passes += 1
         return PassReport(self.app, this_pass.options.dry_run, tuple(this_pass.records))
 
     def _reconcile_query(self, qp: QueryPaths, this_pass: _Pass) -> None:
@@ -431,8 +444,9 @@ class AppCoordinator:
                 if work is None:
                     return
             if not complete:
-                if self._abort_incomplete(work, this_pass):
-                    this_pass.waiting.add(qp.query_id)
+                recorded = len(this_pass.records)
+                if self._abort_incomplete(work, this_pass) and len(this_pass.records) == recorded:
+                    this_pass.waiting.add(qp.query_id)  # nothing done: a zombie's late registration gets a visit
                 this_pass.records.append(EpochSkipped(qp.query_id, epoch, SkipReason.INCOMPLETE))
                 return
             if not self._phase_two(work, this_pass):
@@ -664,6 +678,7 @@ class AppCoordinator:
                                                              repr(error), tries, isinstance(error, PERMANENT)))
                     return False
                 if not work.registry.drop_unregistered_intent(ctx):
+                    this_pass.revisit.add(work.query_id)  # the next pass must see what it registered
                     continue  # it registered meanwhile: a zombie's handle, aborted as late with the epoch
             this_pass.records.append(AttemptCleanedUp(work.query_id, work.epoch, ctx.name, dry_run))
         return True

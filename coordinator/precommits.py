@@ -33,6 +33,7 @@ Usage (in a Spark task)::
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -73,6 +74,10 @@ class Attempt:
     zxid: int          # creation order across the whole ensemble
 
 
+# How long after its intent an attempt trusts a watch that has not fired (IntentWatch) instead of asking.
+TRUSTED_FOR = 1.0
+
+
 @dataclass(frozen=True)
 class Admission:
     """What :meth:`PrecommitRegistry.admit` found: a halt, a winner, or the recorded intent."""
@@ -84,13 +89,15 @@ class Admission:
 
 
 class IntentWatch:
-    """Whether an attempt still holds its intent, told without a round trip while nothing happened to it.
+    """Whether an attempt still holds its intent, told without a round trip for a young attempt.
 
     :meth:`PrecommitRegistry.admit` makes it right after the intent's multi-op: an exists request with a
     watch, sent without waiting for its answer (the task writes meanwhile). ZooKeeper fires the watch when
-    the coordinator deletes the intent (it settled the epoch without the attempt), kazoo when the session
-    is lost; until then the intent is held. Once it fired, or if it could not be set, :meth:`held` asks
-    ZooKeeper, as :meth:`PrecommitRegistry.holds_intent` does::
+    the coordinator deletes the intent (it settled the epoch without the attempt), kazoo when it notices
+    the connection dropped. A watch that has not fired is trusted for :data:`TRUSTED_FOR` seconds only: a
+    connection that died silently fires nothing until kazoo's read timeout, and a zombie (an attempt that
+    outlived its epoch) is old by nature, since Spark must give up on it and another attempt complete the
+    epoch first. Otherwise :meth:`held` asks ZooKeeper, as :meth:`PrecommitRegistry.holds_intent` does::
 
         admission = registry.admit(ctx)
         ...                                  # write the attempt's rows
@@ -102,6 +109,7 @@ class IntentWatch:
         self._registry = registry
         self._ctx = ctx
         self._fired = threading.Event()
+        self._since = time.monotonic()
         self._watching = registry._client.exists_async(registry.intent_path(ctx), watch=lambda _: self._fired.set())
 
     def held(self) -> bool:
@@ -110,7 +118,7 @@ class IntentWatch:
             watching = self._watching.get() is not None  # answered long since: the task wrote in between
         except Exception:  # noqa: BLE001 - the watch is an optimisation: ask ZooKeeper instead
             watching = False
-        if watching and not self._fired.is_set():
+        if watching and not self._fired.is_set() and time.monotonic() - self._since < TRUSTED_FOR:
             return True
         return self._registry.holds_intent(self._ctx)
 

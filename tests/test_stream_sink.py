@@ -91,12 +91,14 @@ def test_a_ready_hint_has_the_coordinator_watch_the_checkpoint_until_spark_recor
         host.supervisor.stop()
 
 
-@pytest.mark.parametrize("base", [{}, {"checkpoint": "hdfs://namenode/ck/orders"}], ids=["none", "not-local"])
-def test_a_ready_hint_is_dropped_where_the_coordinator_cannot_look_at_the_checkpoint(zk, zk_root, tmp_path, base):
-    """No checkpoint recorded, or not a local path: nothing to look at, so the loop goes back to its usual
-    wait at once (the barrier decides, as without a hint) rather than poll for ten seconds."""
+@pytest.mark.parametrize("where", ["none", "not-local", "another-host"])
+def test_a_ready_hint_is_dropped_where_the_coordinator_cannot_look_at_the_checkpoint(zk, zk_root, tmp_path, where):
+    """No checkpoint recorded, not a local path, or none on this host: nothing to look at, so the loop goes
+    back to its usual wait at once (the barrier decides, as without a hint) rather than poll for ten seconds."""
     pipe = Pipeline(zk, zk_root, FileSink(str(tmp_path / "out")))
     assert pipe.task("r1", 0, 0, [1, 2])
+    base = {"none": {}, "not-local": {"checkpoint": "hdfs://namenode/ck/orders"},
+            "another-host": {"checkpoint": str(tmp_path / "ck-on-the-driver-host")}}[where]
     zk.set(pipe.qp.base, dump(base))
     coordinator = AppCoordinator(zk, zk_root, "app", SIGNER, "c1")
     coordinator.acquire()
@@ -104,6 +106,31 @@ def test_a_ready_hint_is_dropped_where_the_coordinator_cannot_look_at_the_checkp
     coordinator._on_ready(pipe.qp.query_id, dump({"epoch": 0, "run": "r1"}))
     assert coordinator.ready_wait() is None
     assert coordinator._ready == {}
+
+
+def test_a_hint_for_an_epoch_no_pass_can_see_asks_for_one_pass_and_is_dropped(zk, zk_root, tmp_path):
+    """A hint naming an epoch above the watermark that has no record (say, after `twophase replay` discarded
+    it): the pass it asks for finds nothing pending, so never reads the checkpoint. The loop must not ask
+    again and again until the hint's window ends."""
+    pipe = Pipeline(zk, zk_root, FileSink(str(tmp_path / "out")))
+    assert pipe.task("r1", 0, 0, [1, 2])
+    pipe.barrier(0, "r1")
+    assert pipe.coordinator("c1").reconcile().ok  # committed by an earlier owner: the next never reads where
+    coordinator = AppCoordinator(zk, zk_root, "app", SIGNER, "c2", CommitPolicy(poll_interval=60.0))
+    passes, hints = CallCounter(), CallCounter()
+    coordinator.reconcile = passes.wrap(coordinator.reconcile)
+    coordinator._on_ready = hints.wrap(coordinator._on_ready)
+    host = CoordinatorHost(coordinator, Supervision(), on_give_up=lambda e: None)
+    host.start()
+    try:
+        passes.await_calls(1)  # the first pass: nothing pending, so the checkpoint is not read
+        before, seen = passes.count, hints.count
+        zk.create(pipe.qp.ready, dump({"epoch": 3, "run": "r1"}))
+        hints.await_calls(seen + 1)
+        wait_until(lambda: coordinator._ready == {}, what="the hint to be dropped")
+        assert passes.count <= before + 3  # the hint's wake-up and the one pass it asked for (a spin: hundreds)
+    finally:
+        host.supervisor.stop()
 
 
 def test_a_new_owner_drops_the_last_hint_of_a_query_whose_epochs_are_committed(zk, zk_root, tmp_path):

@@ -9,6 +9,7 @@ from collections import Counter
 
 import pytest
 
+from coordinator import precommits
 from coordinator.precommits import PrecommitRegistry
 from coordinator.zk import connect
 from sinks.files import FileSink
@@ -45,7 +46,8 @@ def ctx(epoch=0, partition=0, attempt=0, run="r1") -> TxnContext:
     return TxnContext("app", QUERY, run, epoch, partition, attempt)
 
 
-def test_open_is_one_pipelined_read_and_one_multi_op_and_close_one_multi_op(pipe, counted):
+def test_open_is_one_pipelined_read_and_one_multi_op_and_close_one_multi_op(pipe, counted, monkeypatch):
+    monkeypatch.setattr(precommits, "TRUSTED_FOR", 600.0)  # however loaded the host, the attempt is young
     client, sent = counted
     assert pipe.task("r1", 0, 0, [0]) is True  # the query's first: makes epochs/ and slots/ the slow way
     registry = PrecommitRegistry(client, pipe.qp, SIGNER)
@@ -120,7 +122,9 @@ def test_the_row_writer_writes_into_the_attempts_transaction(pipe):
     assert count_rows(range(5), ids_out(pipe)).exact
 
 
-def test_an_intent_the_coordinator_deletes_while_the_attempt_writes_is_seen_through_its_watch(pipe, counted):
+def test_an_intent_the_coordinator_deletes_while_the_attempt_writes_is_seen_through_its_watch(pipe, counted,
+                                                                                            monkeypatch):
+    monkeypatch.setattr(precommits, "TRUSTED_FOR", 600.0)  # however loaded the host, the attempt is young
     client, sent = counted
     registry = PrecommitRegistry(client, pipe.qp, SIGNER)
     registry.ensure_run("r1")
@@ -130,3 +134,15 @@ def test_an_intent_the_coordinator_deletes_while_the_attempt_writes_is_seen_thro
     pipe.zk.delete(registry.intent_path(admission.ctx))  # cleaned up: its epoch was settled without it
     wait_until(lambda: not admission.intent.held(), what="the intent's watch to fire")
     assert set(sent) == {"Exists"}  # once fired, held() asks ZooKeeper
+
+
+def test_an_attempt_older_than_the_watch_is_trusted_for_asks_zookeeper(pipe, counted, monkeypatch):
+    """A connection that died silently fires no watch until kazoo notices: past TRUSTED_FOR, when a zombie
+    could be what asks, the attempt reads the intent instead."""
+    monkeypatch.setattr(precommits, "TRUSTED_FOR", 0.0)
+    client, sent = counted
+    registry = PrecommitRegistry(client, pipe.qp, SIGNER)
+    registry.ensure_run("r1")
+    admission = registry.admit(ctx())
+    sent.clear()
+    assert admission.intent.held() and sent == Counter(Exists=1)

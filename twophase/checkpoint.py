@@ -40,8 +40,14 @@ def completed_epochs(checkpoint: str) -> list[int]:
 
 def is_completed(checkpoint: str, epoch: int) -> bool:
     """Whether ``commits/<epoch>`` exists: one stat, cheap enough to poll (Spark renames the file into
-    place, so it is never seen half-written)."""
-    return os.path.exists(os.path.join(local_path(checkpoint), "commits", str(epoch)))
+    place, so it is never seen half-written). FileNotFoundError if ``commits`` is no directory here (a
+    checkpoint on another host): no look could tell."""
+    commits = os.path.join(local_path(checkpoint), "commits")
+    if os.path.exists(os.path.join(commits, str(epoch))):
+        return True
+    if not os.path.isdir(commits):
+        raise FileNotFoundError(f"no directory {commits}")
+    return False
 
 
 def last_completed_epoch(checkpoint: str) -> int | None:

@@ -16,6 +16,7 @@ import numpy as np
 
 _M = 0x5BD1E995
 _MASK = 0xFFFFFFFF
+VECTOR_KEY_BYTES = 64  # murmur2_many hashes longer keys one at a time
 
 
 def murmur2(data: bytes) -> int:
@@ -44,8 +45,19 @@ def murmur2(data: bytes) -> int:
 
 
 def murmur2_many(keys: Sequence[bytes]) -> list[int]:
-    """:func:`murmur2` of each key, computed a 4-byte block at a time across all keys (numpy): a bulk
-    writer's keys cost a fraction of a microsecond each instead of several."""
+    """:func:`murmur2` of each key: keys up to :data:`VECTOR_KEY_BYTES` a 4-byte block at a time across
+    all of them (numpy; a bulk writer's keys cost a fraction of a microsecond each instead of one or
+    more), longer ones one by one (a block step per 4 bytes of the longest key would cost more)."""
+    long_keys = {i: murmur2(key) for i, key in enumerate(keys) if len(key) > VECTOR_KEY_BYTES}
+    if not long_keys:
+        return _murmur2_vector(keys)
+    hashes = _murmur2_vector([b"" if i in long_keys else key for i, key in enumerate(keys)])
+    for i, h in long_keys.items():
+        hashes[i] = h
+    return hashes
+
+
+def _murmur2_vector(keys: Sequence[bytes]) -> list[int]:
     if not keys:
         return []
     lengths = np.fromiter(map(len, keys), dtype=np.int64, count=len(keys))
