@@ -61,6 +61,18 @@ def test_exactly_once_options_match_case_insensitively():
     assert (where.zk, where.app, where.root, where.coordinator) == ("h:1", "a", "/twophase", "daemon")
 
 
+def counted_host(zk, zk_root, owner: str, *methods: str):
+    """An embedded coordinator's loop for app "app", its next full pass a minute away, with a CallCounter on
+    each of the coordinator's ``methods``: (coordinator, started host, counters)."""
+    coordinator = AppCoordinator(zk, zk_root, "app", SIGNER, owner, CommitPolicy(poll_interval=60.0))
+    counters = [CallCounter() for _ in methods]
+    for name, counter in zip(methods, counters, strict=True):
+        setattr(coordinator, name, counter.wrap(getattr(coordinator, name)))
+    host = CoordinatorHost(coordinator, Supervision(), on_give_up=lambda e: None)
+    host.start()
+    return coordinator, host, counters
+
+
 def test_a_ready_hint_has_the_coordinator_watch_the_checkpoint_until_spark_records_the_epoch(zk, zk_root, tmp_path):
     """The writer's commit() hints that commits/N is coming: the embedded coordinator, whose next full pass
     is a minute away and which has no barrier, commits epoch 0 once commits/0 appears in the checkpoint.
@@ -70,12 +82,7 @@ def test_a_ready_hint_has_the_coordinator_watch_the_checkpoint_until_spark_recor
     (checkpoint / "commits").mkdir(parents=True)
     assert pipe.task("r1", 0, 0, [1, 2]) and pipe.task("r1", 0, 1, [3])
     zk.set(pipe.qp.base, dump({"checkpoint": str(checkpoint)}))
-    coordinator = AppCoordinator(zk, zk_root, "app", SIGNER, "c1", CommitPolicy(poll_interval=60.0))
-    passes, looks = CallCounter(), CallCounter()
-    coordinator.reconcile = passes.wrap(coordinator.reconcile)
-    coordinator.ready_wait = looks.wrap(coordinator.ready_wait)
-    host = CoordinatorHost(coordinator, Supervision(), on_give_up=lambda e: None)
-    host.start()
+    coordinator, host, (passes, looks) = counted_host(zk, zk_root, "c1", "reconcile", "ready_wait")
     try:
         passes.await_calls(1)  # the first (full) pass found epoch 0 incomplete
         before = passes.count
@@ -116,12 +123,7 @@ def test_a_hint_for_an_epoch_no_pass_can_see_asks_for_one_pass_and_is_dropped(zk
     assert pipe.task("r1", 0, 0, [1, 2])
     pipe.barrier(0, "r1")
     assert pipe.coordinator("c1").reconcile().ok  # committed by an earlier owner: the next never reads where
-    coordinator = AppCoordinator(zk, zk_root, "app", SIGNER, "c2", CommitPolicy(poll_interval=60.0))
-    passes, hints = CallCounter(), CallCounter()
-    coordinator.reconcile = passes.wrap(coordinator.reconcile)
-    coordinator._on_ready = hints.wrap(coordinator._on_ready)
-    host = CoordinatorHost(coordinator, Supervision(), on_give_up=lambda e: None)
-    host.start()
+    coordinator, host, (passes, hints) = counted_host(zk, zk_root, "c2", "reconcile", "_on_ready")
     try:
         passes.await_calls(1)  # the first pass: nothing pending, so the checkpoint is not read
         before, seen = passes.count, hints.count
