@@ -300,8 +300,8 @@ class AppCoordinator:
     def _on_ready(self, query_id: str, data: bytes | None) -> bool | None:
         if self._closed:
             return False
-        # The batch path's writer says Spark is about to write commits/N (twophase/spark/stream_sink.py):
-        # passes look at the checkpoint every READY_POLL seconds until N is committed or READY_WINDOW ends.
+        # The batch path's writer says Spark is about to write commits/N (twophase/spark/stream_sink.py): the
+        # loop looks for it every READY_POLL seconds (ready_wait) until N is committed or READY_WINDOW ends.
         try:
             epoch = parse_object(data or b"", "ready", {}).get("epoch")
         except RecordError:
