@@ -341,11 +341,12 @@ class AppCoordinator:
                 done = is_completed(checkpoint, epoch) if checkpoint else None
             except (OSError, ValueError):  # not a local path, or no such directory here
                 done = None
-            if done is None or done:
+            if done is None:  # nothing to look at here: the barrier decides, as without a hint
                 self._drop_hint(query_id, hint)
-            if done:
+            elif done:
+                self._drop_hint(query_id, hint)
                 self._stir(query_id)  # the pass this wakes commits the epoch
-            elif done is not None:
+            else:
                 waiting = True
         return READY_POLL if waiting else None
 
