@@ -243,10 +243,13 @@ class AppCoordinator:
         ChildrenWatch(self.client, self.paths.queries, self._watch_queries)
 
     def close(self) -> None:
-        """Stop watching the app (a daemon no longer serving it): each watch ends at its next event."""
+        """Stop watching the app (a daemon no longer serving it, a driver's hook closing): each watch
+        ends at its next event. The sink releases what its phase two kept open."""
         self._closed = True
         with self._ready_lock:
             self._ready.clear()
+        if self._sink is not None:
+            self._sink.close()
 
     def reconcile_logged(self, changed_only: bool = False) -> None:
         """One reconcile pass for a long-running loop: transient trouble is logged, fencing is raised."""
@@ -857,7 +860,10 @@ class AppCoordinator:
         if not self._sink_checked:
             raw, stat = self.client.retry(self.client.get, self.paths.sink)
             if stat.mzxid != self._sink_version:
+                replaced = self._sink
                 self._sink = self.signer.loads(raw, self.paths.sink, what=f"sink of app {self.app!r}")
                 self._sink_version = stat.mzxid
+                if replaced is not None:
+                    replaced.close()
             self._sink_checked = True
         return self._sink

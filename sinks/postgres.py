@@ -36,6 +36,7 @@ from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from sinks.postgres_copy import copy_batch, copy_statement
+from sinks.postgres_idle import IdleConnections
 from sinks.postgres_target import Table, check_columns, describe_table, identifier, unique_keys
 from twophase.sink import (
     AbortFailed,
@@ -107,7 +108,7 @@ class PostgresSink(TwoPhaseCommitSink):
         sink.check_target(pa.schema([("id", pa.int64()), ("total", pa.float64())]))  # before any row
     """
 
-    commit_concurrency = 8  # every commit/abort opens its own connection
+    commit_concurrency = 8  # every commit/abort runs on a connection of its own (kept open: close())
 
     def __init__(self, dsn: str, table: str, *, columns: Sequence[str] | None = None, mode: str = "append",
                  key: str | Sequence[str] | None = None, marker_table: str = "twophase_commits",
@@ -131,6 +132,7 @@ class PostgresSink(TwoPhaseCommitSink):
         self.lock_timeout = float(lock_timeout)
         # Recognises this sink's gids among all of a server's: same database and table.
         self._tag = _digest(self.database, *self.table)
+        self._phase_two = IdleConnections(_connect, keep=self.commit_concurrency)
 
     def __repr__(self) -> str:
         return (f"PostgresSink(dsn={self.dsn!r}, table={'.'.join(self.table)!r}, mode={self.mode!r}"
@@ -217,10 +219,14 @@ class PostgresSink(TwoPhaseCommitSink):
         if outcome is _Outcome.COMMITTED:
             raise AbortFailed(f"prepared transaction {handle.gid!r} ({handle.rows} rows) was committed already")
 
+    def close(self) -> None:
+        """Close the connections phase two kept open."""
+        self._phase_two.close()
+
     def abort_unregistered(self, ctx: TxnContext) -> None:
         """Roll back the dead attempt's prepared transaction, if it prepared one (and nothing else)."""
         gid = self.gid(ctx)
-        with self._connect(self.dsn) as conn:
+        with self._phase_two.connection(self.dsn) as conn:
             found = conn.execute("SELECT 1 FROM pg_prepared_xacts WHERE gid = %s AND database = current_database()",
                                  (gid,)).fetchone()
             if found:
@@ -231,14 +237,14 @@ class PostgresSink(TwoPhaseCommitSink):
 
     def retire_epoch(self, app: str, query_id: str, epoch: int) -> None:
         """Delete the marker rows of ``query_id``'s epochs up to ``epoch``: never committed again."""
-        with self._connect(self.dsn) as conn:
+        with self._phase_two.connection(self.dsn) as conn:
             conn.execute(sql.SQL("DELETE FROM {} WHERE app = %s AND query_id = %s AND epoch <= %s")
                          .format(identifier(self.marker_table)), (app, query_id, epoch))
 
     def prepared_transactions(self, older_than: float) -> list[PreparedTransaction]:
         """The server's prepared transactions (every database) older than ``older_than`` seconds;
         ``attempt`` is set on this sink's (same database and table)."""
-        with self._connect(self.dsn) as conn:
+        with _connect(self.dsn, "status") as conn:
             rows = conn.execute("SELECT gid, database, extract(epoch FROM now() - prepared)::float8 "
                                 "FROM pg_prepared_xacts WHERE prepared < now() - make_interval(secs => %s)",
                                 (older_than,)).fetchall()
@@ -250,7 +256,7 @@ class PostgresSink(TwoPhaseCommitSink):
     def check_target(self, schema: pa.Schema | None) -> None:
         """Check the server (max_prepared_transactions), the table, its columns' types and upsert's
         unique index; create the marker table if it is missing. ValueError naming what is wrong."""
-        with self._connect(self.dsn) as conn:
+        with _connect(self.dsn, "check_target") as conn:
             conn.execute(f"SET lock_timeout = {int(self.lock_timeout * 1000)}")  # never hang the query's start
             prepared = int(conn.execute("SHOW max_prepared_transactions").fetchone()[0])
             if prepared <= 0:
@@ -272,17 +278,10 @@ class PostgresSink(TwoPhaseCommitSink):
         return gid
 
     # -- internals ----------------------------------------------------------------
-    def _connect(self, dsn: str, purpose: str = "phase two") -> psycopg.Connection:
-        given = conninfo_to_dict(dsn)
-        extra = {} if "application_name" in given else {"application_name": f"twophase {purpose}"}
-        if "connect_timeout" not in given:
-            extra["connect_timeout"] = CONNECT_TIMEOUT  # a server that drops packets fails the call, not hangs it
-        return psycopg.connect(dsn, autocommit=True, **extra)
-
     def _connection(self, txn: PostgresTxn) -> psycopg.Connection:
         """The attempt's connection, in its open transaction (upsert: with its staging table)."""
         if txn.conn is None:
-            conn = self._connect(self.dsn, txn.ctx.name)
+            conn = _connect(self.dsn, txn.ctx.name)
             try:
                 # UTC: timestamps without a zone are UTC wall time, whatever the server's TimeZone.
                 conn.execute(f"SET TimeZone = 'UTC'; SET lock_timeout = {int(self.lock_timeout * 1000)}; BEGIN")
@@ -408,7 +407,7 @@ class PostgresSink(TwoPhaseCommitSink):
         marker row tells what became of it."""
         if handle.gid is None:
             return _Outcome.DONE
-        with self._connect(handle.dsn) as conn:
+        with self._phase_two.connection(handle.dsn) as conn:
             try:
                 conn.execute(sql.SQL(verb + " PREPARED {}").format(sql.Literal(handle.gid)))
                 return _Outcome.DONE
@@ -433,6 +432,14 @@ class _Outcome(Enum):
     COMMITTED = "committed"  # no such prepared transaction; its marker row exists
     LOST = "lost"            # no such prepared transaction, no marker row: rolled back or lost
     UNKNOWN = "unknown"      # no such prepared transaction, and no marker table to ask
+
+
+def _connect(dsn: str, purpose: str = "phase two") -> psycopg.Connection:
+    given = conninfo_to_dict(dsn)
+    extra = {} if "application_name" in given else {"application_name": f"twophase {purpose}"}
+    if "connect_timeout" not in given:
+        extra["connect_timeout"] = CONNECT_TIMEOUT  # a server that drops packets fails the call, not hangs it
+    return psycopg.connect(dsn, autocommit=True, **extra)
 
 
 def _as_dict(row: Any) -> dict[str, Any]:

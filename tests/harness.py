@@ -30,6 +30,7 @@ class Pipeline:
         self.paths = AppPaths(root, "app")
         self.qp = self.paths.query(QUERY)
         self.registry = PrecommitRegistry(zk, self.qp, SIGNER)
+        self.coordinators: list[AppCoordinator] = []
         publish_app(zk, self.paths, SIGNER, sink, mode)
 
     def task(self, run, epoch, partition, ids, attempt=0):
@@ -60,7 +61,19 @@ class Pipeline:
     def coordinator(self, owner="c1", **policy):
         app = AppCoordinator(self.zk, self.paths.root, "app", SIGNER, owner, CommitPolicy(**policy))
         app.acquire()
+        self.coordinators.append(app)
         return app
+
+    def close(self):
+        """Close the coordinators made here (their sinks' connections go with them)."""
+        for app in self.coordinators:
+            app.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
     def watermark(self):
         return read_json(self.zk, self.qp.watermark, {"epoch": -1})["epoch"]

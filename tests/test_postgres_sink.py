@@ -4,6 +4,7 @@ Every count comes from an independent reader: plain SQL on a connection of the t
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import decimal
 import pickle
@@ -64,12 +65,15 @@ def sink(pg_dsn):
     execute(pg_dsn, "CREATE TABLE t (id bigint)")
     sink = PostgresSink(pg_dsn, "t")
     sink.check_target(pa.schema([("id", pa.int64())]))
-    return sink
+    yield sink
+    sink.close()
 
 
 @pytest.fixture
 def pipe(zk, zk_root, sink):
-    return Pipeline(zk, zk_root, sink)
+    pipe = Pipeline(zk, zk_root, sink)
+    yield pipe
+    pipe.close()
 
 
 def test_the_coordinator_commits_every_row_exactly_once_and_nothing_before(pipe, pg_dsn):
@@ -216,7 +220,8 @@ def upsert(pg_dsn):
     execute(pg_dsn, "CREATE TABLE stock (sku text PRIMARY KEY, qty int, note text)")
     sink = PostgresSink(pg_dsn, "stock", mode="upsert", key="sku", lock_timeout=2)
     sink.check_target(pa.schema([("sku", pa.string()), ("qty", pa.int32()), ("note", pa.string())]))
-    return sink
+    yield sink
+    sink.close()
 
 
 def stock(dsn):
@@ -268,21 +273,21 @@ def test_upsert_one_key_in_two_partitions_of_an_epoch_fails_loudly(upsert, pg_ds
 def test_upsert_after_a_crash_a_dead_attempts_prepared_key_does_not_block_the_new_run(upsert, zk, zk_root, pg_dsn):
     """Run r1's task prepared key 'a' and died before registering (its driver was killed): the coordinator
     rolls it back as soon as run r2 begins the epoch, so r2's upsert of 'a' neither waits nor fails."""
-    pipe = Pipeline(zk, zk_root, upsert)
-    pipe.registry.ensure_run("r1")
-    dead = ctx(run="r1")
-    pipe.registry.intend(dead)
-    prepare(upsert, dead, [{"sku": "a", "qty": 1, "note": "r1"}])
-    running = pipe.begin("r2", 0, 0)
-    app = pipe.coordinator()
-    assert records_of(app.reconcile(), AttemptCleanedUp) == [AttemptCleanedUp(QUERY, 0, "r1.0.0.0")]
-    assert prepared(pg_dsn) == []
-    running.write({"sku": "a", "qty": 2, "note": "r2"})
-    running.close(None)
-    assert running.won
-    pipe.barrier(0, "r2")
-    app.reconcile()
-    assert stock(pg_dsn) == [("a", 2, "r2")] and pipe.watermark() == 0
+    with Pipeline(zk, zk_root, upsert) as pipe:
+        pipe.registry.ensure_run("r1")
+        dead = ctx(run="r1")
+        pipe.registry.intend(dead)
+        prepare(upsert, dead, [{"sku": "a", "qty": 1, "note": "r1"}])
+        running = pipe.begin("r2", 0, 0)
+        app = pipe.coordinator()
+        assert records_of(app.reconcile(), AttemptCleanedUp) == [AttemptCleanedUp(QUERY, 0, "r1.0.0.0")]
+        assert prepared(pg_dsn) == []
+        running.write({"sku": "a", "qty": 2, "note": "r2"})
+        running.close(None)
+        assert running.won
+        pipe.barrier(0, "r2")
+        app.reconcile()
+        assert stock(pg_dsn) == [("a", 2, "r2")] and pipe.watermark() == 0
 
 
 def test_append_one_key_of_a_unique_index_in_two_partitions_fails_loudly(pg_dsn):
@@ -448,8 +453,8 @@ def test_the_password_comes_from_the_environment_and_is_never_stored(passworded,
     passfile.write_text(f"127.0.0.1:{passworded.port}:d:postgres:s3cret-pw\n")
     passfile.chmod(0o600)
     monkeypatch.setenv("PGPASSFILE", str(passfile))
-    restored = pickle.loads(pickle.dumps(sink))  # the coordinator's copy
-    restored.commit(handle)
+    with contextlib.closing(pickle.loads(pickle.dumps(sink))) as restored:  # the coordinator's copy
+        restored.commit(handle)
     assert ids(with_password) == [1]
     for kept in (pickle.dumps(sink), cloudpickle.dumps(sink), pickle.dumps(handle), repr(sink), repr(handle)):
         assert (b"s3cret" if isinstance(kept, bytes) else "s3cret") not in kept
@@ -461,20 +466,20 @@ def test_a_postgres_killed_between_prepare_and_commit_prepared_keeps_the_epoch(z
         execute(dsn, "CREATE TABLE t (id bigint)")
         sink = PostgresSink(dsn, "t")
         sink.check_target(None)
-        pipe = Pipeline(zk, zk_root, sink)
-        for partition in range(3):
-            pipe.task("r1", 0, partition, range(partition * 100, partition * 100 + 100))
-        pipe.barrier(0, "r1")
-        server.kill()
-        app = pipe.coordinator(attempts=2, max_backoff=0.01)
-        down = app.reconcile()  # every commit fails while the server is down, and is retried
-        assert {(r.operation, r.permanent) for r in down.records if isinstance(r, OperationFailed)} == {
-            (Operation.COMMIT, False)}
-        assert pipe.record(0).state is EpochState.COMMITTING and pipe.watermark() == -1
-        server.start()
-        assert len(prepared(dsn)) == 3  # prepared transactions survive the crash
-        assert app.reconcile().ok
-        assert count_rows(range(300), ids(dsn)).exact and prepared(dsn) == [] and pipe.watermark() == 0
+        with Pipeline(zk, zk_root, sink) as pipe:
+            for partition in range(3):
+                pipe.task("r1", 0, partition, range(partition * 100, partition * 100 + 100))
+            pipe.barrier(0, "r1")
+            server.kill()
+            app = pipe.coordinator(attempts=2, max_backoff=0.01)
+            down = app.reconcile()  # every commit fails while the server is down, and is retried
+            assert {(r.operation, r.permanent) for r in down.records if isinstance(r, OperationFailed)} == {
+                (Operation.COMMIT, False)}
+            assert pipe.record(0).state is EpochState.COMMITTING and pipe.watermark() == -1
+            server.start()
+            assert len(prepared(dsn)) == 3  # prepared transactions survive the crash
+            assert app.reconcile().ok
+            assert count_rows(range(300), ids(dsn)).exact and prepared(dsn) == [] and pipe.watermark() == 0
 
 
 def test_prepared_transactions_lists_old_ones_naming_this_apps_attempts(pipe, sink, pg_dsn, zk, pg_server):

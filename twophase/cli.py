@@ -190,15 +190,16 @@ def cmd_recover(args: argparse.Namespace, client: KazooClient, signer: Signer) -
         raise CliError(f"runs still alive ({', '.join(live)}); recover while no query runs, or pass --force")
     options = PassOptions(recovering=True, dry_run=args.dry_run, abort_incomplete=True,
                           retry_failed=args.retry_failed, checkpoint=args.checkpoint)
-    app = AppCoordinator(client, args.root, args.app, signer, f"recover {socket.gethostname()}:{os.getpid()}",
-                         CommitPolicy(attempts=args.attempts))
-    # Everything the pass will act on is read and verified before ownership changes hands: a sink or
-    # record that does not verify (SignatureError, RecordError: exit 2) leaves the app's owner in place.
-    app.verify_sink()
-    if not args.dry_run:
-        app.reconcile(dataclasses.replace(options, dry_run=True))
-        app.acquire()
-    report = app.reconcile(options)
+    owner = f"recover {socket.gethostname()}:{os.getpid()}"
+    with contextlib.closing(AppCoordinator(client, args.root, args.app, signer, owner,
+                                           CommitPolicy(attempts=args.attempts))) as app:
+        # Everything the pass will act on is read and verified before ownership changes hands: a sink or
+        # record that does not verify (SignatureError, RecordError: exit 2) leaves the app's owner in place.
+        app.verify_sink()
+        if not args.dry_run:
+            app.reconcile(dataclasses.replace(options, dry_run=True))
+            app.acquire()
+        report = app.reconcile(options)
     if args.json:
         _print_json(report.to_json())
     else:
@@ -222,9 +223,10 @@ def cmd_replay(args: argparse.Namespace, client: KazooClient, signer: Signer) ->
         print(f"[dry-run] would rewind {args.checkpoint} to batch {plan.epoch} and abort the pre-commits of epoch "
               f"{plan.epoch}{later}")
         return 0
-    app = AppCoordinator(client, args.root, args.app, signer, f"replay {socket.gethostname()}:{os.getpid()}")
-    app.verify_sink()
-    removed, report = replay(app, plan)
+    owner = f"replay {socket.gethostname()}:{os.getpid()}"
+    with contextlib.closing(AppCoordinator(client, args.root, args.app, signer, owner)) as app:
+        app.verify_sink()
+        removed, report = replay(app, plan)
     for line in report.records:
         print(describe(line))
     if not report.ok:

@@ -234,6 +234,14 @@ class TwoPhaseCommitSink(ABC):
         """
         return []
 
+    def close(self) -> None:
+        """Release what phase-two calls keep open between calls (PostgresSink's idle connections).
+
+        The coordinator calls this when it is done with this copy of the sink: it stopped serving the
+        app, or the app's driver stored a newer sink. A call that comes later (a commit in flight) must
+        still work, and release after itself. The default has nothing to release.
+        """
+
     def recover_and_commit(self, handle: Any) -> None:
         """Commit a handle found after a crash; override if recovery needs more."""
         self.commit(handle)

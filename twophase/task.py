@@ -96,8 +96,16 @@ class TaskAttempt:
         except IntentGone:
             raise  # a zombie: its slot, so its transactional id, may be another attempt's now
         except BaseException:
-            self.sink.abort(handle)
+            self._abort(handle)
             raise
         if not self.won:
-            self.sink.abort(handle)
+            self._abort(handle)
             self.registry.forget(self.ctx)
+
+    def _abort(self, handle: Any) -> None:
+        """Abort the attempt's own pre-commit (it lost, or cannot be registered): phase two in a task,
+        whose copy of the sink then keeps nothing open (PostgresSink's idle connection)."""
+        try:
+            self.sink.abort(handle)
+        finally:
+            self.sink.close()

@@ -202,6 +202,8 @@ class DriverHook:
         self._close_client()  # a job blocked on ZooKeeper gets ConnectionClosedError and ends
         for job in jobs:
             job.join(10)
+        if self.host is not None:
+            self.host.coordinator.close()
 
     def _still_running(self) -> bool:
         """Whether a run of the app is still going, as Spark says now: the publisher's view is up to a poll
