@@ -3,7 +3,9 @@ assignor, transaction state machine, prepared-transaction handles, errors."""
 
 from __future__ import annotations
 
+import logging
 import struct
+import time
 
 import crc32c
 import pytest
@@ -23,6 +25,7 @@ from twophase.client.errors import (
 )
 from twophase.client.group import decode_assignment, encode_subscription, range_assign
 from twophase.client.partitioner import StickyPartitions, murmur2, murmur2_many, partition_for_key
+from twophase.client.producer import Producer
 from twophase.client.transactions import PreparedTxn, TxnState, TxnStateMachine
 from twophase.states import IllegalTransition
 from twophase.wire.compression import CODEC_NAMES
@@ -193,3 +196,32 @@ def test_broker_and_client_errors_share_one_base_with_the_code():
     assert error_for(90, "x").code == 90 and KafkaStorageError("disk").code == 56
     assert KafkaError("gave up").code == -1  # no code: UNKNOWN_SERVER_ERROR
     assert KafkaError("answered", 48).code == 48 and str(CorruptRecordError("bad crc", 7)) == "bad crc (at byte 7)"
+
+
+def test_a_send_hands_new_partitions_to_a_sender_that_is_idle_again_before_the_sender_looks(caplog):
+    """The sender wakes for a new partition, adds it and goes back to waiting before the sending thread
+    gets the lock back (a sender without a network round trip, as a fast broker makes it): the send must
+    see that the sender woke, not wait for a second while it waits again."""
+    producer = Producer("127.0.0.1:9", transactional_id="t", linger_ms=0)  # never connects: _send is replaced
+    producer._cluster.partitions = lambda topic, create=False: [0, 1, 2, 3]
+
+    def send_at_once(batches, adding):
+        with producer._cond:
+            producer._txn_partitions.update(adding)
+            for batch in batches:
+                producer._queues[(batch.topic, batch.partition)].popleft()
+
+    producer._send = send_at_once
+    producer._txn.transition(TxnState.READY)
+    producer._txn.transition(TxnState.IN_TRANSACTION)
+    try:
+        with caplog.at_level(logging.WARNING, logger="twophase.client"):
+            for partition in (0, 1, 2, 3, 0, 1):
+                while not producer._sender_waiting:  # idle: this send hands a new partition over
+                    time.sleep(0.001)
+                with producer._cond:
+                    producer._txn_partitions.clear()  # a new transaction holds no partition yet
+                producer.send("t", b"v", partition=partition)
+        assert [r.getMessage() for r in caplog.records] == []
+    finally:
+        producer.close()

@@ -49,6 +49,7 @@ log = logging.getLogger("twophase.client")
 RECORD_OVERHEAD = 24  # rough per-record bytes beyond key, value and headers, for batch sizing
 Header = tuple[str, bytes | None]
 OutRecord = tuple[str, int | None, bytes | None, bytes | None, Sequence[Header] | None, int | None]  # send_many's
+HAND_OVER_TIMEOUT_S = 1.0  # the longest a send waits for the idle sender to wake for new partitions
 SEND_MANY_CHUNK = 1024  # send_many lets the sender thread take the lock between chunks of this many records
 
 
@@ -107,6 +108,7 @@ class Producer:
         self._sequences: dict[tuple[str, int], int] = collections.defaultdict(int)
         self._txn_partitions: set[tuple[str, int]] = set()
         self._sender_waiting = False  # the sender thread waits for work (in Condition.wait)
+        self._sender_wakeups = 0  # how often it stopped waiting: a hand-over waits for the next one
         self._sequence_gap = False
         self._queues: dict[tuple[str, int], collections.deque[_Batch]] = {}
         self._sticky = StickyPartitions()
@@ -220,8 +222,13 @@ class Producer:
         """If records wait for a partition the open transaction lacks and the sender is idle, wait until
         it woke (the lock held): it needs the GIL to send AddPartitionsToTxn during the linger, and a
         caller sending in a loop would otherwise hold it for the interpreter's switch interval (5 ms)."""
+        # Waiting for the count to move, not for the flag to clear: a sender whose round trip ended before
+        # this thread got the lock back is waiting again, and nothing would wake this one before the timeout.
         if self._sender_waiting and self._partitions_to_add():
-            self._cond.wait_for(lambda: not self._sender_waiting, timeout=1.0)
+            woke = self._sender_wakeups
+            if not self._cond.wait_for(lambda: self._sender_wakeups != woke, timeout=HAND_OVER_TIMEOUT_S):
+                log.warning("the producer's sender did not wake within %.1f s to add partitions to the "
+                            "transaction", HAND_OVER_TIMEOUT_S)
 
     def flush(self, timeout_s: float | None = None) -> None:
         """Send everything queued and wait for it; raises the first error of a failed send."""
@@ -267,6 +274,7 @@ class Producer:
                         self._cond.wait(self._next_wakeup(now))
                     finally:
                         self._sender_waiting = False
+                        self._sender_wakeups += 1
                     self._cond.notify_all()  # a caller may wait for this (_hand_over_new_partitions)
             if not batches and not adding:
                 return
