@@ -218,7 +218,7 @@ class AppCoordinator:
         # Per query, a ready hint: (epoch, look until (monotonic), the pass count when it asked for a pass).
         self._ready: dict[str, tuple[int, float, int | None]] = {}
         self._passes = 0  # passes made, so a hint knows whether the pass it asked for has run
-        self._checkpoints: dict[str, str | None] = {}  # per query, its checkpoint as a pass last read it
+        self._checkpoints: dict[str, str] = {}  # per query, its checkpoint as a pass last read it
         self._ready_lock = threading.Lock()
         self._closed = False                         # close()d: its watches stop at their next event
 
@@ -340,8 +340,7 @@ class AppCoordinator:
                 waiting = True
                 continue
             try:
-                checkpoint = self._checkpoints[query_id]
-                done = is_completed(checkpoint, epoch) if checkpoint else None
+                done = is_completed(self._checkpoints[query_id], epoch)
             except (OSError, ValueError):  # not a local path, or no such directory here
                 done = None
             if done is None:  # nothing to look at here: the barrier decides, as without a hint
@@ -419,7 +418,10 @@ class AppCoordinator:
             return
         barrier = read_epoch(self.client, qp.barrier)
         checkpoint = options.checkpoint or read_object(self.client, qp.base, {}).get("checkpoint")
-        self._checkpoints[qp.query_id] = checkpoint
+        if checkpoint:
+            self._checkpoints[qp.query_id] = checkpoint
+        else:  # not recorded yet (the driver's publisher polls): a hint then asks a pass to read it again
+            self._checkpoints.pop(qp.query_id, None)
         in_checkpoint = self._checkpoint_epochs(checkpoint)
         hint = self._ready.get(qp.query_id)
         if hint is not None and (hint[0] <= barrier or hint[0] in in_checkpoint):

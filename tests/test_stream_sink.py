@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from coordinator.app import AppCoordinator, CommitPolicy
+from coordinator.app import READY_POLL, AppCoordinator, CommitPolicy
 from coordinator.layout import AppPaths
 from coordinator.zk import dump, parse_object
 from sinks.files import FileSink
@@ -111,8 +111,32 @@ def test_a_ready_hint_is_dropped_where_the_coordinator_cannot_look_at_the_checkp
     coordinator.acquire()
     coordinator.reconcile()  # reads where the checkpoint is
     coordinator._on_ready(pipe.qp.query_id, dump({"epoch": 0, "run": "r1"}))
+    if where == "none":  # maybe not recorded yet (the driver's publisher polls): one more pass reads it again
+        assert coordinator.ready_wait() == READY_POLL
+        coordinator.reconcile()
     assert coordinator.ready_wait() is None
     assert coordinator._ready == {}
+
+
+def test_a_hint_looks_at_a_checkpoint_recorded_after_a_pass_found_none(zk, zk_root, tmp_path):
+    """A query's first pass may run before the driver's publisher recorded where its checkpoint is: the
+    first batch's hint must still have the loop look for commits/0, not be dropped as if there were none."""
+    pipe = Pipeline(zk, zk_root, FileSink(str(tmp_path / "out")))
+    assert pipe.task("r1", 0, 0, [1, 2])
+    coordinator = AppCoordinator(zk, zk_root, "app", SIGNER, "c1")
+    coordinator.acquire()
+    coordinator.reconcile()  # no checkpoint recorded yet
+    checkpoint = tmp_path / "ck"
+    (checkpoint / "commits").mkdir(parents=True)
+    zk.set(pipe.qp.base, dump({"checkpoint": str(checkpoint)}))
+    coordinator._on_ready(pipe.qp.query_id, dump({"epoch": 0, "run": "r1"}))
+    assert coordinator.ready_wait() == READY_POLL  # asks a pass to read where the checkpoint is
+    coordinator.reconcile()
+    assert coordinator.ready_wait() == READY_POLL  # looks at commits/0
+    (checkpoint / "commits" / "0").write_text("v1\n{}\n")
+    assert coordinator.ready_wait() is None and coordinator._ready == {}
+    coordinator.reconcile()
+    assert pipe.watermark() == 0 and sorted(ids_out(pipe)) == [1, 2]
 
 
 def test_a_hint_for_an_epoch_no_pass_can_see_asks_for_one_pass_and_is_dropped(zk, zk_root, tmp_path):
