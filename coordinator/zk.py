@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 from kazoo.client import KazooClient
 from kazoo.exceptions import NodeExistsError, NoNodeError
 from kazoo.protocol.states import ZnodeStat
+from kazoo.recipe.watchers import DataWatch
 from kazoo.retry import KazooRetry
 
 # Connection loss is retried forever with capped backoff: a ZooKeeper restart
@@ -51,6 +52,37 @@ def shared_client(hosts: str) -> KazooClient:
         if client is None:
             client = _shared[hosts] = connect(hosts)
         return client
+
+
+_watched: dict[tuple[str, str], bytes] = {}  # (ensemble, path) -> the data its watch last saw
+_watched_lock = threading.Lock()
+_watching_lock = threading.Lock()  # one watch per znode, however many threads ask first
+
+
+def watched_data(hosts: str, path: str) -> bytes:
+    """``path``'s data (empty: no such znode), read through :func:`shared_client` as a data watch saw it last.
+
+    The first call per process reads it and leaves the watch; later calls make no request while the
+    znode is unchanged. For a process that asks for one znode again and again (Spark's driver-side
+    writer, twice a micro-batch). A change reaches the cache with its watch event, as it reaches any
+    watcher; while the client is not connected, and so might miss one, the znode is read again::
+
+        blob = watched_data("127.0.0.1:2181", "/twophase/apps/orders/sink")
+    """
+    client = shared_client(hosts)
+    key = (hosts, path)
+
+    def seen(data: bytes | None, _stat: ZnodeStat | None) -> None:
+        with _watched_lock:
+            _watched[key] = data or b""
+
+    with _watching_lock:
+        if not client.connected:
+            return _data(client, path)
+        if key not in _watched:
+            DataWatch(client, path, seen)  # reads the data and calls seen before returning; again on each change
+    with _watched_lock:
+        return _watched[key]
 
 
 class RecordError(ValueError):

@@ -6,9 +6,9 @@ import threading
 
 import pytest
 
-from coordinator.app import READY_POLL, AppCoordinator, CommitPolicy
+from coordinator.app import READY_POLL, AppCoordinator, CommitPolicy, publish_app
 from coordinator.layout import AppPaths
-from coordinator.zk import dump, parse_object
+from coordinator.zk import dump, parse_object, shared_client
 from sinks.files import FileSink
 from tests.harness import SIGNER, CallCounter, Pipeline, ids_out
 from tests.waiting import wait_until
@@ -16,7 +16,8 @@ from twophase.spark.host import CoordinatorHost
 from twophase.spark.waiter import await_watermark
 from twophase.supervisor import Supervision
 from twophase.spark.sink_options import ExactlyOnce, WriterOptionError, exactly_once
-from twophase.spark.stream_sink import AttemptReport, DriverHookMissing, SinkFormat, TwoPhaseStreamWriter, await_watched
+from twophase.spark.stream_sink import (SINK_DIGEST, AttemptReport, DriverHookMissing, SinkFormat, TwoPhaseStreamWriter,
+                                        await_watched, sink_digest)
 from twophase.task import PhaseTwoHalted
 
 
@@ -193,3 +194,29 @@ def test_the_twophase_format_refuses_options_it_does_not_take(zk, zk_server, zk_
                "checkpointLocation": str(tmp_path / "ck"), "compression": "gzip"}
     with pytest.raises(WriterOptionError, match=r"unknown option\(s\) \['compression'\] for the twophase sink"):
         SinkFormat(options).streamWriter(None, False)
+
+
+def test_the_twophase_format_reads_its_stored_sink_once_per_process_and_sees_a_new_one(zk, zk_server, zk_root,
+                                                                                   tmp_path, monkeypatch):
+    """Spark asks the driver for a writer twice a micro-batch: the stored sink comes from a data watch, one
+    read per process, and a sink another write_stream stored since still stops the query."""
+    pipe = Pipeline(zk, zk_root, FileSink(str(tmp_path / "a")))
+    options = {"twophase.zk": zk_server.hosts, "twophase.root": zk_root, "twophase.app": "app",
+               SINK_DIGEST: sink_digest(zk.get(pipe.paths.sink)[0])}
+    client = shared_client(zk_server.hosts)
+    reads = CallCounter()
+    monkeypatch.setattr(client, "get", reads.wrap(client.get))
+    for _ in range(3):
+        assert SinkFormat(options).streamWriter(None, False).sink.path == str(tmp_path / "a")
+    assert reads.count == 1
+    publish_app(zk, pipe.paths, SIGNER, FileSink(str(tmp_path / "b")), "embedded")
+    reads.await_calls(2)  # the watch fired and read the new sink
+
+    def refused():
+        try:
+            SinkFormat(options).streamWriter(None, False)
+        except WriterOptionError as e:
+            return "not the one this query was started with" in str(e)
+        return False
+
+    wait_until(refused, what="the writer to refuse the replaced sink")

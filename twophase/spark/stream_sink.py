@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 from kazoo.client import KazooClient
-from kazoo.exceptions import KazooException, NoNodeError
+from kazoo.exceptions import KazooException
 from pyspark.sql.datasource import (
     DataSource,
     DataSourceArrowWriter,
@@ -44,7 +44,7 @@ from pyspark.sql.types import StructType
 
 from coordinator.layout import AppPaths, QueryPaths
 from coordinator.precommits import PrecommitRegistry
-from coordinator.zk import dump, put_data, shared_client
+from coordinator.zk import dump, put_data, shared_client, watched_data
 from twophase.signing import Signer, load_secret
 from twophase.sink import TwoPhaseCommitSink
 from twophase.spark.sink_options import (EXACTLY_ONCE, SPARK_OWN, ExactlyOnce, WriterOptionError, exactly_once,
@@ -229,12 +229,9 @@ class SinkFormat(DataSource):
             raise WriterOptionError(f"unknown option(s) {unknown} for the twophase sink: its sink is configured in "
                                     "Python, write_stream(df, sink, ...) (docs/spark-writer.md)")
         secret = load_secret()
-        client = shared_client(where.zk)
         paths = AppPaths(where.root, where.app)
-        try:  # one round trip: Spark asks for a writer twice a batch (its tasks', then the commit's)
-            blob = client.retry(client.get, paths.sink)[0]
-        except NoNodeError:
-            blob = b""
+        # Spark asks for a writer twice a batch (its tasks', then the commit's): a watch, not a read each time.
+        blob = watched_data(where.zk, paths.sink)
         if not blob:
             raise DriverHookMissing(f"app {where.app} has no sink stored in ZooKeeper: start the query with "
                                     "twophase.spark.write_stream(df, sink, app=..., zk=...)")
