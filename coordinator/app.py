@@ -50,7 +50,7 @@ from coordinator.zk import RecordError, children, dump, epoch_numbers, parse_obj
 from twophase.checkpoint import completed_epochs, is_completed
 from twophase.cli_args import check_positive_seconds
 from twophase.signing import Signer
-from twophase.sink import AbortFailed, CommitFailed, CommitOutcomeUnknown, TwoPhaseCommitSink
+from twophase.sink import AbortFailed, CommitFailed, CommitOutcomeUnknown, TwoPhaseCommitSink, release
 
 log = logging.getLogger("twophase.coordinator")
 
@@ -249,7 +249,7 @@ class AppCoordinator:
         with self._ready_lock:
             self._ready.clear()
         if self._sink is not None:
-            self._sink.close()
+            release(self._sink)
 
     def reconcile_logged(self, changed_only: bool = False) -> None:
         """One reconcile pass for a long-running loop: transient trouble is logged, fencing is raised."""
@@ -866,6 +866,6 @@ class AppCoordinator:
                 self._sink = self.signer.loads(raw, self.paths.sink, what=f"sink of app {self.app!r}")
                 self._sink_version = stat.mzxid
                 if replaced is not None:
-                    replaced.close()
+                    release(replaced)
             self._sink_checked = True
         return self._sink

@@ -59,13 +59,14 @@ _watched_lock = threading.Lock()
 _watching_lock = threading.Lock()  # one watch per znode, however many threads ask first
 
 
-def watched_data(hosts: str, path: str) -> bytes:
+def watched_data(hosts: str, path: str, fresh: bool = False) -> bytes:
     """``path``'s data (empty: no such znode), read through :func:`shared_client` as a data watch saw it last.
 
     The first call per process reads it and leaves the watch; later calls make no request while the
     znode is unchanged. For a process that asks for one znode again and again (Spark's driver-side
     writer, twice a micro-batch). A change reaches the cache with its watch event, as it reaches any
-    watcher; while the client is not connected, and so might miss one, the znode is read again::
+    watcher; while the client is not connected, and so might miss one, the znode is read again, as it is
+    with ``fresh`` (after a sync: for a caller about to refuse what the cache said)::
 
         blob = watched_data("127.0.0.1:2181", "/twophase/apps/orders/sink")
     """
@@ -77,12 +78,14 @@ def watched_data(hosts: str, path: str) -> bytes:
             _watched[key] = data or b""
 
     with _watching_lock:
-        if not client.connected:
-            return _data(client, path)
-        if key not in _watched:
-            DataWatch(client, path, seen)  # reads the data and calls seen before returning; again on each change
+        if client.connected and key not in _watched:
+            DataWatch(client, path, seen)  # reads the data and calls seen, mostly before returning
+    if fresh or not client.connected:
+        client.retry(client.sync, path)
+        return _data(client, path)
     with _watched_lock:
-        return _watched[key]
+        cached = _watched.get(key)
+    return _data(client, path) if cached is None else cached  # None: the watch's first read is still going
 
 
 class RecordError(ValueError):

@@ -134,6 +134,15 @@ class PostgresSink(TwoPhaseCommitSink):
         self._tag = _digest(self.database, *self.table)
         self._phase_two = IdleConnections(_connect, keep=self.commit_concurrency)
 
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "_phase_two"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # Each copy (a task's, a coordinator's) keeps its own connections; a sink pickled before phase two
+        # kept any (stored in ZooKeeper by an earlier version) loads the same way.
+        self.__dict__.update(state)
+        self._phase_two = IdleConnections(_connect, keep=self.commit_concurrency)
+
     def __repr__(self) -> str:
         return (f"PostgresSink(dsn={self.dsn!r}, table={'.'.join(self.table)!r}, mode={self.mode!r}"
                 + (f", key={list(self.key)!r}" if self.key else "") + ")")

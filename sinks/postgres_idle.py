@@ -9,21 +9,26 @@ list of idle connections is enough: psycopg_pool would add a scheduler and worke
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import psycopg
 from psycopg.pq import TransactionStatus
 
-__all__ = ["IdleConnections"]
+__all__ = ["IdleConnections", "MAX_IDLE_S"]
+
+# NAT gateways, load balancers and firewalls drop idle flows without a reset after a few minutes (AWS's NAT
+# after 350 s): a check on such a connection would wait out TCP's retransmissions, about 15 minutes.
+MAX_IDLE_S = 60.0
 
 
 class IdleConnections:
     """Up to ``keep`` open autocommit connections per dsn, checked with an empty query when taken.
 
-    A connection that raised, or is left inside a transaction, is closed instead of kept; one found dead
-    when taken (the server restarted meanwhile) is replaced. Pickles empty: a copy of the sink in another
-    process opens its own::
+    A connection whose block raised, or that is left inside a transaction, is closed instead of kept; one
+    found dead when taken (the server restarted meanwhile) is replaced, and one idle for over
+    :data:`MAX_IDLE_S` is closed unchecked::
 
         idle = IdleConnections(lambda dsn: psycopg.connect(dsn, autocommit=True), keep=8)
         with idle.connection(dsn) as conn:
@@ -35,14 +40,8 @@ class IdleConnections:
         self._connect = connect
         self._keep = keep
         self._lock = threading.Lock()
-        self._idle: dict[str, list[psycopg.Connection]] = {}
+        self._idle: dict[str, list[tuple[psycopg.Connection, float]]] = {}  # with when each was given back
         self._closed = False
-
-    def __getstate__(self) -> dict:
-        return {"connect": self._connect, "keep": self._keep}
-
-    def __setstate__(self, state: dict) -> None:
-        self.__init__(state["connect"], state["keep"])
 
     @contextmanager
     def connection(self, dsn: str) -> Iterator[psycopg.Connection]:
@@ -61,7 +60,7 @@ class IdleConnections:
             self._closed = True
             idle, self._idle = self._idle, {}
         for conns in idle.values():
-            for conn in conns:
+            for conn, _ in conns:
                 conn.close()
 
     def _take(self, dsn: str) -> psycopg.Connection | None:
@@ -70,7 +69,10 @@ class IdleConnections:
                 conns = self._idle.get(dsn)
                 if not conns:
                     return None
-                conn = conns.pop()
+                conn, given_back = conns.pop()
+            if time.monotonic() - given_back > MAX_IDLE_S:
+                conn.close()
+                continue
             try:
                 conn.execute("")  # a round trip: a server that restarted since has closed the socket
                 return conn
@@ -82,6 +84,6 @@ class IdleConnections:
             with self._lock:
                 conns = self._idle.setdefault(dsn, [])
                 if not self._closed and len(conns) < self._keep:
-                    conns.append(conn)
+                    conns.append((conn, time.monotonic()))
                     return
         conn.close()

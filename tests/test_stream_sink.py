@@ -8,6 +8,7 @@ import pytest
 
 from coordinator.app import READY_POLL, AppCoordinator, CommitPolicy, publish_app
 from coordinator.layout import AppPaths
+from coordinator import zk as zk_module
 from coordinator.zk import dump, parse_object, shared_client
 from sinks.files import FileSink
 from tests.harness import SIGNER, CallCounter, Pipeline, ids_out
@@ -220,3 +221,14 @@ def test_the_twophase_format_reads_its_stored_sink_once_per_process_and_sees_a_n
         return False
 
     wait_until(refused, what="the writer to refuse the replaced sink")
+
+
+def test_the_twophase_format_reads_again_before_refusing_what_its_watch_said(zk, zk_server, zk_root, tmp_path):
+    """A watch's view may lag (its event not yet in, a session just re-established): a writer refuses a sink
+    only on what ZooKeeper holds now."""
+    pipe = Pipeline(zk, zk_root, FileSink(str(tmp_path / "a")))
+    options = {"twophase.zk": zk_server.hosts, "twophase.root": zk_root, "twophase.app": "app",
+               SINK_DIGEST: sink_digest(zk.get(pipe.paths.sink)[0])}
+    assert SinkFormat(options).streamWriter(None, False).sink.path == str(tmp_path / "a")
+    zk_module._watched[(zk_server.hosts, pipe.paths.sink)] = b""  # as if the watch had seen no sink
+    assert SinkFormat(options).streamWriter(None, False).sink.path == str(tmp_path / "a")

@@ -146,3 +146,22 @@ def test_an_attempt_older_than_the_watch_is_trusted_for_asks_zookeeper(pipe, cou
     admission = registry.admit(ctx())
     sent.clear()
     assert admission.intent.held() and sent == Counter(Exists=1)
+
+
+class _FailingAbortAndClose(FileSink):
+    def abort(self, handle):
+        raise RuntimeError("the abort's own failure")
+
+    def close(self):
+        raise OSError("closing failed too")
+
+
+def test_a_losers_abort_failure_is_not_hidden_by_a_failing_close(zk, zk_root, tmp_path, caplog):
+    """A task releases its copy of the sink after aborting its own pre-commit: a release that fails is
+    logged, and the abort's failure, the one that matters, is what the task raises."""
+    pipe = Pipeline(zk, zk_root, _FailingAbortAndClose(str(tmp_path / "out")))
+    first, second = pipe.begin("r1", 0, 0, attempt=0), pipe.begin("r1", 0, 0, attempt=1)
+    assert pipe.finish(first, [1])
+    with pytest.raises(RuntimeError, match="the abort's own failure"):
+        pipe.finish(second, [1])
+    assert "closing the _FailingAbortAndClose failed" in caplog.text

@@ -29,6 +29,7 @@ Usage::
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -249,3 +250,12 @@ class TwoPhaseCommitSink(ABC):
     def recover_and_abort(self, handle: Any) -> None:
         """Abort a handle found after a crash; override if recovery needs more."""
         self.abort(handle)
+
+
+def release(sink: TwoPhaseCommitSink) -> None:
+    """``sink.close()``, a failure logged, not raised: the caller is finishing something else (an abort, a
+    coordinator stopping, a newer sink loaded) whose own outcome a failed release must not hide."""
+    try:
+        sink.close()
+    except Exception:
+        logging.getLogger("twophase.sink").exception("closing the %s failed", type(sink).__name__)

@@ -20,7 +20,7 @@ from functools import partial
 from typing import Any
 
 from coordinator.precommits import IntentGone, IntentWatch, PrecommitRegistry
-from twophase.sink import TwoPhaseCommitSink, TxnContext
+from twophase.sink import TwoPhaseCommitSink, TxnContext, release
 
 
 class PhaseTwoHalted(RuntimeError):
@@ -108,4 +108,4 @@ class TaskAttempt:
         try:
             self.sink.abort(handle)
         finally:
-            self.sink.close()
+            release(self.sink)

@@ -232,6 +232,8 @@ class SinkFormat(DataSource):
         paths = AppPaths(where.root, where.app)
         # Spark asks for a writer twice a batch (its tasks', then the commit's): a watch, not a read each time.
         blob = watched_data(where.zk, paths.sink)
+        if not blob or sink_digest(blob) != lowered(self.options).get(SINK_DIGEST.lower()):
+            blob = watched_data(where.zk, paths.sink, fresh=True)  # refused only on what ZooKeeper says now
         if not blob:
             raise DriverHookMissing(f"app {where.app} has no sink stored in ZooKeeper: start the query with "
                                     "twophase.spark.write_stream(df, sink, app=..., zk=...)")
