@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 from kazoo.client import KazooClient
 from kazoo.exceptions import NodeExistsError, NoNodeError
-from kazoo.protocol.states import ZnodeStat
-from kazoo.recipe.watchers import DataWatch
+from kazoo.protocol.states import KazooState, WatchedEvent, ZnodeStat
 from kazoo.retry import KazooRetry
 
 # Connection loss is retried forever with capped backoff: a ZooKeeper restart
@@ -54,38 +53,63 @@ def shared_client(hosts: str) -> KazooClient:
         return client
 
 
-_watched: dict[tuple[str, str], bytes] = {}  # (ensemble, path) -> the data its watch last saw
+_watched: dict[tuple[str, str], bytes] = {}  # (ensemble, path) -> its data, until a watch event drops it
+_watchers: dict[tuple[str, str], Callable[[WatchedEvent], None]] = {}  # one per znode: kazoo keeps a set
+_drops: dict[tuple[str, str], int] = {}  # how often each was dropped: a read that raced a drop is not kept
+_listening: set[str] = set()  # ensembles whose client drops every cached znode when its session is lost
 _watched_lock = threading.Lock()
-_watching_lock = threading.Lock()  # one watch per znode, however many threads ask first
 
 
 def watched_data(hosts: str, path: str, fresh: bool = False) -> bytes:
-    """``path``'s data (empty: no such znode), read through :func:`shared_client` as a data watch saw it last.
+    """``path``'s data (empty: no such znode), read through :func:`shared_client` and kept until it changes.
 
-    The first call per process reads it and leaves the watch; later calls make no request while the
-    znode is unchanged. For a process that asks for one znode again and again (Spark's driver-side
-    writer, twice a micro-batch). A change reaches the cache with its watch event, as it reaches any
-    watcher; while the client is not connected, and so might miss one, the znode is read again, as it is
-    with ``fresh`` (after a sync: for a caller about to refuse what the cache said)::
+    The first call per process reads it and leaves a watch; later calls make no request until the watch
+    fires (any change) or the session is lost. For a process that asks for one znode again and again
+    (Spark's driver-side writer, twice a micro-batch). A change reaches the cache with its watch event, as
+    it reaches any watcher; while the client is not connected the znode is read again, as it is with
+    ``fresh`` (after a sync: for a caller about to refuse what the cache said). The watch only drops the
+    data: reading in kazoo's event thread would block every other watch of the client (and its stop)
+    while ZooKeeper is away::
 
         blob = watched_data("127.0.0.1:2181", "/twophase/apps/orders/sink")
     """
     client = shared_client(hosts)
     key = (hosts, path)
-
-    def seen(data: bytes | None, _stat: ZnodeStat | None) -> None:
-        with _watched_lock:
-            _watched[key] = data or b""
-
-    with _watching_lock:
-        if client.connected and key not in _watched:
-            DataWatch(client, path, seen)  # reads the data and calls seen, mostly before returning
-    if fresh or not client.connected:
-        client.retry(client.sync, path)
-        return _data(client, path)
     with _watched_lock:
+        if hosts not in _listening:
+            client.add_listener(lambda state: _drop_all(hosts) if state == KazooState.LOST else None)
+            _listening.add(hosts)
         cached = _watched.get(key)
-    return _data(client, path) if cached is None else cached  # None: the watch's first read is still going
+        watcher = _watchers.setdefault(key, lambda _event: _drop(key))
+        drops = _drops.get(key, 0)
+    if cached is not None and not fresh and client.connected:
+        return cached
+    if fresh:
+        client.retry(client.sync, path)
+    try:
+        data = client.retry(client.get, path, watch=watcher)[0]
+    except NoNodeError:
+        if client.retry(client.exists, path, watch=watcher) is not None:
+            return watched_data(hosts, path, fresh)  # created meanwhile
+        data = b""
+    with _watched_lock:
+        if _drops.get(key, 0) == drops:
+            _watched[key] = data
+    return data
+
+
+def _drop(key: tuple[str, str]) -> None:
+    with _watched_lock:
+        _watched.pop(key, None)
+        _drops[key] = _drops.get(key, 0) + 1
+
+
+def _drop_all(hosts: str) -> None:
+    """A lost session lost its watches too (kazoo forgets them without calling them)."""
+    with _watched_lock:
+        for key in [k for k in _watchers if k[0] == hosts]:  # a read in flight too: its watch is gone
+            _watched.pop(key, None)
+            _drops[key] = _drops.get(key, 0) + 1
 
 
 class RecordError(ValueError):

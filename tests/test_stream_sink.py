@@ -210,8 +210,7 @@ def test_the_twophase_format_reads_its_stored_sink_once_per_process_and_sees_a_n
     for _ in range(3):
         assert SinkFormat(options).streamWriter(None, False).sink.path == str(tmp_path / "a")
     assert reads.count == 1
-    publish_app(zk, pipe.paths, SIGNER, FileSink(str(tmp_path / "b")), "embedded")
-    reads.await_calls(2)  # the watch fired and read the new sink
+    publish_app(zk, pipe.paths, SIGNER, FileSink(str(tmp_path / "b")), "embedded")  # the watch drops the old
 
     def refused():
         try:

@@ -1,0 +1,40 @@
+"""coordinator.zk.watched_data against a ZooKeeper server of the test's own, through its shared client."""
+
+from __future__ import annotations
+
+import threading
+
+from coordinator import zk as zk_module
+from coordinator.zk import shared_client, watched_data
+from tests.waiting import wait_until
+from twophase.zkserver import ZooKeeperServer
+
+
+def test_watched_data_follows_changes_and_never_blocks_the_client_once_zookeeper_is_gone():
+    """Its watch only drops what it kept (reading in kazoo's event thread, with the client's retry-forever
+    policy, would hang the client's stop for ever once the server is gone: a CI run hung so at exit)."""
+    server = ZooKeeperServer().start()
+    hosts = server.hosts
+    client = shared_client(hosts)
+    try:
+        assert watched_data(hosts, "/w") == b""
+        client.create("/w", b"one")
+        wait_until(lambda: watched_data(hosts, "/w") == b"one", what="the creation to be seen")
+        client.set("/w", b"two")
+        wait_until(lambda: watched_data(hosts, "/w") == b"two", what="the change to be seen")
+        server.restart()  # the session survives a restart: the watch is set again on reconnect
+        wait_until(lambda: client.connected, what="the client to reconnect")
+        client.set("/w", b"three")
+        wait_until(lambda: watched_data(hosts, "/w") == b"three", what="the change after the restart")
+        client.set("/w", b"four")  # an event in flight as the server goes
+        server.stop()
+        stopping = threading.Thread(target=client.stop)
+        stopping.start()
+        stopping.join(30)
+        assert not stopping.is_alive(), "stopping the client hangs"
+    finally:
+        server.stop()
+        with zk_module._shared_lock:
+            zk_module._shared.pop(hosts, None)
+        client.stop()
+        client.close()
