@@ -35,6 +35,7 @@ from tests.test_chaos_driver import (
     ROWS_PER_BATCH,
     SLOW_MS,
     Job,
+    assert_all_committed,
     kill_mid_batch,
     kill_run,
     spark_completed,
@@ -190,7 +191,7 @@ def job(zk_server, zk_root, tmp_path, pg_dsn) -> Iterator[PgJob]:
 
 def run_to_end(zk, job: PgJob, *flags: str) -> None:
     job.run_to_end(*flags)
-    assert watermark(zk, job) == job.batches - 1, job.logs()
+    assert_all_committed(zk, job)
     job.check()
 
 
