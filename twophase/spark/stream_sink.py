@@ -231,17 +231,18 @@ class SinkFormat(DataSource):
         secret = load_secret()
         paths = AppPaths(where.root, where.app)
         # Spark asks for a writer twice a batch (its tasks', then the commit's): a watch, not a read each time.
+        expected = lowered(self.options).get(SINK_DIGEST.lower())
         blob = watched_data(where.zk, paths.sink)
-        if not blob or sink_digest(blob) != lowered(self.options).get(SINK_DIGEST.lower()):
+        if not blob or sink_digest(blob) != expected:
             blob = watched_data(where.zk, paths.sink, fresh=True)  # refused only on what ZooKeeper says now
-        if not blob:
-            raise DriverHookMissing(f"app {where.app} has no sink stored in ZooKeeper: start the query with "
-                                    "twophase.spark.write_stream(df, sink, app=..., zk=...)")
-        if sink_digest(blob) != lowered(self.options).get(SINK_DIGEST.lower()):
-            raise WriterOptionError(
-                f"the sink stored for app {where.app} is not the one this query was started with: another "
-                "write_stream or TwoPhaseBatchSink of the app stored its own since. One sink per app: give "
-                "each sink an app of its own")
+            if not blob:
+                raise DriverHookMissing(f"app {where.app} has no sink stored in ZooKeeper: start the query with "
+                                        "twophase.spark.write_stream(df, sink, app=..., zk=...)")
+            if sink_digest(blob) != expected:
+                raise WriterOptionError(
+                    f"the sink stored for app {where.app} is not the one this query was started with: another "
+                    "write_stream or TwoPhaseBatchSink of the app stored its own since. One sink per app: give "
+                    "each sink an app of its own")
         return Signer(secret).loads(blob, paths.sink, what=f"sink of app {where.app!r}"), where, secret
 
 
