@@ -19,6 +19,8 @@ input: a shorter one leaves the first timed runs slower than the later ones, sti
 - ``plain arrow jsonl`` / ``parquet``: an at-least-once ``DataSourceStreamArrowWriter`` writing the same
   bytes as FileSink (its own serializer) to one file per task, fsynced: the baseline of the batch
   path's exactly-once overhead;
+- ``plain arrow drop``: the same Python Arrow writer consuming its batches and writing nothing: the ceiling
+  of any writer on PySpark's Python data source API (``mapInArrow`` into a Python worker);
 - ``batch LogSink``: ``format("twophase-kafka")`` to the built-in broker (a ``twophase broker``
   process, fsync 1000 ms), key = id, value = the row as JSON (``to_json`` in Spark).
 
@@ -69,6 +71,10 @@ class PlainArrowWriter(DataSourceStreamArrowWriter):
     def write(self, iterator: Iterator) -> WriterCommitMessage:
         from pyspark import TaskContext
 
+        if self.format == "drop":
+            for _batch in iterator:
+                pass
+            return WriterCommitMessage()
         task = TaskContext.get()
         os.makedirs(self.path, exist_ok=True)
         name = os.path.join(self.path, f"part-{task.getLocalProperty('streaming.sql.batchId')}-"
@@ -179,6 +185,8 @@ class Bench:
                 df, FileSink(out, format="parquet"), app=f"{APP}-parquet", zk=self.zk, root=self.root)), True, files),
             Writer("plain arrow parquet", stream(lambda df, out: df.writeStream.format("bench-plain-arrow")
                                                  .option("path", out).option("format", "parquet")), False, plain),
+            Writer("plain arrow drop", stream(lambda df, out: df.writeStream.format("bench-plain-arrow")
+                                              .option("path", out).option("format", "drop")), False, lambda out: []),
             Writer("batch LogSink", kafka, True, topic),
         ]
 
@@ -239,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
                 order = writers[r % len(writers):] + writers[:r % len(writers)]
                 for w in order:
                     seconds, out = bench.run(w, input_dir)
-                    if w.name != "noop":
+                    if w.name not in ("noop", "plain arrow drop"):
                         report = count_rows(range(total), w.read(out))
                         if not report.exact:
                             failures.append(f"{w.name} round {r + 1}: {report}")
@@ -277,6 +285,9 @@ def main(argv: list[str] | None = None) -> int:
         ("batch FileSink parquet / plain arrow parquet", ratio("batch FileSink parquet", "plain arrow parquet"), 0.95),
         ("batch LogSink / batch FileSink jsonl", ratio("batch LogSink", "batch FileSink jsonl"), 0.8),
     ]
+    ceiling = ratio("plain arrow drop", "spark json")
+    if ceiling is not None:
+        print(f"{'plain arrow drop / spark json':<46} {ceiling:5.2f}  (the Python data source API's ceiling)")
     for label, value, target in checks:
         if value is not None:
             print(f"{label:<46} {value:5.2f}  target >= {target:.2f}  {'PASS' if value >= target else 'MISS'}")
