@@ -7,7 +7,8 @@ second attempt to finish finds the winner and aborts its own transaction.
 Before it begins, an attempt records its intent: a task killed between
 pre_commit and registration leaves an intent without an attempt, which tells the
 coordinator to have the sink clean up after it (``abort_unregistered``). The intent's multi-op
-also claims the attempt a slot (:mod:`coordinator.slots`), a number its sink may name resources by.
+also claims the attempt a slot (:mod:`coordinator.slots`), a number its sink may name resources by,
+unless the sink names nothing by slot (``uses_slots`` False: the intent is then empty).
 
 Attempt and intent nodes are named by :attr:`TxnContext.name <twophase.sink.TxnContext.name>`
 (``<run>.<epoch>.<partition>.<attempt>``), the name sinks use for the attempt's own resources.
@@ -19,10 +20,10 @@ created in one multi-op, which also creates the epoch's nodes if this is its fir
 Usage (in a Spark task)::
 
     registry = PrecommitRegistry(client, app_paths.query(ctx.query_id), signer)
-    admission = registry.admit(ctx)          # ensure_run + halted + winner + intend
+    admission = registry.admit(ctx, slot=sink.uses_slots)   # ensure_run + halted + winner + intend
     if admission.halted is not None or admission.winner is not None:
         ...                                  # refuse (halted) or skip rows (an earlier attempt won)
-    ctx = admission.ctx                      # the same context, with its slot
+    ctx = admission.ctx                      # the same context, with its slot (if it asked for one)
     txn = sink.begin_transaction(ctx) ...
     won = registry.register(ctx, handle)
     if not won:
@@ -164,22 +165,22 @@ class PrecommitRegistry:
             return None
         return _halt_reason(raw)
 
-    def admit(self, ctx: TxnContext) -> Admission:
+    def admit(self, ctx: TxnContext, slot: bool = True) -> Admission:
         """Everything a task's ``open`` asks of ZooKeeper, in two round trips: :meth:`ensure_run` (once per
         process), then :meth:`halted`, :meth:`winner` and the partition's held slots read pipelined, then,
         unless halted or won, :meth:`intend`'s multi-op (creating the epoch's nodes with it if they are
-        missing). A halt is reported before a winner, as separate calls would."""
+        missing). A halt is reported before a winner, as separate calls would. ``slot`` False (a sink
+        that names nothing by slot): no slot is read or claimed, and the intent records none."""
         self.ensure_run(ctx.run_id)
-        admission = self._client.retry(self._admit, ctx)
+        admission = self._client.retry(self._admit, ctx, slot)
         if admission.ctx is None:
             return admission
         return replace(admission, intent=IntentWatch(self, admission.ctx))
 
-    def _admit(self, ctx: TxnContext) -> Admission:
-        pool = self._paths.partition_slots(ctx.partition)
+    def _admit(self, ctx: TxnContext, slot: bool) -> Admission:
         halted = self._client.get_async(self._paths.halted(ctx.run_id))
         winner = self._client.get_async(f"{self._paths.winners(ctx.epoch)}/{winner_name(ctx)}")
-        held = self._client.get_children_async(pool)
+        held = self._client.get_children_async(self._paths.partition_slots(ctx.partition)) if slot else None
         epoch_made = self._client.exists_async(self._paths.winners(ctx.epoch))
         try:
             return Admission(halted=_halt_reason(halted.get()[0]))
@@ -189,6 +190,8 @@ class PrecommitRegistry:
             return Admission(winner=winner.get()[0].decode())
         except NoNodeError:
             pass
+        if held is None:
+            return Admission(ctx=self._intend(ctx, None, epoch_made=epoch_made.get() is not None, pool_made=True))
         try:
             slots = {int(n) for n in held.get() if n.isdigit()}
             pool_made = True
@@ -235,15 +238,16 @@ class PrecommitRegistry:
         epoch_made = self._client.exists(self._paths.winners(ctx.epoch)) is not None
         return self._intend(ctx, held, epoch_made=epoch_made, pool_made=True)
 
-    def _intend(self, ctx: TxnContext, held: set[int], epoch_made: bool, pool_made: bool) -> TxnContext:
+    def _intend(self, ctx: TxnContext, held: set[int] | None, epoch_made: bool, pool_made: bool) -> TxnContext:
         """The intent multi-op. The first attempt of an epoch creates the epoch's node and its
         ``intents``, ``attempts`` and ``winners`` children in the same multi-op (one write where
-        ensure_path took a dozen round trips), so registration never finds them missing."""
+        ensure_path took a dozen round trips), so registration never finds them missing. ``held``
+        None: no slot is claimed (the intent is empty, as :func:`~coordinator.slots.slot_of_intent` reads)."""
         epoch = self._paths.epoch(ctx.epoch)
         intent = self.intent_path(ctx)
         pool = self._paths.partition_slots(ctx.partition)
         while True:
-            slot = lowest_free(held)
+            slot = None if held is None else lowest_free(held)
             txn = self._client.transaction()
             ops = []
             if not epoch_made:  # created empty: an OPEN epoch (coordinator/state.py)
@@ -256,8 +260,9 @@ class PrecommitRegistry:
                 ops.append(("pool", pool))
             txn.create(intent, intent_data(slot))
             ops.append(("intent", intent))
-            txn.create(f"{pool}/{slot}", holder_data(ctx))
-            ops.append(("slot", f"{pool}/{slot}"))
+            if slot is not None:
+                txn.create(f"{pool}/{slot}", holder_data(ctx))
+                ops.append(("slot", f"{pool}/{slot}"))
             results = txn.commit()
             failed = [(op, path, r) for (op, path), r in zip(ops, results, strict=True)
                       if isinstance(r, Exception) and not isinstance(r, (RolledBackError, RuntimeInconsistency))]

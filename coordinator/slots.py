@@ -55,13 +55,14 @@ def holder_data(ctx: TxnContext) -> bytes:
     return dump({"attempt": ctx.name, "epoch": ctx.epoch})
 
 
-def intent_data(slot: int) -> bytes:
-    """What an intent's znode holds: the slot its attempt claimed."""
-    return dump({"slot": slot})
+def intent_data(slot: int | None) -> bytes:
+    """What an intent's znode holds: the slot its attempt claimed; empty if it claimed none."""
+    return b"" if slot is None else dump({"slot": slot})
 
 
 def slot_of_intent(raw: bytes, path: str) -> int | None:
-    """The slot an intent's data names; None for an empty intent (written before slots existed)."""
+    """The slot an intent's data names; None for an empty intent (its sink uses no slots, or it was
+    written before slots existed)."""
     if not raw:
         return None
     slot = parse_object(raw, path, {}).get("slot")

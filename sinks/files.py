@@ -96,6 +96,7 @@ class FileSink(TwoPhaseCommitSink):
     """
 
     commit_concurrency = 8  # each commit renames its own file: independent and thread-safe
+    uses_slots = False  # files are named by attempt
     # Class defaults: a FileSink pickled (and stored in ZooKeeper) by an earlier version lacks these.
     format = "jsonl"
     schema: pa.Schema | None = None

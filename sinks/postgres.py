@@ -109,6 +109,7 @@ class PostgresSink(TwoPhaseCommitSink):
     """
 
     commit_concurrency = 8  # every commit/abort runs on a connection of its own (kept open: close())
+    uses_slots = False  # the gid names the attempt
 
     def __init__(self, dsn: str, table: str, *, columns: Sequence[str] | None = None, mode: str = "append",
                  key: str | Sequence[str] | None = None, marker_table: str = "twophase_commits",

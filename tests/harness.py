@@ -12,13 +12,20 @@ from coordinator.layout import AppPaths
 from coordinator.precommits import PrecommitRegistry
 from coordinator.state import EpochRecord
 from coordinator.zk import dump, read_json
-from sinks.files import read_committed_rows
+from sinks.files import FileSink, read_committed_rows
 from twophase.signing import Signer
 from twophase.sink import TxnContext
 from twophase.task import TaskAttempt
 
 SIGNER = Signer(b"twophase-test-secret-0123456789")
 QUERY = "q-1"
+
+
+class SlotFileSink(FileSink):
+    """FileSink names its files by attempt and claims no slots; this one claims them, as a sink that
+    names resources by slot (LogSink's transactional ids) does, for the slot tests."""
+
+    uses_slots = True
 
 
 class Pipeline:

@@ -1,6 +1,7 @@
 """Slots (coordinator/slots.py) against a real ZooKeeper, with the real FileSink, without Spark:
 claimed with the intent, unique among unsettled attempts, released by the coordinator once the
-holder is finished and slot_release_lag epochs below the watermark."""
+holder is finished and slot_release_lag epochs below the watermark. FileSink names its files by
+attempt (``uses_slots`` False), so these tests give it slots, as a sink naming resources by slot has."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from coordinator.slots import read_slots
 from coordinator.status import read_status
 from coordinator.zk import RecordError
 from sinks.files import FileSink
-from tests.harness import QUERY, SIGNER, Pipeline, ids_out, stage
+from tests.harness import QUERY, SIGNER, Pipeline, SlotFileSink, ids_out, stage
 from twophase.cli import print_status
 from twophase.sink import TxnContext
 from twophase.verify import count_rows
@@ -21,7 +22,7 @@ from twophase.verify import count_rows
 
 @pytest.fixture
 def pipe(zk, zk_root, tmp_path):
-    return Pipeline(zk, zk_root, FileSink(str(tmp_path / "out")))
+    return Pipeline(zk, zk_root, SlotFileSink(str(tmp_path / "out")))
 
 
 def ctx(epoch=0, partition=0, attempt=0, run="r1") -> TxnContext:
@@ -115,7 +116,7 @@ def test_a_larger_lag_keeps_that_many_epochs_of_slots(pipe):
     assert sorted(int(a.split(".")[1]) for a in held(pipe).values()) == [5, 6, 7]
 
 
-class CleanupFailsSink(FileSink):
+class CleanupFailsSink(SlotFileSink):
     cleanup_works = False
 
     def __init__(self, path):
@@ -185,6 +186,29 @@ def test_a_deposed_coordinator_releases_nothing(pipe):
     with pytest.raises(Fenced):
         old.reconcile()
     assert len(held(pipe)) == 2
+
+
+def test_a_sink_that_uses_no_slots_claims_none_and_commits(zk, zk_root, tmp_path):
+    """FileSink names nothing by slot: its attempts get none, their intents are empty, no slot znode is
+    made, and a dead attempt's cleanup gets its context without one."""
+    sink = CleanupFailsSink(str(tmp_path / "out"))
+    sink.uses_slots, sink.cleanup_works = False, True
+    pipe = Pipeline(zk, zk_root, sink)
+    app = pipe.coordinator()
+    task = pipe.begin("r1", 0, 0)
+    assert task.ctx.slot is None and task._txn.ctx.slot is None
+    assert pipe.zk.get(pipe.registry.intent_path(task.ctx))[0] == b""
+    pipe.finish(task, range(10))
+    dead = pipe.begin("r1", 1, 0, attempt=0)                  # killed after pre_commit: never registered
+    pipe.sink.pre_commit(dead._txn)
+    pipe.task("r1", 1, 0, range(10, 20), attempt=1)
+    for epoch in (0, 1):
+        pipe.barrier(epoch, "r1")
+        assert app.reconcile().ok
+    assert pipe.watermark() == 1
+    assert [(c.name, c.slot) for c in app.sink().cleaned] == [("r1.1.0.0", None)]
+    assert read_slots(pipe.zk, pipe.qp) == [] and not pipe.zk.exists(pipe.qp.slots)
+    assert count_rows(range(20), ids_out(pipe)).exact
 
 
 def test_an_intent_of_an_older_version_has_no_slot(pipe):

@@ -13,7 +13,7 @@ from coordinator import precommits
 from coordinator.precommits import PrecommitRegistry
 from coordinator.zk import connect
 from sinks.files import FileSink
-from tests.harness import QUERY, SIGNER, Pipeline, ids_out
+from tests.harness import QUERY, SIGNER, Pipeline, SlotFileSink, ids_out
 from tests.waiting import wait_until
 from twophase.sink import TxnContext
 from twophase.task import PhaseTwoHalted, TaskAttempt
@@ -46,8 +46,11 @@ def ctx(epoch=0, partition=0, attempt=0, run="r1") -> TxnContext:
     return TxnContext("app", QUERY, run, epoch, partition, attempt)
 
 
-def test_open_is_one_pipelined_read_and_one_multi_op_and_close_one_multi_op(pipe, counted, monkeypatch):
+@pytest.mark.parametrize("slots", [True, False], ids=["slots", "no-slots"])
+def test_open_is_one_pipelined_read_and_one_multi_op_and_close_one_multi_op(zk, zk_root, tmp_path, counted,
+                                                                           monkeypatch, slots):
     monkeypatch.setattr(precommits, "TRUSTED_FOR", 600.0)  # however loaded the host, the attempt is young
+    pipe = Pipeline(zk, zk_root, (SlotFileSink if slots else FileSink)(str(tmp_path / "out")))
     client, sent = counted
     assert pipe.task("r1", 0, 0, [0]) is True  # the query's first: makes epochs/ and slots/ the slow way
     registry = PrecommitRegistry(client, pipe.qp, SIGNER)
@@ -56,9 +59,10 @@ def test_open_is_one_pipelined_read_and_one_multi_op_and_close_one_multi_op(pipe
         attempt = TaskAttempt(pipe.sink, registry, ctx(epoch, partition))
         sent.clear()
         assert attempt.open()
-        # halted, winner, held slots, the epoch's nodes: sent together, answered in one round trip; then the
-        # intent's multi-op and, not waited for, the watch on the intent (IntentWatch)
-        assert sent == Counter(GetData=2, GetChildren=1, Exists=2, Transaction=1)
+        # halted, winner, held slots (a sink that uses them), the epoch's nodes: sent together, answered in
+        # one round trip; then the intent's multi-op and, not waited for, the watch on the intent (IntentWatch)
+        assert sent == Counter(GetData=2, GetChildren=int(slots), Exists=2, Transaction=1)
+        assert (attempt.ctx.slot is not None) is slots
         attempt.write({"id": epoch * 10 + partition})
         sent.clear()
         attempt.close(None)
@@ -83,7 +87,8 @@ def test_a_halt_is_reported_before_a_winner_and_records_no_intent(pipe):
 
 def test_the_first_attempts_of_an_epoch_racing_to_make_it_all_record_their_intents(zk_server, pipe):
     """Each thread has a ZooKeeper client of its own, as tasks on different executors do; all of them
-    find the epoch missing, one multi-op makes it, the others find it made and record their intents."""
+    find the epoch missing, one multi-op makes it, the others find it made and record their intents
+    (FileSink claims no slots)."""
     start, results, clients = threading.Barrier(8), {}, []
 
     def task(partition):
@@ -104,7 +109,7 @@ def test_the_first_attempts_of_an_epoch_racing_to_make_it_all_record_their_inten
     for client in clients:
         client.stop()
         client.close()
-    assert results == {p: (True, 0) for p in range(8)}
+    assert results == {p: (True, None) for p in range(8)}
     pipe.barrier(0, "r1")
     pipe.coordinator().reconcile()
     assert count_rows(range(8), ids_out(pipe)).exact

@@ -43,7 +43,8 @@ class TxnContext:
     attempts of its (query, partition) and reused across attempts once the attempt that held it is
     finished (its transaction committed or aborted, and a margin of later epochs committed). Sinks
     that keep named resources per attempt (Kafka transactional ids) can name them by slot to keep
-    their number bounded. None when no registry assigned one (a sink driven directly)::
+    their number bounded. None when no registry assigned one (a sink driven directly, or one whose
+    ``uses_slots`` is False)::
 
         TxnContext("orders", "q-1", "r1", 7, 3, 0, slot=1)   # attempt 0 of partition 3, epoch 7, in slot 1
     """
@@ -153,9 +154,14 @@ class TwoPhaseCommitSink(ABC):
     of one epoch) the coordinator may run at once in threads. The default 1 is
     safe for any sink; raise it when those calls are thread-safe, so an epoch of
     many partitions does not pay every round trip in sequence.
+
+    ``uses_slots``: whether the sink names anything by ``ctx.slot``. Slots cost ZooKeeper work in
+    every task and in every epoch's phase two (claiming, listing, releasing); a sink that names its
+    resources by attempt (``ctx.name``) or not at all sets it False, and its attempts get no slot.
     """
 
     commit_concurrency: int = 1
+    uses_slots: bool = True
 
     @abstractmethod
     def begin_transaction(self, ctx: TxnContext) -> Any:

@@ -44,7 +44,8 @@ class TaskAttempt:
 
     def open(self) -> bool:
         """Begin the transaction; False if this run already has a winner for the partition."""
-        admission = self.registry.admit(self.ctx)  # halted? winner? else the intent, with its slot
+        # halted? winner? else the intent, with a slot if the sink names anything by one
+        admission = self.registry.admit(self.ctx, slot=self.sink.uses_slots)
         if admission.halted is not None:
             raise PhaseTwoHalted(f"twophase stopped run {self.ctx.run_id} of app {self.ctx.app}: {admission.halted}")
         if admission.winner is not None:
