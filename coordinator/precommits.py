@@ -190,13 +190,13 @@ class PrecommitRegistry:
             return Admission(winner=winner.get()[0].decode())
         except NoNodeError:
             pass
-        if held is None:
-            return Admission(ctx=self._intend(ctx, None, epoch_made=epoch_made.get() is not None, pool_made=True))
-        try:
-            slots = {int(n) for n in held.get() if n.isdigit()}
-            pool_made = True
-        except NoNodeError:
-            slots, pool_made = set(), False
+        slots: set[int] | None = None  # a sink that uses no slots claims none, and needs no pool
+        pool_made = True
+        if held is not None:
+            try:
+                slots = {int(n) for n in held.get() if n.isdigit()}
+            except NoNodeError:
+                slots, pool_made = set(), False
         return Admission(ctx=self._intend(ctx, slots, epoch_made=epoch_made.get() is not None, pool_made=pool_made))
 
     def latest_run(self, attempts: Sequence[Attempt], others: Iterable[str] = ()) -> str | None:
