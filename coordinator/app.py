@@ -132,6 +132,7 @@ class _Verdict:
 @dataclass
 class _Pass:
     options: PassOptions
+    changed_only: bool = False  # woken by a watch: see reconcile
     records: list[Record] = field(default_factory=list)  # appended from commit threads: list.append is atomic
     settled: set[str] = field(default_factory=set)  # queries found with every epoch committed
     # Queries whose only pending epoch is one Spark has not completed yet, in which the pass found nothing
@@ -139,6 +140,7 @@ class _Pass:
     # commits/N can change that.
     waiting: set[str] = field(default_factory=set)
     revisit: set[str] = field(default_factory=set)  # never quiet after this pass: an attempt registered late
+    watermarks: dict[str, int] = field(default_factory=dict)  # per query, its watermark as this pass left it
 
 
 def await_work(wake: threading.Event, until: float, apps: Iterable[AppCoordinator]) -> None:
@@ -199,6 +201,7 @@ class AppCoordinator:
         self._sink_version: int | None = None
         self._sink_checked = False  # per pass: the stored sink is read at most once
         self._watched: set[str] = set()
+        self._queries: list[str] | None = None  # the app's queries as their watch last listed them
         self._unclean: set[tuple[str, int]] = set()  # committed epochs whose dead attempts await cleanup
         # Per query, the watermark its slots were last released at; absent: release on the next pass
         # (a new owner's first pass, or after GC or a cleanup dropped intents).
@@ -266,6 +269,7 @@ class AppCoordinator:
     def _watch_queries(self, query_ids: list[str]) -> bool | None:
         if self._closed:
             return False  # kazoo drops a watch whose callback returns False
+        self._queries = list(query_ids)
         for qid in set(query_ids) - self._watched:
             self._watched.add(qid)
             qp = self.paths.query(qid)
@@ -371,12 +375,14 @@ class AppCoordinator:
         """One pass over every query of the app; returns what it did (or, dry, would do).
 
         ``changed_only`` (a loop woken by a watch) skips the queries a pass found quiet whose watches
-        have not fired since; a loop still makes a full pass now and then, in case a watch was lost.
+        have not fired since, and takes the app's queries from their watch rather than asking; a loop
+        still makes a full pass now and then, in case a watch was lost.
         """
-        this_pass = _Pass(options or PassOptions())
+        this_pass = _Pass(options or PassOptions(), changed_only)
         self._sink_checked = False
+        watched = self._queries if changed_only else None
         try:
-            for qid in children(self.client, self.paths.queries):
+            for qid in children(self.client, self.paths.queries) if watched is None else watched:
                 stirs = self._stirs.get(qid, 0)  # before the pass: a watch firing during it counts as a change
                 if changed_only and self._quiet_at.get(qid) == stirs:
                     continue
@@ -395,12 +401,14 @@ class AppCoordinator:
 
     def _reconcile_query(self, qp: QueryPaths, this_pass: _Pass) -> None:
         self._settle_epochs(qp, this_pass)
-        self._release_slots(qp, this_pass.options.dry_run)
+        self._release_slots(qp, this_pass)
 
     def _settle_epochs(self, qp: QueryPaths, this_pass: _Pass) -> None:
         options = this_pass.options
         epochs = epoch_numbers(self.client, qp.epochs)
         watermark = read_epoch(self.client, qp.watermark) if epochs else -1
+        if epochs:
+            this_pass.watermarks[qp.query_id] = watermark
         hint = self._ready.get(qp.query_id)
         if hint is not None and (not epochs or hint[0] <= watermark):
             # Stale: its epoch is committed (a new owner's watch reads the last hint of a query that ended).
@@ -433,10 +441,16 @@ class AppCoordinator:
             this_pass.records.append(EpochBlocked(qp.query_id, pending[0], reason))
             return
         for epoch in pending:
+            complete = epoch < epochs[-1] or epoch <= barrier or epoch in in_checkpoint
+            if not complete and this_pass.changed_only:
+                # What a visit of an incomplete epoch does (abort superseded runs' pre-commits) is left to the
+                # full passes: a pass woken by a watch comes to commit, and Spark has just begun the epoch.
+                this_pass.waiting.add(qp.query_id)
+                this_pass.records.append(EpochSkipped(qp.query_id, epoch, SkipReason.INCOMPLETE))
+                return
             work = self._load(qp, registry, epoch)
             if work is None:
                 return
-            complete = epoch < epochs[-1] or epoch <= barrier or epoch in in_checkpoint
             if work.record.state is EpochState.FAILED:
                 # An epoch whose write failed was never all written: no retry can commit it, a replay must
                 # run it again.
@@ -545,6 +559,7 @@ class AppCoordinator:
                 self.client.retry(self.client.ensure_path, work.paths.watermark)
                 commit_epoch()
             self._committed[work.query_id] = work.epoch
+            this_pass.watermarks[work.query_id] = work.epoch
             log.info("app %s query %s: epoch %d committed (%d partitions from run %s)",
                      self.app, work.query_id, work.epoch, len(record.winners), record.run)
         this_pass.records.append(committed)
@@ -804,14 +819,17 @@ class AppCoordinator:
                 if tries == 3:
                     raise
 
-    def _release_slots(self, qp: QueryPaths, dry_run: bool) -> None:
+    def _release_slots(self, qp: QueryPaths, this_pass: _Pass) -> None:
         """Release the slots of finished attempts ``slot_release_lag`` epochs below the watermark.
 
         Only when the watermark moved since the last release, or intents were dropped outside an
         epoch's commit: otherwise nothing can have become free. A dry run only reads them (a
         malformed one is a RecordError before `twophase recover` takes ownership).
         """
-        watermark = read_epoch(self.client, qp.watermark)
+        dry_run = this_pass.options.dry_run
+        watermark = this_pass.watermarks.get(qp.query_id)
+        if watermark is None:  # the pass found no epoch record, so did not read it
+            watermark = read_epoch(self.client, qp.watermark)
         if self._slots_released.get(qp.query_id) == watermark:
             return
         held = read_slots(self.client, qp, self._slots.get(qp.query_id))

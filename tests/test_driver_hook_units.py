@@ -16,6 +16,8 @@ from twophase.spark.queries import QuerySnapshot
 from twophase.supervisor import Supervision
 from twophase.zkserver import ZooKeeperServer
 
+from tests.waiting import wait_until
+
 
 class NoSpark:
     """Stands in for a live SparkSession that runs no streaming query."""
@@ -139,4 +141,25 @@ def test_a_halt_reaches_runs_published_after_it(zk, zk_root):
         publisher.publish()
         assert zk.get(paths.query("q").halted("r2"))[0] == b"the coordinator failed for good"
     finally:
+        publisher.close()
+
+
+def test_a_query_that_never_wrote_through_the_app_costs_one_watched_exists_not_one_per_poll(zk, zk_root):
+    paths = AppPaths(zk_root, "app")
+    qp = paths.query("q")
+    publisher = ProgressPublisher(zk, paths, "driver")
+    asked = []
+    exists = zk.exists
+    zk.exists = lambda path, watch=None: (asked.append(path), exists(path, watch=watch))[1]
+    try:
+        publisher.update({"q": QuerySnapshot("q", "r1", "/ck", 0)})  # a query of the session, not of the app
+        for _ in range(5):
+            publisher.publish()
+        assert asked == [qp.base] and not publisher.live_runs()
+        zk.ensure_path(qp.base)  # its first pre-commit through the app: the watch fires
+        wait_until(lambda: (publisher.publish(), publisher.live_runs())[1], what="the run to be published")
+        assert read_json(zk, qp.barrier, {}) == {"epoch": 0, "run": "r1"}
+        assert asked.count(qp.base) >= 2
+    finally:
+        del zk.exists
         publisher.close()

@@ -63,6 +63,9 @@ class ProgressPublisher:
         self.runs: dict[tuple[str, str], PublishedRun] = {}
         self.halted: str | None = None  # once set, every run published from then on is halted too
         self._barriers: dict[str, int] = {}  # per query: the barrier in ZooKeeper (never moves back)
+        # Per query with no node yet, whether its exists watch fired since the publisher last asked: a query of
+        # the session that never writes through the app costs one watched exists, not one per poll.
+        self._unwritten: dict[str, bool] = {}
         self._lock = threading.RLock()
         self._session_lost = False
         client.add_listener(self._on_state)
@@ -104,14 +107,17 @@ class ProgressPublisher:
         with self._lock:
             if self._session_lost:
                 self._session_lost = False
+                self._unwritten.clear()  # their watches went with the session
                 for run in self.runs.values():
                     run.published = False
             for key, run in list(self.runs.items()):
                 qp = self.paths.query(run.query_id)
                 if not run.published:
-                    if not self.client.exists(qp.base):  # no pre-commit through this app yet
+                    if not self._written(run.query_id):  # no pre-commit through this app yet
                         if run.ended and time.time() - run.ended > FORGET_AFTER:
                             del self.runs[key]
+                            if all(r.query_id != run.query_id for r in self.runs.values()):
+                                self._unwritten.pop(run.query_id, None)
                         continue
                     self._publish_run(run)
                 if self.halted is not None and run.ended is None and not run.halted:
@@ -127,6 +133,25 @@ class ProgressPublisher:
                 if run.ended:
                     self._end_run(qp.run(run.run_id))
                     del self.runs[key]
+
+    def _written(self, query_id: str) -> bool:
+        """Whether the query's node exists; asked again only once the watch the last answer set fired."""
+        if self._unwritten.get(query_id) is False:
+            return False  # still absent: its creation would have fired the watch
+
+        def fired(_event: object) -> None:
+            if query_id in self._unwritten:  # not once found (a data watch on the node then)
+                self._unwritten[query_id] = True
+
+        self._unwritten[query_id] = False  # before asking, so that a creation right after the answer counts
+        try:
+            found = self.client.exists(self.paths.query(query_id).base, watch=fired) is not None
+        except BaseException:
+            self._unwritten.pop(query_id, None)  # no watch is set: ask again next time
+            raise
+        if found:
+            self._unwritten.pop(query_id, None)
+        return found
 
     def _publish_run(self, run: PublishedRun) -> None:
         qp = self.paths.query(run.query_id)
