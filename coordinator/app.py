@@ -34,7 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from kazoo.client import KazooClient
+from kazoo.client import KazooClient, TransactionRequest
 from kazoo.exceptions import BadVersionError, KazooException, NoNodeError, NodeExistsError
 from kazoo.recipe.watchers import ChildrenWatch, DataWatch
 from tenacity import Retrying, retry_if_not_exception_type, stop_after_attempt, wait_exponential
@@ -222,6 +222,10 @@ class AppCoordinator:
         self._ready: dict[str, tuple[int, float, int | None]] = {}
         self._passes = 0  # passes made, so a hint knows whether the pass it asked for has run
         self._checkpoints: dict[str, str] = {}  # per query, its checkpoint as a pass last read it
+        # Per query, what this owner knows of it without asking: its epochs and barrier (from their watches), its
+        # watermark (only the owner writes it), its checkpoint and replay mark (as the last pass read them).
+        # A pass woken by a watch uses them (_recall); cleared on taking ownership.
+        self._known: dict[str, dict[str, Any]] = {}
         self._ready_lock = threading.Lock()
         self._closed = False                         # close()d: its watches stop at their next event
 
@@ -234,6 +238,7 @@ class AppCoordinator:
         self.verify_sink()
         self._slots.clear()  # what a deposed owner read may have been released and claimed again since
         self._quiet_at.clear()
+        self._known.clear()
         token = self.fence.acquire(self.owner)
         log.info("app %s: %s owns phase two (fence token %d)", self.app, self.owner, token)
 
@@ -288,6 +293,11 @@ class AppCoordinator:
         # An epoch N + 1 appearing proves N complete, unless this coordinator committed N already (the
         # barrier came first); one disappearing (garbage collection, replay discarding) makes nothing due.
         seen, self._epochs_seen[query_id] = self._epochs_seen.get(query_id), set(names)
+        known = self._known.setdefault(query_id, {})
+        if all(n.isdigit() for n in names):
+            known["epochs"] = sorted(int(n) for n in names)
+        else:
+            known.pop("epochs", None)  # the next pass reads them and reports the bad name
         committed = self._committed.get(query_id, -1)
         if seen is None or any(not n.isdigit() or int(n) > committed + 1 for n in set(names) - seen):
             self._stir(query_id)
@@ -301,6 +311,13 @@ class AppCoordinator:
             epoch = parse_object(data or b"", "barrier", {}).get("epoch")
         except RecordError:
             epoch = None  # the pass reports it
+        known = self._known.setdefault(query_id, {})
+        if not data:
+            known["barrier"] = -1  # none yet, as read_epoch says
+        elif isinstance(epoch, int) and not isinstance(epoch, bool) and epoch >= -1:
+            known["barrier"] = epoch
+        else:
+            known.pop("barrier", None)  # the next pass reads it and reports it
         if not isinstance(epoch, int) or epoch > self._committed.get(query_id, -1):
             self._stir(query_id)
 
@@ -375,7 +392,7 @@ class AppCoordinator:
         """One pass over every query of the app; returns what it did (or, dry, would do).
 
         ``changed_only`` (a loop woken by a watch) skips the queries a pass found quiet whose watches
-        have not fired since, and takes the app's queries from their watch rather than asking; a loop
+        have not fired since, and takes what the owner knows (:meth:`_recall`) rather than asking; a loop
         still makes a full pass now and then, in case a watch was lost.
         """
         this_pass = _Pass(options or PassOptions(), changed_only)
@@ -403,11 +420,25 @@ class AppCoordinator:
         self._settle_epochs(qp, this_pass)
         self._release_slots(qp, this_pass)
 
+    def _recall(self, qp: QueryPaths, this_pass: _Pass, name: str, read: Callable[[], Any]) -> Any:
+        """The query's ``name`` as this owner knows it, in a pass woken by a watch; else ``read()``, remembered.
+
+        Each known value is safe to use stale: older epochs or a lower barrier (a watch's late read) only prove
+        less complete; the watermark only this owner writes; a checkpoint never moves (its query id is in it);
+        and only a new owner, who fences this one, can mark a replay or remove the mark.
+        """
+        known = self._known.setdefault(qp.query_id, {})
+        if this_pass.changed_only and name in known:
+            return known[name]
+        known[name] = value = read()
+        return value
+
     def _settle_epochs(self, qp: QueryPaths, this_pass: _Pass) -> None:
         options = this_pass.options
-        epochs = epoch_numbers(self.client, qp.epochs)
-        watermark = read_epoch(self.client, qp.watermark) if epochs else -1
+        epochs = self._recall(qp, this_pass, "epochs", lambda: epoch_numbers(self.client, qp.epochs))
+        watermark = -1
         if epochs:
+            watermark = self._recall(qp, this_pass, "watermark", lambda: read_epoch(self.client, qp.watermark))
             this_pass.watermarks[qp.query_id] = watermark
         hint = self._ready.get(qp.query_id)
         if hint is not None and (not epochs or hint[0] <= watermark):
@@ -424,8 +455,9 @@ class AppCoordinator:
         if not pending:
             this_pass.settled.add(qp.query_id)
             return
-        barrier = read_epoch(self.client, qp.barrier)
-        checkpoint = options.checkpoint or read_object(self.client, qp.base, {}).get("checkpoint")
+        barrier = self._recall(qp, this_pass, "barrier", lambda: read_epoch(self.client, qp.barrier))
+        checkpoint = options.checkpoint or self._recall(
+            qp, this_pass, "checkpoint", lambda: read_object(self.client, qp.base, {}).get("checkpoint"))
         if checkpoint:
             self._checkpoints[qp.query_id] = checkpoint
         else:  # not recorded yet (the driver's publisher polls): a hint then asks a pass to read it again
@@ -434,7 +466,7 @@ class AppCoordinator:
         hint = self._ready.get(qp.query_id)
         if hint is not None and (hint[0] <= barrier or hint[0] in in_checkpoint):
             self._drop_hint(qp.query_id, hint)  # Spark recorded it: the usual passes and retries take over
-        replaying = read_epoch(self.client, qp.replay)
+        replaying = self._recall(qp, this_pass, "replaying", lambda: read_epoch(self.client, qp.replay))
         if replaying >= 0:
             reason = f"`twophase replay` of epoch {replaying} is unfinished: run it again"
             log.error("app %s query %s: %s; phase two waits", self.app, qp.query_id, reason)
@@ -525,9 +557,9 @@ class AppCoordinator:
         dry_run = this_pass.options.dry_run
         recovering = this_pass.options.recovering or work.record.state is not EpochState.OPEN
         if not dry_run:
-            # A deposed owner must not touch the external system. Past this check, the fenced
-            # delete after each commit stops it after at most commit_concurrency (idempotent,
-            # decided) commits: those in flight when the first delete is refused.
+            # A deposed owner must not touch the external system. Past this check, the fenced multi-op
+            # that records the epoch committed stops it after at most this epoch's (idempotent, decided)
+            # commits.
             self.fence.check()
         if work.record.state is EpochState.OPEN:
             failed = self._failed_writes(work)
@@ -539,30 +571,30 @@ class AppCoordinator:
             if work is None:
                 return False
         record = work.record
-        if not self._finish_all(work, [_Verdict.decided(a, record) for a in work.attempts], recovering, this_pass):
-            return False
         # Before the watermark moves, so that an epoch seen committed has no dead attempt's
         # transaction left open (a log sink's would hold back read_committed readers); but a
         # failing cleanup must not hold back the epoch: it is retried on later passes (and by GC).
         if not self._abort_unregistered(work, this_pass):
             self._unclean.add((work.query_id, work.epoch))
-        committed = EpochCommitted(work.query_id, work.epoch, record.run, record.winners, dry_run)
+        if not dry_run and work.query_id not in self._committed:
+            self.client.retry(self.client.ensure_path, work.paths.watermark)  # this owner's first commit of the query
+
+        def commit_epoch(txn: TransactionRequest) -> None:
+            txn.set_data(work.paths.epoch(work.epoch), record.transition(EpochState.COMMITTED).encode())
+            txn.set_data(work.paths.watermark, dump({"epoch": work.epoch}))
+
+        # The epoch is recorded committed in the multi-op that drops its attempts' records: one write per
+        # epoch, not one per attempt.
+        if not self._finish_all(work, [_Verdict.decided(a, record) for a in work.attempts], recovering, this_pass,
+                                then=None if dry_run else commit_epoch):
+            return False
         if not dry_run:
-            def commit_epoch() -> None:
-                txn = self.fence.transaction()
-                txn.set_data(work.paths.epoch(work.epoch), record.transition(EpochState.COMMITTED).encode())
-                txn.set_data(work.paths.watermark, dump({"epoch": work.epoch}))
-                self.fence.commit(txn)
-            try:
-                commit_epoch()
-            except NoNodeError:  # the query's first commit: no watermark yet (made here, not checked every epoch)
-                self.client.retry(self.client.ensure_path, work.paths.watermark)
-                commit_epoch()
             self._committed[work.query_id] = work.epoch
             this_pass.watermarks[work.query_id] = work.epoch
+            self._known.setdefault(work.query_id, {})["watermark"] = work.epoch
             log.info("app %s query %s: epoch %d committed (%d partitions from run %s)",
                      self.app, work.query_id, work.epoch, len(record.winners), record.run)
-        this_pass.records.append(committed)
+        this_pass.records.append(EpochCommitted(work.query_id, work.epoch, record.run, record.winners, dry_run))
         return True
 
     def _failed_writes(self, work: EpochWork) -> dict[str, str]:
@@ -596,41 +628,56 @@ class AppCoordinator:
         this_pass.records.append(EpochBlocked(work.query_id, work.epoch, error, replay=True))
         return False
 
-    def _finish_all(self, work: EpochWork, verdicts: list[_Verdict], recovering: bool, this_pass: _Pass) -> bool:
-        """Commit or abort each attempt as its verdict says; False if any failed.
+    def _finish_all(self, work: EpochWork, verdicts: list[_Verdict], recovering: bool, this_pass: _Pass,
+                    then: Callable[[TransactionRequest], None] | None = None) -> bool:
+        """Commit or abort each attempt as its verdict says, then drop the records of those that succeeded;
+        False if any failed. ``then`` adds its operations to the (last) multi-op that drops them, made only if
+        every call succeeded.
 
         Up to the sink's ``commit_concurrency`` run at once: an epoch of hundreds of partitions
         would otherwise pay every external round trip in sequence. The first failure stops
         those not yet started, as they would fail the same way.
         """
-        if not verdicts:
-            return True
-        threads = 1 if this_pass.options.dry_run else min(
+        finished: list[Attempt] = []  # appended from the commit threads: list.append is atomic
+        dry_run = this_pass.options.dry_run
+        threads = 1 if dry_run or len(verdicts) <= 1 else min(
             self.sink().commit_concurrency, self.policy.max_commit_threads, len(verdicts))
+
+        def finish(index: int, verdict: _Verdict) -> bool:
+            # The first ``threads`` calls start together, right after the caller's fence check (or the
+            # multi-op that decided the epoch); each later one checks first. So a deposed owner makes at
+            # most ``threads`` more (idempotent, decided) sink calls: the ones already in flight.
+            if index >= threads and not dry_run:
+                self.fence.check()
+            return self._finish(work, verdict, recovering, this_pass, finished)
+
         if threads <= 1:
-            return all(self._finish(work, verdict, recovering, this_pass) for verdict in verdicts)
-        # Once one call finds us fenced (or fails), the rest are not started: a deposed owner makes at
-        # most ``threads`` more (idempotent, decided) sink calls, the ones already in flight.
-        stop = threading.Event()
+            ok = all(finish(index, verdict) for index, verdict in enumerate(verdicts))
+        else:
+            # Once one call fails (or finds us fenced), the rest are not started.
+            stop = threading.Event()
 
-        def finish(verdict: _Verdict) -> bool:
-            if stop.is_set():
-                return False
-            try:
-                done = self._finish(work, verdict, recovering, this_pass)
-            except BaseException:
-                stop.set()
-                raise
-            if not done:
-                stop.set()
-            return done
+            def finish_unless_stopped(index: int, verdict: _Verdict) -> bool:
+                if stop.is_set():
+                    return False
+                try:
+                    done = finish(index, verdict)
+                except BaseException:
+                    stop.set()
+                    raise
+                if not done:
+                    stop.set()
+                return done
 
-        with ThreadPoolExecutor(threads, thread_name_prefix=f"twophase-commit-{self.app}") as pool:
-            results = list(pool.map(finish, verdicts))
-        return all(results)
+            with ThreadPoolExecutor(threads, thread_name_prefix=f"twophase-commit-{self.app}") as pool:
+                ok = all(list(pool.map(finish_unless_stopped, range(len(verdicts)), verdicts)))
+        if not this_pass.options.dry_run and (finished or (ok and then is not None)):
+            self._drop_records(work, finished, then if ok else None)
+        return ok
 
-    def _finish(self, work: EpochWork, verdict: _Verdict, recovering: bool, this_pass: _Pass) -> bool:
-        """Commit or abort one pre-commit with retries, then drop its records. False if it failed."""
+    def _finish(self, work: EpochWork, verdict: _Verdict, recovering: bool, this_pass: _Pass,
+                finished: list[Attempt]) -> bool:
+        """Commit or abort one pre-commit with retries, adding it to ``finished``. False if it failed."""
         attempt, reason, dry_run = verdict.attempt, verdict.abort_reason, this_pass.options.dry_run
         if dry_run:
             if reason is not None:
@@ -645,18 +692,34 @@ class AppCoordinator:
         if error is not None:
             self._record_failure(work, attempt.name, operation, error, tries, this_pass)
             return False
-        txn = self.fence.transaction()
-        txn.delete(f"{work.paths.attempts(work.epoch)}/{attempt.name}")
-        txn.delete(f"{work.paths.intents(work.epoch)}/{attempt.name}")
-        try:
-            self.fence.commit(txn)
-        except NoNodeError:
-            # A loser's own task drops its records after aborting itself (forget(): the attempt,
-            # then the intent) while we abort it too; GC removes whatever it leaves.
-            pass
+        finished.append(attempt)
         if reason is not None:
             this_pass.records.append(AttemptAborted(work.query_id, work.epoch, attempt.name, reason))
         return True
+
+    def _drop_records(self, work: EpochWork, attempts: list[Attempt],
+                      then: Callable[[TransactionRequest], None] | None) -> None:
+        """Delete the attempt and intent znodes of finished attempts in fenced multi-ops, ``then``'s operations
+        in the last one. A znode deleted meanwhile (a loser's own ``forget``: its attempt, then its intent)
+        fails a multi-op as a whole: those still there are deleted again."""
+        paths = [f"{folder}/{a.name}" for a in attempts
+                 for folder in (work.paths.attempts(work.epoch), work.paths.intents(work.epoch))]
+        room = _MAX_OPS - 3  # the fence check and then's operations
+        for tries in itertools.count(1):
+            try:
+                for start in range(0, max(len(paths), 1), room):
+                    txn = self.fence.transaction()
+                    for path in paths[start:start + room]:
+                        txn.delete(path)
+                    if then is not None and start + room >= len(paths):
+                        then(txn)
+                    self.fence.commit(txn)
+                return
+            except NoNodeError:
+                if tries == 3:
+                    raise
+                pending = [(path, self.client.exists_async(path)) for path in paths]
+                paths = [path for path, found in pending if found.get() is not None]
 
     def _call(self, call: Callable[[Any], None], argument: Any) -> tuple[int, Exception | None]:
         """Call with the policy's retries (none after a PERMANENT error): the tries made and the last error."""

@@ -200,12 +200,14 @@ def children(client: KazooClient, path: str) -> list[str]:
         return []
 
 
-def put_data(client: KazooClient, path: str, data: bytes) -> None:
-    """Set ``path`` to ``data``, creating it (and its parents) if it does not exist yet."""
+def put_data(client: KazooClient, path: str, data: bytes, retry: bool = True) -> None:
+    """Set ``path`` to ``data``, creating it (and its parents) with its data if it does not exist yet: no watch
+    sees it empty. ``retry=False``: KazooException at once while ZooKeeper is away, not a retry for ever."""
+    call = client.retry if retry else (lambda function, *args, **kwargs: function(*args, **kwargs))
     try:
-        client.retry(client.set, path, data)
+        call(client.set, path, data)
     except NoNodeError:
         try:
-            client.retry(client.create, path, data, makepath=True)
+            call(client.create, path, data, makepath=True)
         except NodeExistsError:  # another writer created it meanwhile
-            client.retry(client.set, path, data)
+            call(client.set, path, data)

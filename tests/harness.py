@@ -11,7 +11,7 @@ from coordinator.app import AppCoordinator, CommitPolicy, publish_app
 from coordinator.layout import AppPaths
 from coordinator.precommits import PrecommitRegistry
 from coordinator.state import EpochRecord
-from coordinator.zk import dump, read_json
+from coordinator.zk import dump, put_data, read_json
 from sinks.files import FileSink, read_committed_rows
 from twophase.signing import Signer
 from twophase.sink import TxnContext
@@ -62,8 +62,7 @@ class Pipeline:
         return bool(self.task(ctx.run_id, ctx.epoch, ctx.partition, ids, ctx.attempt))
 
     def barrier(self, epoch, run):
-        self.zk.ensure_path(self.qp.barrier)
-        self.zk.set(self.qp.barrier, dump({"epoch": epoch, "run": run}))
+        put_data(self.zk, self.qp.barrier, dump({"epoch": epoch, "run": run}))
 
     def coordinator(self, owner="c1", **policy):
         app = AppCoordinator(self.zk, self.paths.root, "app", SIGNER, owner, CommitPolicy(**policy))

@@ -26,7 +26,7 @@ from kazoo.client import KazooClient, KazooState
 from kazoo.exceptions import NodeExistsError, NoNodeError
 
 from coordinator.layout import AppPaths
-from coordinator.zk import dump
+from coordinator.zk import dump, put_data
 from twophase.spark.queries import QuerySnapshot
 
 log = logging.getLogger("twophase.driver")
@@ -123,12 +123,7 @@ class ProgressPublisher:
                 if self.halted is not None and run.ended is None and not run.halted:
                     self._halt_run(run)
                 if run.barrier > self._barriers.get(run.query_id, -1):
-                    barrier = dump({"epoch": run.barrier, "run": run.run_id})
-                    try:
-                        self.client.set(qp.barrier, barrier)
-                    except NoNodeError:  # the query's first barrier: made once, not checked every epoch
-                        self.client.ensure_path(qp.barrier)
-                        self.client.set(qp.barrier, barrier)
+                    put_data(self.client, qp.barrier, dump({"epoch": run.barrier, "run": run.run_id}), retry=False)
                     self._barriers[run.query_id] = run.barrier
                 if run.ended:
                     self._end_run(qp.run(run.run_id))
