@@ -562,3 +562,66 @@ def test_a_dead_attempt_of_a_superseded_run_is_cleaned_up_while_the_new_run_writ
     pipe.barrier(0, "r2")
     app.reconcile()
     assert pipe.watermark() == 0 and count_rows(range(10), ids_out(pipe)).exact
+
+
+FORGETTING = {"registry": None}
+
+
+class ForgettingSink(FileSink):
+    """A loser's own task drops its records (``forget``) while the coordinator aborts it too."""
+
+    commit_concurrency = 4
+
+    def abort(self, handle):
+        super().abort(handle)
+        registry = FORGETTING["registry"]
+        loser = next(a for a in registry.load(0) if not a.won)
+        registry.forget(TxnContext("app", QUERY, loser.run, 0, loser.partition, loser.attempt))
+
+
+def test_an_epoch_is_recorded_committed_in_the_multi_op_that_drops_its_attempts_records(zk, zk_root, tmp_path):
+    pipe = Pipeline(zk, zk_root, ForgettingSink(str(tmp_path / "out")))
+    FORGETTING["registry"] = pipe.registry
+    for partition in range(8):
+        pipe.task("r1", 0, partition, range(partition * 10, partition * 10 + 10))
+    assert pipe.begin("r1", 0, 0, attempt=1) is None  # a speculative copy that finds the winner: skips its rows
+    copy = pipe.registry.intend(TxnContext("app", QUERY, "r1", 0, 3, 1))  # one that finished second: a loser
+    assert pipe.registry.register(copy, pipe.sink.pre_commit(stage(pipe.sink, copy, [{"id": 999}]))) is False
+    pipe.barrier(0, "r1")
+    app = pipe.coordinator()
+    multi_ops = []
+    commit = app.fence.commit
+    app.fence.commit = lambda txn: (multi_ops.append(len(txn.operations)), commit(txn))[1]
+    report = app.reconcile()
+    # The decision, then one multi-op (the loser's records gone meanwhile: it is made again without them):
+    # the fence check, the epoch, the watermark and the attempt and intent of each of the 8 winners.
+    assert multi_ops[0] == 2 and multi_ops[-1] == 1 + 2 + 2 * 8 and len(multi_ops) == 3
+    assert records_of(report, EpochCommitted)[0].epoch == 0 and pipe.watermark() == 0
+    assert pipe.zk.get_children(pipe.qp.attempts(0)) == [] and pipe.zk.get_children(pipe.qp.intents(0)) == []
+    assert count_rows(range(80), ids_out(pipe)).exact
+
+
+def test_a_pass_woken_by_a_watch_reads_nothing_the_owner_knows(pipe):
+    from tests.waiting import wait_until
+
+    pipe.task("r1", 0, 0, range(10))
+    pipe.barrier(0, "r1")
+    app = pipe.coordinator()
+    app.prepare()
+    app.reconcile()  # a full pass: reads them all, commits epoch 0
+    stirs = app._stirs.get(QUERY, 0)
+    pipe.task("r1", 1, 0, range(10, 20))
+    pipe.barrier(1, "r1")
+    wait_until(lambda: app._stirs[QUERY] > stirs and app._known[QUERY].get("barrier") == 1)
+    paths = []
+    send = pipe.zk._call
+    pipe.zk._call = lambda request, async_object: (paths.append(getattr(request, "path", None)),
+                                                   send(request, async_object))[1]
+    try:
+        report = app.reconcile(changed_only=True)
+    finally:
+        del pipe.zk._call
+    assert records_of(report, EpochCommitted)[0].epoch == 1 and pipe.watermark() == 1
+    known = {pipe.paths.queries, pipe.qp.epochs, pipe.qp.watermark, pipe.qp.barrier, pipe.qp.base, pipe.qp.replay}
+    assert paths and not known & set(paths)
+    assert count_rows(range(20), ids_out(pipe)).exact
