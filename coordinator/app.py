@@ -557,9 +557,9 @@ class AppCoordinator:
         dry_run = this_pass.options.dry_run
         recovering = this_pass.options.recovering or work.record.state is not EpochState.OPEN
         if not dry_run:
-            # A deposed owner must not touch the external system. Past this check, the fenced multi-op
-            # that records the epoch committed stops it after at most this epoch's (idempotent, decided)
-            # commits.
+            # A deposed owner must not touch the external system. Past this check, every sink call after
+            # the first commit_concurrency ones checks again (_finish_all): a deposed owner makes at most
+            # that many more (idempotent, decided) commits.
             self.fence.check()
         if work.record.state is EpochState.OPEN:
             failed = self._failed_writes(work)
@@ -671,7 +671,7 @@ class AppCoordinator:
 
             with ThreadPoolExecutor(threads, thread_name_prefix=f"twophase-commit-{self.app}") as pool:
                 ok = all(list(pool.map(finish_unless_stopped, range(len(verdicts)), verdicts)))
-        if not this_pass.options.dry_run and (finished or (ok and then is not None)):
+        if not dry_run and (finished or (ok and then is not None)):
             self._drop_records(work, finished, then if ok else None)
         return ok
 
