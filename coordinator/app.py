@@ -420,22 +420,28 @@ class AppCoordinator:
         self._settle_epochs(qp, this_pass)
         self._release_slots(qp, this_pass)
 
-    def _recall(self, qp: QueryPaths, this_pass: _Pass, name: str, read: Callable[[], Any]) -> Any:
-        """The query's ``name`` as this owner knows it, in a pass woken by a watch; else ``read()``, remembered.
+    def _recall(self, qp: QueryPaths, this_pass: _Pass, name: str, read: Callable[[], Any],
+                watched: bool = False) -> Any:
+        """The query's ``name`` as this owner knows it, in a pass woken by a watch; else ``read()``, and
+        remembered unless a watch keeps it (``watched``: a pass's read could be older than the watch's
+        latest). None is never known: a checkpoint not recorded yet is read again.
 
-        Each known value is safe to use stale: older epochs or a lower barrier (a watch's late read) only prove
-        less complete; the watermark only this owner writes; a checkpoint never moves (its query id is in it);
-        and only a new owner, who fences this one, can mark a replay or remove the mark.
+        Each known value is safe to use stale: older epochs or a lower barrier only prove less complete;
+        the watermark only this owner writes (a COMMITTED epoch above it is taken as committed); a
+        checkpoint never moves (its query id is in it); and only a new owner, who fences this one, can
+        mark a replay or remove the mark.
         """
         known = self._known.setdefault(qp.query_id, {})
-        if this_pass.changed_only and name in known:
+        if this_pass.changed_only and known.get(name) is not None:
             return known[name]
-        known[name] = value = read()
+        value = read()
+        if not watched:
+            known[name] = value
         return value
 
     def _settle_epochs(self, qp: QueryPaths, this_pass: _Pass) -> None:
         options = this_pass.options
-        epochs = self._recall(qp, this_pass, "epochs", lambda: epoch_numbers(self.client, qp.epochs))
+        epochs = self._recall(qp, this_pass, "epochs", lambda: epoch_numbers(self.client, qp.epochs), watched=True)
         watermark = -1
         if epochs:
             watermark = self._recall(qp, this_pass, "watermark", lambda: read_epoch(self.client, qp.watermark))
@@ -455,7 +461,7 @@ class AppCoordinator:
         if not pending:
             this_pass.settled.add(qp.query_id)
             return
-        barrier = self._recall(qp, this_pass, "barrier", lambda: read_epoch(self.client, qp.barrier))
+        barrier = self._recall(qp, this_pass, "barrier", lambda: read_epoch(self.client, qp.barrier), watched=True)
         checkpoint = options.checkpoint or self._recall(
             qp, this_pass, "checkpoint", lambda: read_object(self.client, qp.base, {}).get("checkpoint"))
         if checkpoint:
@@ -483,6 +489,11 @@ class AppCoordinator:
             work = self._load(qp, registry, epoch)
             if work is None:
                 return
+            if work.record.state is EpochState.COMMITTED:
+                # Above the known watermark: this owner's commit whose answer was lost (the pass failed). The
+                # multi-op that recorded it moved the watermark too.
+                self._committed_epoch(qp.query_id, epoch, this_pass)
+                continue
             if work.record.state is EpochState.FAILED:
                 # An epoch whose write failed was never all written: no retry can commit it, a replay must
                 # run it again.
@@ -589,13 +600,17 @@ class AppCoordinator:
                                 then=None if dry_run else commit_epoch):
             return False
         if not dry_run:
-            self._committed[work.query_id] = work.epoch
-            this_pass.watermarks[work.query_id] = work.epoch
-            self._known.setdefault(work.query_id, {})["watermark"] = work.epoch
+            self._committed_epoch(work.query_id, work.epoch, this_pass)
             log.info("app %s query %s: epoch %d committed (%d partitions from run %s)",
                      self.app, work.query_id, work.epoch, len(record.winners), record.run)
         this_pass.records.append(EpochCommitted(work.query_id, work.epoch, record.run, record.winners, dry_run))
         return True
+
+    def _committed_epoch(self, query_id: str, epoch: int, this_pass: _Pass) -> None:
+        """What this owner knows once ``epoch`` is recorded committed: the query's watermark."""
+        self._committed[query_id] = epoch
+        this_pass.watermarks[query_id] = epoch
+        self._known.setdefault(query_id, {})["watermark"] = epoch
 
     def _failed_writes(self, work: EpochWork) -> dict[str, str]:
         """The runs whose write of a complete epoch failed (``TwoPhaseBatchSink.write``), with their errors.
@@ -630,54 +645,87 @@ class AppCoordinator:
 
     def _finish_all(self, work: EpochWork, verdicts: list[_Verdict], recovering: bool, this_pass: _Pass,
                     then: Callable[[TransactionRequest], None] | None = None) -> bool:
-        """Commit or abort each attempt as its verdict says, then drop the records of those that succeeded;
-        False if any failed. ``then`` adds its operations to the (last) multi-op that drops them, made only if
+        """Commit or abort each attempt as its verdict says, dropping the records of those that succeeded;
+        False if any failed. ``then`` adds its operations to the last multi-op that drops them, made only if
         every call succeeded.
 
-        Up to the sink's ``commit_concurrency`` run at once: an epoch of hundreds of partitions
+        Up to the sink's ``commit_concurrency`` (``threads``) run at once: an epoch of hundreds of partitions
         would otherwise pay every external round trip in sequence. The first failure stops
-        those not yet started, as they would fail the same way.
+        those not yet started, as they would fail the same way. Records are dropped once ``threads`` calls
+        finished and more are to come, and the rest with ``then``: an epoch of at most ``threads`` attempts
+        costs one write, and at most about ``threads`` finished attempts keep their records at any time (a
+        crash leaves them to be finished again: replay tells a committed attempt by its records being gone).
         """
-        finished: list[Attempt] = []  # appended from the commit threads: list.append is atomic
         dry_run = this_pass.options.dry_run
         threads = 1 if dry_run or len(verdicts) <= 1 else min(
             self.sink().commit_concurrency, self.policy.max_commit_threads, len(verdicts))
+        undropped: list[Attempt] = []  # finished, their records not dropped yet
+        left = len(verdicts)
+        lock = threading.Lock()
 
         def finish(index: int, verdict: _Verdict) -> bool:
+            nonlocal left
             # The first ``threads`` calls start together, right after the caller's fence check (or the
             # multi-op that decided the epoch); each later one checks first. So a deposed owner makes at
             # most ``threads`` more (idempotent, decided) sink calls: the ones already in flight.
             if index >= threads and not dry_run:
                 self.fence.check()
-            return self._finish(work, verdict, recovering, this_pass, finished)
+            if not self._finish(work, verdict, recovering, this_pass):
+                return False
+            with lock:
+                undropped.append(verdict.attempt)
+                left -= 1
+                wave = list(undropped) if left and len(undropped) >= threads and not dry_run else []
+                if wave:
+                    undropped.clear()
+            if wave:
+                self._drop_records(work, wave, None)
+            return True
 
-        if threads <= 1:
-            ok = all(finish(index, verdict) for index, verdict in enumerate(verdicts))
-        else:
-            # Once one call fails (or finds us fenced), the rest are not started.
-            stop = threading.Event()
-
-            def finish_unless_stopped(index: int, verdict: _Verdict) -> bool:
-                if stop.is_set():
-                    return False
-                try:
-                    done = finish(index, verdict)
-                except BaseException:
-                    stop.set()
-                    raise
-                if not done:
-                    stop.set()
-                return done
-
-            with ThreadPoolExecutor(threads, thread_name_prefix=f"twophase-commit-{self.app}") as pool:
-                ok = all(list(pool.map(finish_unless_stopped, range(len(verdicts)), verdicts)))
-        if not dry_run and (finished or (ok and then is not None)):
-            self._drop_records(work, finished, then if ok else None)
+        try:
+            if threads <= 1:
+                ok = all(finish(index, verdict) for index, verdict in enumerate(verdicts))
+            else:
+                ok = self._finish_concurrently(finish, verdicts, threads)
+        except BaseException:
+            if undropped and not dry_run:
+                self._drop_quietly(work, undropped)
+            raise
+        if not dry_run and (undropped or (ok and then is not None)):
+            self._drop_records(work, undropped, then if ok else None)
         return ok
 
-    def _finish(self, work: EpochWork, verdict: _Verdict, recovering: bool, this_pass: _Pass,
-                finished: list[Attempt]) -> bool:
-        """Commit or abort one pre-commit with retries, adding it to ``finished``. False if it failed."""
+    def _finish_concurrently(self, finish: Callable[[int, _Verdict], bool], verdicts: list[_Verdict],
+                             threads: int) -> bool:
+        """``finish`` each verdict (with its index) on ``threads`` threads; once one fails (or finds us
+        fenced), the rest are not started."""
+        stop = threading.Event()
+
+        def finish_unless_stopped(index: int, verdict: _Verdict) -> bool:
+            if stop.is_set():
+                return False
+            try:
+                done = finish(index, verdict)
+            except BaseException:
+                stop.set()
+                raise
+            if not done:
+                stop.set()
+            return done
+
+        with ThreadPoolExecutor(threads, thread_name_prefix=f"twophase-commit-{self.app}") as pool:
+            return all(list(pool.map(finish_unless_stopped, range(len(verdicts)), verdicts)))
+
+    def _drop_quietly(self, work: EpochWork, attempts: list[Attempt]) -> None:
+        """Drop finished attempts' records while another error is on its way up: that one is raised."""
+        try:
+            self._drop_records(work, attempts, None)
+        except Exception as e:  # noqa: BLE001 - logged; the error that stopped the calls is raised
+            log.warning("app %s epoch %d: dropping the records of %d finished attempts failed too (%r): they are "
+                        "finished again by the next pass", self.app, work.epoch, len(attempts), e)
+
+    def _finish(self, work: EpochWork, verdict: _Verdict, recovering: bool, this_pass: _Pass) -> bool:
+        """Commit or abort one pre-commit with retries. False if it failed."""
         attempt, reason, dry_run = verdict.attempt, verdict.abort_reason, this_pass.options.dry_run
         if dry_run:
             if reason is not None:
@@ -692,7 +740,6 @@ class AppCoordinator:
         if error is not None:
             self._record_failure(work, attempt.name, operation, error, tries, this_pass)
             return False
-        finished.append(attempt)
         if reason is not None:
             this_pass.records.append(AttemptAborted(work.query_id, work.epoch, attempt.name, reason))
         return True
@@ -704,7 +751,7 @@ class AppCoordinator:
         fails a multi-op as a whole: those still there are deleted again."""
         paths = [f"{folder}/{a.name}" for a in attempts
                  for folder in (work.paths.attempts(work.epoch), work.paths.intents(work.epoch))]
-        room = _MAX_OPS - 3  # the fence check and then's operations
+        room = (_MAX_OPS - 3) // 2 * 2  # the fence check and then's operations; an attempt's pair in one chunk
         for tries in itertools.count(1):
             try:
                 for start in range(0, max(len(paths), 1), room):

@@ -21,7 +21,7 @@ from coordinator.report import (
     SkipReason,
 )
 from coordinator.state import EpochRecord, EpochState
-from coordinator.zk import read_json
+from coordinator.zk import dump, read_json
 from sinks.files import FileSink
 from tests.harness import QUERY, Pipeline, ids_out, stage
 from twophase.signing import SignatureError
@@ -570,7 +570,7 @@ FORGETTING = {"registry": None}
 class ForgettingSink(FileSink):
     """A loser's own task drops its records (``forget``) while the coordinator aborts it too."""
 
-    commit_concurrency = 4
+    commit_concurrency = 16  # every attempt of the epoch below at once: one wave
 
     def abort(self, handle):
         super().abort(handle)
@@ -601,10 +601,12 @@ def test_an_epoch_is_recorded_committed_in_the_multi_op_that_drops_its_attempts_
     assert count_rows(range(80), ids_out(pipe)).exact
 
 
-def test_a_pass_woken_by_a_watch_reads_nothing_the_owner_knows(pipe):
+def test_a_pass_woken_by_a_watch_reads_nothing_the_owner_knows(pipe, tmp_path):
     from tests.waiting import wait_until
 
+    (tmp_path / "ck").mkdir()
     pipe.task("r1", 0, 0, range(10))
+    pipe.zk.set(pipe.qp.base, dump({"checkpoint": str(tmp_path / "ck")}))  # as the driver's publisher records it
     pipe.barrier(0, "r1")
     app = pipe.coordinator()
     app.prepare()
@@ -625,3 +627,39 @@ def test_a_pass_woken_by_a_watch_reads_nothing_the_owner_knows(pipe):
     known = {pipe.paths.queries, pipe.qp.epochs, pipe.qp.watermark, pipe.qp.barrier, pipe.qp.base, pipe.qp.replay}
     assert paths and not known & set(paths)
     assert count_rows(range(20), ids_out(pipe)).exact
+
+
+def test_an_epoch_larger_than_the_commit_concurrency_drops_its_records_a_wave_at_a_time(pipe):
+    """So that a crash mid-epoch leaves at most a wave of committed attempts with records (replay takes an
+    attempt with records for one it may abort)."""
+    for partition in range(20):
+        pipe.task("r1", 0, partition, range(partition * 10, partition * 10 + 10))
+    pipe.barrier(0, "r1")
+    app = pipe.coordinator()
+    multi_ops = []
+    commit = app.fence.commit
+    app.fence.commit = lambda txn: (multi_ops.append(len(txn.operations)), commit(txn))[1]
+    app.reconcile()
+    assert FileSink.commit_concurrency == 8
+    # The decision; two waves of 8 attempts (fence check, attempt and intent each); the last 4 with the epoch.
+    assert multi_ops == [2, 1 + 2 * 8, 1 + 2 * 8, 1 + 2 + 2 * 4]
+    assert pipe.watermark() == 0 and pipe.zk.get_children(pipe.qp.attempts(0)) == []
+    assert count_rows(range(200), ids_out(pipe)).exact
+
+
+def test_an_epoch_found_committed_above_the_known_watermark_is_taken_as_committed(pipe):
+    """The multi-op that committed it went through but its answer was lost: the owner's known watermark is
+    behind. A pass woken by a watch must not try to commit the epoch again."""
+    pipe.task("r1", 0, 0, range(10))
+    pipe.barrier(0, "r1")
+    app = pipe.coordinator()
+    app.prepare()
+    app.reconcile()
+    assert pipe.watermark() == 0
+    app._known[QUERY]["watermark"] = -1  # as if the commit's answer had been lost
+    app._committed.pop(QUERY)
+    app._quiet_at.clear()
+    report = app.reconcile(changed_only=True)
+    assert report.ok and records_of(report, EpochCommitted) == []
+    assert app._known[QUERY]["watermark"] == 0 and pipe.watermark() == 0
+    assert count_rows(range(10), ids_out(pipe)).exact
