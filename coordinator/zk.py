@@ -11,8 +11,11 @@ Readers raise :class:`RecordError`, naming the znode and what is wrong, on data 
 
 from __future__ import annotations
 
+import atexit
 import json
+import logging
 import threading
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
@@ -28,8 +31,14 @@ K = TypeVar("K")
 _RETRY = dict(max_tries=-1, delay=0.05, backoff=2, max_delay=2.0)
 
 
+log = logging.getLogger(__name__)
+
+_exit_hooks: list[Callable[[], None]] = []
+_clients: weakref.WeakSet[KazooClient] = weakref.WeakSet()
+
+
 def connect(hosts: str, timeout: float = 15.0, session_timeout: float = 10.0) -> KazooClient:
-    """A started KazooClient that reconnects forever."""
+    """A started KazooClient that reconnects forever, and is stopped at interpreter exit."""
     client = KazooClient(
         hosts=hosts,
         timeout=session_timeout,
@@ -37,7 +46,29 @@ def connect(hosts: str, timeout: float = 15.0, session_timeout: float = 10.0) ->
         command_retry=KazooRetry(**_RETRY),
     )
     client.start(timeout=timeout)
+    _clients.add(client)
+    # kazoo's handler registered its own exit hook in start(): it joins the client's callback threads
+    # without stopping the client, so a watch callback retrying a read while ZooKeeper is away would
+    # block the exit forever. Registered last, ours runs first (atexit is last in, first out).
+    atexit.unregister(_at_exit)
+    atexit.register(_at_exit)
     return client
+
+
+def at_exit(hook: Callable[[], None]) -> None:
+    """Run ``hook`` at interpreter exit while the clients :func:`connect` made are still running (for a
+    graceful close that may still talk to ZooKeeper); they are stopped right after. Last in, first out."""
+    _exit_hooks.append(hook)
+
+
+def _at_exit() -> None:
+    for hook in reversed(_exit_hooks):
+        try:
+            hook()
+        except Exception:  # noqa: BLE001 - the other hooks and the clients' stop must still run
+            log.exception("twophase exit hook %r failed", hook)
+    for client in list(_clients):
+        client.stop()  # a no-op for a client stopped already
 
 
 _shared: dict[str, KazooClient] = {}

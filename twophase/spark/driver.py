@@ -21,7 +21,6 @@ Usage (TwoPhaseSink does this)::
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
 import socket
@@ -40,7 +39,7 @@ from pyspark.sql.streaming import StreamingQuery
 
 from coordinator.app import AppCoordinator, CommitPolicy, publish_app
 from coordinator.layout import AppPaths
-from coordinator.zk import connect
+from coordinator.zk import at_exit, connect
 from twophase.signing import Signer
 from twophase.sink import TwoPhaseCommitSink
 from twophase.spark.host import CoordinatorHost
@@ -277,4 +276,4 @@ class DriverHook:
                                timeout, self.config.app, failure=lambda: self.failure)
 
 
-atexit.register(DriverHook.close_all)
+at_exit(DriverHook.close_all)
