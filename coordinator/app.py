@@ -567,10 +567,11 @@ class AppCoordinator:
     def _phase_two(self, work: EpochWork, this_pass: _Pass) -> bool:
         dry_run = this_pass.options.dry_run
         recovering = this_pass.options.recovering or work.record.state is not EpochState.OPEN
-        if not dry_run:
-            # A deposed owner must not touch the external system. Past this check, every sink call after
-            # the first commit_concurrency ones checks again (_finish_all): a deposed owner makes at most
-            # that many more (idempotent, decided) commits.
+        if not dry_run and work.record.state is not EpochState.OPEN:
+            # A deposed owner must not touch the external system. Past this check (for an OPEN epoch: the
+            # fenced write of its decision, before any sink call), every sink call after the first
+            # commit_concurrency ones checks again (_finish_all): a deposed owner makes at most that many
+            # more (idempotent, decided) commits.
             self.fence.check()
         if work.record.state is EpochState.OPEN:
             failed = self._failed_writes(work)
@@ -941,6 +942,10 @@ class AppCoordinator:
         if watermark is None:  # the pass found no epoch record, so did not read it
             watermark = read_epoch(self.client, qp.watermark)
         if self._slots_released.get(qp.query_id) == watermark:
+            return
+        if self._slots.get(qp.query_id) == {} and not self.sink().uses_slots:
+            # None held at the last read, and the sink's tasks claim none: none can have become free.
+            self._slots_released[qp.query_id] = watermark
             return
         held = read_slots(self.client, qp, self._slots.get(qp.query_id))
         free = releasable(self.client, qp, held, watermark, self.policy.slot_release_lag)

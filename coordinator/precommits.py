@@ -208,6 +208,8 @@ class PrecommitRegistry:
         Runs without a run node (none in practice) rank by their first registration.
         """
         runs = dict.fromkeys(others, 0) | {a.run: a.zxid for a in reversed(attempts)}  # reversed: the first zxid wins
+        if len(runs) == 1:
+            return next(iter(runs))  # nothing to rank it against
         pending = {run: self._client.exists_async(self._paths.run(run)) for run in runs}
         rank = {}
         for run, result in pending.items():
