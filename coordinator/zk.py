@@ -24,6 +24,8 @@ from kazoo.exceptions import NodeExistsError, NoNodeError
 from kazoo.protocol.states import KazooState, WatchedEvent, ZnodeStat
 from kazoo.retry import KazooRetry
 
+from coordinator.zk_poll import PollingHandler
+
 # Connection loss is retried forever with capped backoff: a ZooKeeper restart
 # must stall the pipeline, not fail it.
 K = TypeVar("K")
@@ -41,6 +43,7 @@ def connect(hosts: str, timeout: float = 15.0, session_timeout: float = 10.0) ->
     """A started KazooClient that reconnects forever, and is stopped at interpreter exit."""
     client = KazooClient(
         hosts=hosts,
+        handler=PollingHandler(),
         timeout=session_timeout,
         connection_retry=KazooRetry(**_RETRY),
         command_retry=KazooRetry(**_RETRY),
