@@ -60,6 +60,11 @@ log = logging.getLogger("twophase.coordinator")
 READY_POLL = 0.005
 READY_WINDOW = 10.0
 
+# A query found settled (every epoch committed) is visited by full passes less and less often while none of its
+# watches fires (a new epoch, a barrier, a ready hint do), down to every this many full passes: they are there in
+# case a watch was lost, and an app keeps every query it ever ran (a fresh checkpoint is a new query).
+SETTLED_VISITS_MAX = 16
+
 # Sink errors that no retry can fix: the handle can never be committed, or was committed and
 # can no longer be aborted. Not retried; they mark the epoch FAILED for an operator.
 PERMANENT = (CommitFailed, AbortFailed)
@@ -216,6 +221,8 @@ class AppCoordinator:
         # since: nothing can have become due there without a new epoch or barrier, which fire its watches.
         self._stirs: dict[str, int] = {}
         self._quiet_at: dict[str, int] = {}
+        # Per query found settled and quiet: [visited every Nth full pass, full passes left to skip].
+        self._settled_backoff: dict[str, list[int]] = {}
         self._epochs_seen: dict[str, set[str]] = {}  # per query, its epochs as its watch last saw them
         self._committed: dict[str, int] = {}         # per query, the last epoch this coordinator committed
         # Per query, a ready hint: (epoch, look until (monotonic), the pass count when it asked for a pass).
@@ -238,6 +245,7 @@ class AppCoordinator:
         self.verify_sink()
         self._slots.clear()  # what a deposed owner read may have been released and claimed again since
         self._quiet_at.clear()
+        self._settled_backoff.clear()
         self._known.clear()
         token = self.fence.acquire(self.owner)
         log.info("app %s: %s owns phase two (fence token %d)", self.app, self.owner, token)
@@ -299,7 +307,11 @@ class AppCoordinator:
         else:
             known.pop("epochs", None)  # the next pass reads them and reports the bad name
         committed = self._committed.get(query_id, -1)
-        if seen is None or any(not n.isdigit() or int(n) > committed + 1 for n in set(names) - seen):
+        new = set(names) - seen if seen is not None else set(names)
+        if new:
+            # A run began an epoch: full passes visit the query again (they abort superseded runs' pre-commits).
+            self._settled_backoff.pop(query_id, None)
+        if seen is None or any(not n.isdigit() or int(n) > committed + 1 for n in new):
             self._stir(query_id)
 
     def _on_barrier(self, query_id: str, data: bytes | None) -> bool | None:
@@ -401,7 +413,8 @@ class AppCoordinator:
         try:
             for qid in children(self.client, self.paths.queries) if watched is None else watched:
                 stirs = self._stirs.get(qid, 0)  # before the pass: a watch firing during it counts as a change
-                if changed_only and self._quiet_at.get(qid) == stirs:
+                still_quiet = self._quiet_at.get(qid) == stirs
+                if still_quiet and (changed_only or self._skip_settled(qid)):
                     continue
                 qp = self.paths.query(qid)
                 self._reconcile_query(qp, this_pass)
@@ -412,9 +425,24 @@ class AppCoordinator:
                     self._quiet_at[qid] = stirs
                 else:
                     self._quiet_at.pop(qid, None)
+                if quiet and qid in this_pass.settled and not this_pass.options.dry_run:
+                    backoff = self._settled_backoff.get(qid)  # popped meanwhile by kazoo's thread: start over
+                    every = min(2 * backoff[0], SETTLED_VISITS_MAX) if still_quiet and backoff else 1
+                    self._settled_backoff[qid] = [every, every - 1]
+                else:
+                    self._settled_backoff.pop(qid, None)
         finally:
             self._passes += 1
         return PassReport(self.app, this_pass.options.dry_run, tuple(this_pass.records))
+
+    def _skip_settled(self, qid: str) -> bool:
+        """Whether a full pass skips a query found settled and quiet since: it is visited every 2nd, 4th, ... up
+        to every :data:`SETTLED_VISITS_MAX`-th full pass, as long as none of its watches fires."""
+        backoff = self._settled_backoff.get(qid)
+        if backoff is None or backoff[1] == 0:
+            return False
+        backoff[1] -= 1
+        return True
 
     def _reconcile_query(self, qp: QueryPaths, this_pass: _Pass) -> None:
         self._settle_epochs(qp, this_pass)

@@ -666,3 +666,39 @@ def test_an_epoch_found_committed_above_the_known_watermark_is_taken_as_committe
     assert report.ok and records_of(report, EpochCommitted) == []
     assert app._known[QUERY]["watermark"] == 0 and pipe.watermark() == 0
     assert count_rows(range(10), ids_out(pipe)).exact
+
+
+def test_full_passes_visit_a_settled_query_less_and_less_often_until_its_watch_fires(pipe):
+    """An app keeps every query it ever ran; full passes (in case a watch was lost) need not read each one's
+    nodes every poll_interval once it has been settled for a while."""
+    from coordinator.app import SETTLED_VISITS_MAX
+    from tests.waiting import wait_until
+
+    pipe.task("r1", 0, 0, range(10))
+    pipe.barrier(0, "r1")
+    app = pipe.coordinator()
+    app.prepare()
+    app.reconcile()  # commits epoch 0
+    reads = []
+    send = pipe.zk._call
+    pipe.zk._call = lambda request, async_object: (reads.append(getattr(request, "path", None)),
+                                                   send(request, async_object))[1]
+    visited = []
+    try:
+        for _ in range(2 * SETTLED_VISITS_MAX + 1):
+            reads.clear()
+            app.reconcile()  # a full pass
+            visited.append(int(pipe.qp.watermark in reads))
+    finally:
+        del pipe.zk._call
+    # Found settled, then visited every 2nd, 4th, 8th, 16th full pass, and no less often.
+    expected = [1, 1, 0, 1, 0, 0, 0, 1] + [0] * 7 + [1] + [0] * 15 + [1] + [0]
+    assert visited == expected[:len(visited)]
+    pipe.task("r1", 1, 0, range(10, 20))  # a run began an epoch: the next full pass visits the query
+    wait_until(lambda: QUERY not in app._settled_backoff, what="the epochs watch to fire")
+    assert records_of(app.reconcile(), EpochSkipped)[0].epoch == 1
+    stirs = app._stirs.get(QUERY, 0)
+    pipe.barrier(1, "r1")
+    wait_until(lambda: app._stirs.get(QUERY, 0) > stirs, what="the barrier watch to fire")
+    app.reconcile(changed_only=True)
+    assert pipe.watermark() == 1 and count_rows(range(20), ids_out(pipe)).exact
