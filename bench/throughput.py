@@ -42,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("TWOPHASE_SECRET", "twophase-bench-secret-0123456789")
 os.environ.setdefault("PYSPARK_SUBMIT_ARGS", "--conf spark.ui.showConsoleProgress=false pyspark-shell")
 
+from cpu import CpuMeter  # noqa: E402
 from examples.file_sink_query import build_spark, start_query, write_input  # noqa: E402
 from sinks.files import FileSink, _encode, read_committed_rows  # noqa: E402
 from twophase.checkpoint import last_completed_epoch  # noqa: E402
@@ -207,12 +208,14 @@ def main(argv: list[str] | None = None) -> int:
                       file=sys.stderr, flush=True)
 
             load_before = os.getloadavg()[0]
+            meter = CpuMeter()
             times: dict[str, list[float]] = {"2pc": [], "plain": []}
             tails: list[float] = []
             for r in range(args.rounds):
                 order = ("2pc", "plain") if r % 2 == 0 else ("plain", "2pc")
                 for kind in order:
-                    seconds, tail, out = (bench.run_2pc if kind == "2pc" else bench.run_plain)(input_dir)
+                    with meter.measure(kind):
+                        seconds, tail, out = (bench.run_2pc if kind == "2pc" else bench.run_plain)(input_dir)
                     check(kind, out, range(total), args.strict, failures)
                     if not args.keep:
                         shutil.rmtree(Path(out).parent, ignore_errors=True)
@@ -261,6 +264,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"target: overhead <= {args.target:g} %  ->  {verdict}"
           + ("" if settled else f"  (not settled: per-round noise +/-{noise * 100:.1f} % standard error; "
                                 "rerun on a quiet host or with more --rounds)"))
+    # Where the difference goes, steadier than the wall clock (the Spark processes and the private ZooKeeper
+    # share the host's CPUs, so what ZooKeeper uses the next batch's tasks wait for).
+    print()
+    print("\n".join(meter.table(["plain", "2pc"], baseline="plain")))
+    plain_cpu, eo_cpu = (sum(meter.mean(k).values()) for k in ("plain", "2pc"))
+    print(f"exactly-once CPU: {eo_cpu - plain_cpu:+.2f} s per run, {(eo_cpu / plain_cpu - 1) * 100:+.1f} % of the plain "
+          f"run's {plain_cpu:.2f} s")
+    print()
     print(f"last epoch's phase two after awaitTermination (inside the EO time): median "
           f"{statistics.median(tails):.2f} s, max {max(tails):.2f} s")
     if failures:
