@@ -144,7 +144,7 @@ class _Pass:
     # to abort or clean up: quiet too, as only a watch (its barrier, the next epoch) or a ready hint's
     # commits/N can change that.
     waiting: set[str] = field(default_factory=set)
-    revisit: set[str] = field(default_factory=set)  # never quiet after this pass: an attempt registered late
+    revisit: set[str] = field(default_factory=set)  # never quiet after this pass: a late attempt, a failed cleanup
     watermarks: dict[str, int] = field(default_factory=dict)  # per query, its watermark as this pass left it
 
 
@@ -221,8 +221,9 @@ class AppCoordinator:
         # since: nothing can have become due there without a new epoch or barrier, which fire its watches.
         self._stirs: dict[str, int] = {}
         self._quiet_at: dict[str, int] = {}
-        # Per query found settled and quiet: [visited every Nth full pass, full passes left to skip].
+        # Per query found settled and quiet: [visited every Nth full pass, full passes left to skip, _began then].
         self._settled_backoff: dict[str, list[int]] = {}
+        self._began: dict[str, int] = {}  # per query, how often its watch saw an epoch begin (kazoo's thread)
         self._epochs_seen: dict[str, set[str]] = {}  # per query, its epochs as its watch last saw them
         self._committed: dict[str, int] = {}         # per query, the last epoch this coordinator committed
         # Per query, a ready hint: (epoch, look until (monotonic), the pass count when it asked for a pass).
@@ -310,7 +311,8 @@ class AppCoordinator:
         new = set(names) - seen if seen is not None else set(names)
         if new:
             # A run began an epoch: full passes visit the query again (they abort superseded runs' pre-commits).
-            self._settled_backoff.pop(query_id, None)
+            # Counted, as stirs are: the loop's thread compares, so nothing it writes can undo this.
+            self._began[query_id] = self._began.get(query_id, 0) + 1
         if seen is None or any(not n.isdigit() or int(n) > committed + 1 for n in new):
             self._stir(query_id)
 
@@ -400,12 +402,14 @@ class AppCoordinator:
 
     # -- reconcile --------------------------------------------------------
 
-    def reconcile(self, options: PassOptions | None = None, changed_only: bool = False) -> PassReport:
+    def reconcile(self, options: PassOptions | None = None, changed_only: bool = False,
+                  all_queries: bool = False) -> PassReport:
         """One pass over every query of the app; returns what it did (or, dry, would do).
 
         ``changed_only`` (a loop woken by a watch) skips the queries a pass found quiet whose watches
         have not fired since, and takes what the owner knows (:meth:`_recall`) rather than asking; a loop
-        still makes a full pass now and then, in case a watch was lost.
+        still makes a full pass now and then, in case a watch was lost. A full pass skips some of the
+        queries it found settled (:meth:`_skip_settled`), unless ``all_queries`` (a pass asked for).
         """
         this_pass = _Pass(options or PassOptions(), changed_only)
         self._sink_checked = False
@@ -413,8 +417,9 @@ class AppCoordinator:
         try:
             for qid in children(self.client, self.paths.queries) if watched is None else watched:
                 stirs = self._stirs.get(qid, 0)  # before the pass: a watch firing during it counts as a change
+                began = self._began.get(qid, 0)
                 still_quiet = self._quiet_at.get(qid) == stirs
-                if still_quiet and (changed_only or self._skip_settled(qid)):
+                if still_quiet and (changed_only or (not all_queries and self._skip_settled(qid))):
                     continue
                 qp = self.paths.query(qid)
                 self._reconcile_query(qp, this_pass)
@@ -426,9 +431,10 @@ class AppCoordinator:
                 else:
                     self._quiet_at.pop(qid, None)
                 if quiet and qid in this_pass.settled and not this_pass.options.dry_run:
-                    backoff = self._settled_backoff.get(qid)  # popped meanwhile by kazoo's thread: start over
-                    every = min(2 * backoff[0], SETTLED_VISITS_MAX) if still_quiet and backoff else 1
-                    self._settled_backoff[qid] = [every, every - 1]
+                    backoff = self._settled_backoff.get(qid)
+                    every = min(2 * backoff[0], SETTLED_VISITS_MAX) if still_quiet and backoff and backoff[2] == began \
+                        else 1
+                    self._settled_backoff[qid] = [every, every - 1, began]
                 else:
                     self._settled_backoff.pop(qid, None)
         finally:
@@ -439,7 +445,7 @@ class AppCoordinator:
         """Whether a full pass skips a query found settled and quiet since: it is visited every 2nd, 4th, ... up
         to every :data:`SETTLED_VISITS_MAX`-th full pass, as long as none of its watches fires."""
         backoff = self._settled_backoff.get(qid)
-        if backoff is None or backoff[1] == 0:
+        if backoff is None or backoff[1] == 0 or backoff[2] != self._began.get(qid, 0):
             return False
         backoff[1] -= 1
         return True
@@ -484,7 +490,8 @@ class AppCoordinator:
         registry = PrecommitRegistry(self.client, qp, self.signer)
         if not options.dry_run:
             self._retry_cleanups(qp, registry, this_pass)
-            self._collect_garbage(qp, registry, [n for n in epochs if n <= watermark], this_pass)
+            if not self._collect_garbage(qp, registry, [n for n in epochs if n <= watermark], this_pass):
+                this_pass.revisit.add(qp.query_id)  # a sink call failed: retried on the next pass, not backed off
         pending = [n for n in epochs if n > watermark]
         if not pending:
             this_pass.settled.add(qp.query_id)
@@ -889,8 +896,9 @@ class AppCoordinator:
                 self._slots_released.pop(qid, None)  # intents dropped: their slots may be free
 
     def _collect_garbage(self, qp: QueryPaths, registry: PrecommitRegistry, committed: list[int],
-                         this_pass: _Pass) -> None:
-        """Drop committed epoch records beyond the retention bound, aborting any late leftovers."""
+                         this_pass: _Pass) -> bool:
+        """Drop committed epoch records beyond the retention bound, aborting any late leftovers. False if a
+        sink call failed (retried on the next pass)."""
         for epoch in committed[: max(0, len(committed) - self.policy.retain_epochs)]:
             work = self._load(qp, registry, epoch)
             if work is None:
@@ -898,16 +906,14 @@ class AppCoordinator:
             # Anything registered here after the commit is a zombie attempt: never committed.
             late = [_Verdict(a, AbortReason.LATE) for a in work.attempts]
             done = len(this_pass.records)
-            if not self._finish_all(work, late, recovering=True, this_pass=this_pass):
-                return
-            if not self._abort_unregistered(work, this_pass):
-                return
-            if not self._retire(work, this_pass):
-                return
+            if not (self._finish_all(work, late, recovering=True, this_pass=this_pass)
+                    and self._abort_unregistered(work, this_pass) and self._retire(work, this_pass)):
+                return False
             # Intents dropped here (late aborts, cleanups: each recorded) or with the tree free their slots
             # for the next release; an epoch whose commit dropped them all frees nothing new.
             if self._delete_epoch(qp, epoch) or len(this_pass.records) > done:
                 self._slots_released.pop(qp.query_id, None)
+        return True
 
     def _retire(self, work: EpochWork, this_pass: _Pass) -> bool:
         """Tell the sink the epoch is past retention, before its record goes: a failed call keeps the
@@ -971,8 +977,9 @@ class AppCoordinator:
             watermark = read_epoch(self.client, qp.watermark)
         if self._slots_released.get(qp.query_id) == watermark:
             return
-        if self._slots.get(qp.query_id) == {} and not self.sink().uses_slots:
-            # None held at the last read, and the sink's tasks claim none: none can have become free.
+        if this_pass.changed_only and self._slots.get(qp.query_id) == {} and not self.sink().uses_slots:
+            # None held at the last read, and the stored sink's tasks claim none (a full pass lists them again:
+            # tasks of an earlier sink may still run).
             self._slots_released[qp.query_id] = watermark
             return
         held = read_slots(self.client, qp, self._slots.get(qp.query_id))

@@ -71,7 +71,10 @@ def _at_exit() -> None:
         except Exception:  # noqa: BLE001 - the other hooks and the clients' stop must still run
             log.exception("twophase exit hook %r failed", hook)
     for client in list(_clients):
-        client.stop()  # a no-op for a client stopped already
+        try:
+            client.stop()  # a no-op for a client stopped already
+        except Exception:  # noqa: BLE001 - the other clients must still be stopped
+            log.exception("stopping a ZooKeeper client at exit failed")
 
 
 _shared: dict[str, KazooClient] = {}

@@ -19,9 +19,10 @@ from typing import Any
 from kazoo.handlers.threading import SequentialThreadingHandler
 from kazoo.handlers.utils import fileobj_to_fd
 
-_READABLE = select.POLLIN | select.POLLPRI
+_READABLE = select.POLLIN
 _WRITABLE = select.POLLOUT
-_BROKEN = select.POLLERR | select.POLLHUP | select.POLLNVAL  # reported as both, as select(2) does
+# Reported as ready for both, as kazoo's epoll selector reported them: the recv or send that follows raises.
+_BROKEN = select.POLLERR | select.POLLHUP | select.POLLNVAL
 
 
 class PollingHandler(SequentialThreadingHandler):

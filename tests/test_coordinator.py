@@ -694,8 +694,17 @@ def test_full_passes_visit_a_settled_query_less_and_less_often_until_its_watch_f
     # Found settled, then visited every 2nd, 4th, 8th, 16th full pass, and no less often.
     expected = [1, 1, 0, 1, 0, 0, 0, 1] + [0] * 7 + [1] + [0] * 15 + [1] + [0]
     assert visited == expected[:len(visited)]
+    reads.clear()
+    pipe.zk._call = lambda request, async_object: (reads.append(getattr(request, "path", None)),
+                                                   send(request, async_object))[1]
+    try:
+        app.reconcile(all_queries=True)  # a pass asked for (await_committed) visits every query
+    finally:
+        del pipe.zk._call
+    assert pipe.qp.watermark in reads
+    began = app._began.get(QUERY, 0)
     pipe.task("r1", 1, 0, range(10, 20))  # a run began an epoch: the next full pass visits the query
-    wait_until(lambda: QUERY not in app._settled_backoff, what="the epochs watch to fire")
+    wait_until(lambda: app._began.get(QUERY, 0) > began, what="the epochs watch to fire")
     assert records_of(app.reconcile(), EpochSkipped)[0].epoch == 1
     stirs = app._stirs.get(QUERY, 0)
     pipe.barrier(1, "r1")

@@ -11,7 +11,7 @@ from coordinator.layout import AppPaths
 from coordinator.zk import read_json
 from sinks.files import FileSink
 from twophase.spark.driver import DriverHook, HookConfig
-from twophase.spark.publisher import ProgressPublisher
+from twophase.spark.publisher import ProgressPublisher, PublishedRun
 from twophase.spark.queries import QuerySnapshot
 from twophase.supervisor import Supervision
 from twophase.zkserver import ZooKeeperServer
@@ -50,6 +50,25 @@ def test_release_returns_and_ends_every_thread_after_zookeeper_went_away(tmp_pat
         assert DriverHook._hooks.get(hook.config.key) is None
         left = [t for t in set(threading.enumerate()) - before if t.is_alive()]
         assert left == [], f"threads left running: {[t.name for t in left]}"
+    finally:
+        server.stop()
+
+
+def test_release_of_a_hook_whose_query_still_runs_returns_while_zookeeper_is_away(tmp_path):
+    """The hook halts a run still going when it closes, unless ZooKeeper is away: that request would wait for
+    ZooKeeper's return, and the interpreter's exit (which closes every hook) with it."""
+    server = ZooKeeperServer().start()
+    try:
+        hook = DriverHook.acquire(HookConfig(server.hosts, "/t-close-live", "app", b"s" * 32),
+                                  FileSink(str(tmp_path / "out")), NoSpark())
+        hook.publisher.runs[("q-1", "r1")] = PublishedRun("q-1", "r1", published=True)
+        hook._still_running = lambda: True  # as if its query still ran in Spark
+        server.kill()
+        wait_until(lambda: not hook.client.connected, what="the client to see ZooKeeper gone")
+        done = threading.Thread(target=hook.release, name="release")
+        done.start()
+        done.join(120)
+        assert not done.is_alive(), "release() hung halting a run with ZooKeeper gone"
     finally:
         server.stop()
 

@@ -31,6 +31,24 @@ def test_select_reports_what_is_ready_and_times_out_with_nothing(pair):
     assert handler.select([a], [a], [], None) == ([a], [a], [])  # both asked of one descriptor
 
 
+def test_select_hands_poll_its_timeout_in_milliseconds(monkeypatch, pair):
+    asked = []
+
+    class Poller:
+        def register(self, fd, events):
+            pass
+
+        def poll(self, timeout):
+            asked.append(timeout)
+            return []
+
+    monkeypatch.setattr("coordinator.zk_poll.select.poll", Poller)
+    a, _ = pair
+    for timeout in (0.25, 0, None):
+        assert PollingHandler().select([a], [], [], timeout) == ([], [], [])
+    assert asked == [250.0, 0, None]
+
+
 def test_select_reports_a_closed_peer_as_readable_and_refuses_a_closed_socket(pair):
     a, b = pair
     handler = PollingHandler()

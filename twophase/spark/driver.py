@@ -187,11 +187,15 @@ class DriverHook:
         if self.failure is None and self._still_running():
             # Its phase two stops with the hook: refuse further batches rather than pre-commit
             # rows that nothing would commit. Ending the query before closing avoids this.
-            try:
-                self.publisher.halt(f"the TwoPhaseSink of app {self.config.app} was closed in the driver "
-                                    f"while its query was still running")
-            except KazooException as e:
-                log.error("app %s: cannot halt the runs of a closing hook: %r", self.config.app, e)
+            if not self.client.connected:  # the request would wait for ZooKeeper's return (an exit would hang)
+                log.error("app %s: cannot halt the runs of a closing hook: ZooKeeper is away (their tasks "
+                          "wait for it too)", self.config.app)
+            else:
+                try:
+                    self.publisher.halt(f"the TwoPhaseSink of app {self.config.app} was closed in the driver "
+                                        f"while its query was still running")
+                except KazooException as e:
+                    log.error("app %s: cannot halt the runs of a closing hook: %r", self.config.app, e)
         for job in jobs:
             job.request_stop()
         if self.client.connected:  # let a commit in flight finish its step; without ZooKeeper none can

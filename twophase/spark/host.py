@@ -65,10 +65,10 @@ class CoordinatorHost:
             while not stop.is_set():
                 coordinator.wake.clear()
                 now = time.monotonic()
-                full = self._full_pass or last_full is None or now - last_full >= coordinator.policy.poll_interval
-                self._full_pass = False
+                asked, self._full_pass = self._full_pass, False
+                full = asked or last_full is None or now - last_full >= coordinator.policy.poll_interval
                 try:
-                    coordinator.reconcile(changed_only=not full)
+                    coordinator.reconcile(changed_only=not full, all_queries=asked)
                 except KazooException as e:
                     log.warning("app %s: ZooKeeper trouble, retrying: %r", coordinator.app, e)
                 if full:
