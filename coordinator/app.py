@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 from kazoo.client import KazooClient, TransactionRequest
 from kazoo.exceptions import BadVersionError, KazooException, NoNodeError, NodeExistsError
@@ -134,6 +134,14 @@ class _Verdict:
         return cls(attempt, AbortReason.LOST if attempt.run == record.run else AbortReason.SUPERSEDED)
 
 
+class _SettledVisits(NamedTuple):
+    """How often full passes visit a query found settled and quiet (:meth:`AppCoordinator._skip_settled`)."""
+
+    every: int  # visited every this many full passes
+    due: int    # the full pass that visits it next (AppCoordinator._full_passes)
+    began: int  # AppCoordinator._began when it was found settled: an epoch begun since ends the backoff
+
+
 @dataclass
 class _Pass:
     options: PassOptions
@@ -221,8 +229,8 @@ class AppCoordinator:
         # since: nothing can have become due there without a new epoch or barrier, which fire its watches.
         self._stirs: dict[str, int] = {}
         self._quiet_at: dict[str, int] = {}
-        # Per query found settled and quiet: [visited every Nth full pass, full passes left to skip, _began then].
-        self._settled_backoff: dict[str, list[int]] = {}
+        self._settled_backoff: dict[str, _SettledVisits] = {}  # per query found settled and quiet
+        self._full_passes = 0
         self._began: dict[str, int] = {}  # per query, how often its watch saw an epoch begin (kazoo's thread)
         self._epochs_seen: dict[str, set[str]] = {}  # per query, its epochs as its watch last saw them
         self._committed: dict[str, int] = {}         # per query, the last epoch this coordinator committed
@@ -413,6 +421,8 @@ class AppCoordinator:
         """
         this_pass = _Pass(options or PassOptions(), changed_only)
         self._sink_checked = False
+        if not changed_only:
+            self._full_passes += 1
         watched = self._queries if changed_only else None
         try:
             for qid in children(self.client, self.paths.queries) if watched is None else watched:
@@ -432,9 +442,9 @@ class AppCoordinator:
                     self._quiet_at.pop(qid, None)
                 if quiet and qid in this_pass.settled and not this_pass.options.dry_run:
                     backoff = self._settled_backoff.get(qid)
-                    every = min(2 * backoff[0], SETTLED_VISITS_MAX) if still_quiet and backoff and backoff[2] == began \
-                        else 1
-                    self._settled_backoff[qid] = [every, every - 1, began]
+                    every = min(2 * backoff.every, SETTLED_VISITS_MAX) if still_quiet and backoff and \
+                        backoff.began == began else 1
+                    self._settled_backoff[qid] = _SettledVisits(every, self._full_passes + every, began)
                 else:
                     self._settled_backoff.pop(qid, None)
         finally:
@@ -445,10 +455,7 @@ class AppCoordinator:
         """Whether a full pass skips a query found settled and quiet since: it is visited every 2nd, 4th, ... up
         to every :data:`SETTLED_VISITS_MAX`-th full pass, as long as none of its watches fires."""
         backoff = self._settled_backoff.get(qid)
-        if backoff is None or backoff[1] == 0 or backoff[2] != self._began.get(qid, 0):
-            return False
-        backoff[1] -= 1
-        return True
+        return backoff is not None and backoff.began == self._began.get(qid, 0) and self._full_passes < backoff.due
 
     def _reconcile_query(self, qp: QueryPaths, this_pass: _Pass) -> None:
         self._settle_epochs(qp, this_pass)
