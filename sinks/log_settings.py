@@ -91,6 +91,8 @@ _SETTINGS: dict[str, tuple[str, str | None, Callable[[str, str], Any]]] = {
     "delivery.timeout.ms": ("producer", "delivery_timeout_ms", _int(1, unit=_MS)),
     "request.timeout.ms": ("producer", "request_timeout_ms", _int(1, unit=_MS)),
     "client.id": ("producer", "client_id", _text),
+    "buffer.memory": ("producer", "buffer_memory", _int(1, unit=_BYTES)),
+    "max.block.ms": ("producer", "max_block_ms", _int(0, unit=_MS)),
     "max.request.size": ("producer", None, _int(1, unit=_BYTES)),  # caps the batch size (below)
     # Kafka allows at most 5 with idempotence; this client sends one request per connection at a time.
     "max.in.flight.requests.per.connection": ("producer", None, _checked(_int(1, 5))),
@@ -102,8 +104,6 @@ _REFUSED = {
                         "(<prefix>.<app>.<query>.<partition>.<slot>; LogSink(transactional_id_prefix=...))",
     "key.serializer": "keys are serialized with ByteArraySerializer (as in Spark's Kafka sink)",
     "value.serializer": "values are serialized with ByteArraySerializer (as in Spark's Kafka sink)",
-    "buffer.memory": "this client does not bound its queue by bytes; an Arrow batch bounds what one call "
-                     "queues (spark.sql.execution.arrow.maxRecordsPerBatch)",
 }
 
 

@@ -25,6 +25,8 @@ from twophase.sink import TxnContext
      {"producer": {"delivery_timeout_ms": 1500, "linger_ms": 500, "request_timeout_ms": 1000}}),
     ({"request.timeout.ms": " 5000 "}, {"producer": {"request_timeout_ms": 5000}}),
     ({"client.id": "spark-orders"}, {"producer": {"client_id": "spark-orders"}}),
+    ({"buffer.memory": "67108864", "max.block.ms": "5000"},
+     {"producer": {"buffer_memory": 64 << 20, "max_block_ms": 5000}}),
     ({"max.request.size": "1048576"}, {"producer": {"batch_size": 64 * 1024}}),   # the default fits
     ({"max.request.size": "1000", "batch.size": "16384"}, {"producer": {"batch_size": 1000}}),
     ({"max.in.flight.requests.per.connection": "5"}, {}),   # at most 5 with idempotence; one at a time here
@@ -40,7 +42,8 @@ def test_kafka_names_translate_to_log_sink_arguments(props, expected):
 
 @pytest.mark.parametrize("props, message", [
     ({"foo.bar": "1"}, "kafka.foo.bar is not a producer setting twophase supports; supported: kafka.bootstrap.servers"),
-    ({"buffer.memory": "1000"}, "kafka.buffer.memory is not supported"),
+    ({"buffer.memory": "0"}, "kafka.buffer.memory=0 is out of range: 1.."),
+    ({"max.block.ms": "-1"}, "kafka.max.block.ms=-1 is out of range"),
     ({"transactional.id": "mine"}, "kafka.transactional.id is not supported: the sink owns its transactional ids"),
     ({"key.serializer": "x"}, "kafka.key.serializer is not supported: keys are serialized with ByteArraySerializer"),
     ({"value.serializer": "x"}, "kafka.value.serializer is not supported"),

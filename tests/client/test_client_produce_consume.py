@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 
 import pytest
 from confluent_kafka import Consumer as ConfluentConsumer
@@ -12,7 +13,7 @@ from confluent_kafka import Producer as ConfluentProducer
 
 from tests.broker.batches import batch_offsets
 from tests.broker.conftest import fetch_request
-from twophase.client import Admin, Consumer, KafkaConnectionError, KafkaError, Producer
+from twophase.client import Admin, Consumer, KafkaConnectionError, KafkaError, KafkaTimeout, Producer
 from twophase.client.connection import Connection
 from twophase.wire.api_keys import ApiKey
 
@@ -220,3 +221,86 @@ def test_a_negative_timestamp_is_refused_before_anything_is_queued(broker, topic
         with pytest.raises(ValueError, match="invalid timestamp -1"):
             p.send_many([(topic, None, None, b"v", None, None)], timestamp_ms=-1)
         p.flush()
+
+
+RECORD = 24 + 100  # RECORD_OVERHEAD + a 100-byte value: what one record takes of buffer_memory
+
+
+def hold_produce_requests(monkeypatch) -> tuple[threading.Event, threading.Event]:
+    """(entered, gate): every Produce request waits for ``gate``; ``entered`` is set once one waits."""
+    original = Connection.request
+    entered, gate = threading.Event(), threading.Event()
+
+    def held(self, request, timeout_s=None):
+        if request.__api_key__ == ApiKey.PRODUCE:
+            entered.set()
+            assert gate.wait(30), "the test never opened the gate"
+        return original(self, request, timeout_s)
+
+    monkeypatch.setattr(Connection, "request", held)
+    return entered, gate
+
+
+@pytest.mark.parametrize("transactional", [False, True])
+def test_a_full_buffer_blocks_sends_until_acknowledgements_free_room(broker, topic, monkeypatch, transactional):
+    """Kafka's back-pressure: with the broker's acknowledgements held back, a sender (send and send_many)
+    queues what fits in buffer_memory and waits; once they come, it goes on, losing nothing."""
+    entered, gate = hold_produce_requests(monkeypatch)
+    values = [b"%03d" % i + b"." * 97 for i in range(40)]
+    sent: list[int] = []
+    p = Producer(broker.bootstrap, linger_ms=0, batch_size=3 * RECORD, buffer_memory=10 * RECORD,
+                 transactional_id=f"bp-{topic}" if transactional else None)
+    try:
+        if transactional:
+            p.init_transactions()
+            p.begin_transaction()
+
+        def produce():
+            for i in range(20):
+                p.send(topic, value=values[i], partition=0)
+                sent.append(i)
+            p.send_many((topic, 0, None, values[i], None, None) for i in range(20, 40))
+            sent.append(40)
+
+        sending = threading.Thread(target=produce, daemon=True)
+        sending.start()
+        assert entered.wait(30)
+        deadline = time.monotonic() + 30
+        while len(sent) < 10 and time.monotonic() < deadline:
+            sending.join(0.01)
+        assert sent == list(range(10))  # ten fit; the eleventh waits for room
+        assert sending.is_alive()
+        gate.set()
+        sending.join(30)
+        assert not sending.is_alive() and sent[-1] == 40
+        if transactional:
+            p.commit_transaction()
+        else:
+            p.flush()
+    finally:
+        gate.set()
+        p.close()
+    with Consumer(broker.bootstrap, isolation_level="read_committed") as c:
+        c.assign([(topic, 0)])
+        assert [m.value for m in drain(c, 40)] == values  # each once, in order
+
+
+def test_a_send_that_finds_the_buffer_full_past_max_block_ms_raises_and_queues_nothing(broker, topic,
+                                                                                       monkeypatch):
+    entered, gate = hold_produce_requests(monkeypatch)
+    values = [b"%03d" % i + b"." * 97 for i in range(12)]
+    with Producer(broker.bootstrap, linger_ms=0, buffer_memory=10 * RECORD, max_block_ms=100) as p:
+        with pytest.raises(ValueError, match=r"larger than the producer's whole buffer, buffer_memory=1240"):
+            p.send(topic, value=b"x" * (10 * RECORD), partition=0)
+        for value in values[:10]:
+            p.send(topic, value=value, partition=0)
+        assert entered.wait(30)
+        with pytest.raises(KafkaTimeout, match=r"buffer stayed full for max_block_ms \(100 ms\)"):
+            p.send(topic, value=values[10], partition=0)
+        with pytest.raises(KafkaTimeout, match="max_block_ms"):
+            p.send_many([(topic, 0, None, values[11], None, None)])
+        gate.set()
+        p.flush()
+    with Consumer(broker.bootstrap) as c:
+        c.assign([(topic, 0)])
+        assert [m.value for m in drain(c, 10)] == values[:10]

@@ -3,8 +3,10 @@
 A background sender thread turns per-partition batches into Produce requests, one request at a
 time, so a retried batch (same producer id, epoch and sequence) can never be overtaken by a later
 one and the broker deduplicates it. Batches go out when full (``batch_size``), after ``linger_ms``,
-or on flush. In a transaction a partition is added (AddPartitionsToTxn) at its first record, during
-that linger. Errors of background sends are raised by the next flush, commit or send.
+or on flush; a send that finds ``buffer_memory`` bytes queued waits for room (Kafka's back-pressure),
+for at most ``max_block_ms``. In a transaction a partition is added (AddPartitionsToTxn) at its
+first record, during that linger. Errors of background sends are raised by the next flush, commit
+or send.
 
 Example::
 
@@ -69,8 +71,12 @@ class _Batch:
 class Producer:
     """See the module docstring. Thread-safe for send/flush from several threads.
 
-    ``delivery_timeout_ms`` bounds how long a batch is retried (``retries``, if given, also caps the
-    attempts); ``transaction_timeout_ms`` is the broker-side timeout of a non-2PC transaction;
+    ``buffer_memory`` bounds the bytes of records queued and not yet acknowledged (Kafka's
+    ``buffer.memory``, 32 MB): a send that would exceed it waits until acknowledgements free room, and
+    raises KafkaTimeout, queueing nothing, if that takes over ``max_block_ms`` (a record larger than
+    the whole buffer is a ValueError). ``delivery_timeout_ms`` bounds how long a batch is retried
+    (``retries``, if given, also caps the attempts); ``transaction_timeout_ms`` is the broker-side
+    timeout of a non-2PC transaction;
     ``enable_2pc`` registers the producer for KIP-939 (its transactions never time out and can be
     prepared); ``compression`` is Kafka's compression.type: None or "none", "gzip", "snappy", "lz4" or
     "zstd" (ValueError for another name). ``security``: TLS and SASL settings, a
@@ -84,6 +90,7 @@ class Producer:
                  transaction_timeout_ms: int = 60_000, linger_ms: int = 5, batch_size: int = 64 * 1024,
                  acks: str | int = "all", request_timeout_ms: int = 30_000, delivery_timeout_ms: int = 120_000,
                  retries: int | None = None, compression: str | None = None,
+                 buffer_memory: int = 32 * 1024 * 1024, max_block_ms: int = 60_000,
                  client_id: str = "twophase-producer",
                  security: SecuritySettings | Mapping[str, str] | str | None = None) -> None:
         if acks not in ("all", -1):
@@ -99,6 +106,11 @@ class Producer:
         self.request_timeout_s = request_timeout_ms / 1000
         self.delivery_timeout_s = delivery_timeout_ms / 1000
         self.retries = retries
+        if buffer_memory < 1:
+            raise ValueError(f"buffer_memory must be at least 1 byte, not {buffer_memory}")
+        self.buffer_memory = buffer_memory
+        self.max_block_s = max_block_ms / 1000
+        self._queued_bytes = 0  # of the records in self._queues (the lock held)
         self._compression = compression_id
         self._cluster = Cluster(bootstrap, client_id=client_id, request_timeout_s=self.request_timeout_s,
                                 security=as_security(security))
@@ -137,9 +149,9 @@ class Producer:
             raise ValueError(f"invalid timestamp {timestamp_ms}: a record's timestamp is non-negative or None (now)")
         timestamp = int(time.time() * 1000) if timestamp_ms is None else timestamp_ms
         size = RECORD_OVERHEAD + len(key or b"") + len(value or b"") + sum(len(n) + len(v or b"") for n, v in headers)
+        self._check_fits(size)
         with self._cond:
-            if self._closing:
-                raise KafkaError("producer is closed")
+            self._wait_for_room(size)
             if partition is None:
                 partition = self._sticky.partition(topic, len(partitions))
             if self._append(topic, partition, (timestamp, key, value, headers), size):
@@ -184,12 +196,15 @@ class Producer:
                     size += sum(len(n) + len(v or b"") for n, v in headers)
                 else:
                     headers = ()
+                self._check_fits(size)
                 queued.append((topic, partition, (now if timestamp is None else timestamp, key, value, headers), size))
             wake = False
             with self._cond:
-                if self._closing:
-                    raise KafkaError("producer is closed")
                 for topic, partition, record, size in queued:
+                    if self._queued_bytes + size > self.buffer_memory or self._closing:
+                        if wake:  # the batches this chunk filled must go out to make room
+                            self._cond.notify_all()
+                        self._wait_for_room(size)
                     if partition is None:
                         partition = self._sticky.partition(topic, counts[topic])
                     wake = self._append(topic, partition, record, size) or wake
@@ -198,6 +213,30 @@ class Producer:
                     self._hand_over_new_partitions()
             sent += len(queued)
         return sent
+
+    def _check_fits(self, size: int) -> None:
+        if size > self.buffer_memory:
+            raise ValueError(f"a record of {size} bytes (key, value and headers) is larger than the producer's "
+                             f"whole buffer, buffer_memory={self.buffer_memory}")
+
+    def _wait_for_room(self, size: int) -> None:
+        """Wait (the lock held) until ``size`` more bytes fit in the buffer; KafkaTimeout after max_block_ms."""
+        deadline = None
+        while True:
+            if self._closing:
+                raise KafkaError("producer is closed")
+            if self._queued_bytes + size <= self.buffer_memory:
+                return
+            if not self._sender.is_alive():
+                raise KafkaError("the producer's sender thread has stopped (producer closed?)")
+            now = time.monotonic()
+            deadline = deadline if deadline is not None else now + self.max_block_s
+            if now >= deadline:
+                raise KafkaTimeout(f"the producer's buffer stayed full for max_block_ms "
+                                   f"({self.max_block_s * 1000:.0f} ms): {self._queued_bytes} of "
+                                   f"buffer_memory={self.buffer_memory} bytes queued and not yet acknowledged "
+                                   "(is the broker reachable?)")
+            self._cond.wait(min(deadline - now, 0.5))
 
     def _append(self, topic: str, partition: int, record: tuple, size: int) -> bool:
         """Add a record to the partition's open batch, starting one if there is none or it would overflow
@@ -214,6 +253,7 @@ class Producer:
         batch = queue[-1]
         batch.records.append(record)
         batch.size += size
+        self._queued_bytes += size
         if batch.size >= self.batch_size:
             batch.closed = wake = True
         return wake
@@ -322,13 +362,17 @@ class Producer:
             if not queue or queue[0] is not batch:
                 return  # acknowledged before the sender failed
             log.warning("dropping %d records for %s-%d: %s", len(batch.records), batch.topic, batch.partition, error)
-            queue.popleft()
+            self._dequeue(queue)
             self._errors.append(error)
             if batch.wire is not None:  # its sequence numbers were used: later batches would leave a gap
                 if self.transactional_id is None:
                     self._producer_id = -1  # a new producer id restarts every sequence at 0
                 else:
                     self._sequence_gap = True  # a new epoch after the abort restarts them
+
+    def _dequeue(self, queue: collections.deque[_Batch]) -> None:
+        """Take a partition's head batch off its queue (the lock held), freeing its room in the buffer."""
+        self._queued_bytes -= queue.popleft().size
 
     def _send(self, batches: list[_Batch], adding: list[tuple[str, int]]) -> None:
         """Add ``adding`` to the transaction, then produce ``batches`` (due batches, possibly none)."""
@@ -402,7 +446,7 @@ class Producer:
             code = result.error_code if result is not None else ErrorCode.unknown_server_error
             if code in (ErrorCode.none, ErrorCode.duplicate_sequence_number):
                 with self._cond:
-                    self._queues[(b.topic, b.partition)].popleft()
+                    self._dequeue(self._queues[(b.topic, b.partition)])
             else:
                 self._retry_later(b, error_for(code, f"Produce to {b.topic}-{b.partition}"))
 
