@@ -11,7 +11,10 @@ Run (from the repo root)::
 
 A fresh broker (``twophase broker`` subprocess, as in bench/broker_throughput.py, ``--fsync``
 default 1000 ms, as Kafka does not fsync each append either; ``--fsync always`` for the other end) and, for every measurement, a fresh one-partition topic. Producers: acks=all, no
-compression, linger 5 ms (``--linger-ms``); confluent-kafka (librdkafka) and the project's own twophase.client.
+compression, linger 5 ms (``--linger-ms``), 32 MB of unacknowledged records at most (Java's default
+``buffer.memory``: a send waits for room, so a run measures a producer the broker keeps up with,
+not one queueing the whole run in memory); confluent-kafka (librdkafka) and the project's own
+twophase.client.
 
 - **idempotent** (the baseline, same run): no transactions; the clock runs from the first send
   to ``flush()`` returning.
@@ -20,9 +23,12 @@ compression, linger 5 ms (``--linger-ms``); confluent-kafka (librdkafka) and the
   at full speed: begin, send, flush, commit (EndTxn; the broker writes the markers). The clock
   covers all of them; "commit ms" is the median time of the commit alone, the fixed cost per
   transaction, which is steadier than the rates on a busy host.
-- Measurements are paired: every transactional run directly follows an idempotent run of the
-  same client, and "vs baseline" is the median over rounds of transactional / that idempotent
-  run. The host is shared, so unpaired rates drift by tens of percent between minutes.
+- Measurements are paired: every transactional run sits next to an idempotent run of the same
+  client, and "vs baseline" is the median over rounds of transactional / that idempotent run. The
+  host is shared, so unpaired rates drift by tens of percent between minutes. Rounds alternate
+  which of the two goes first, and each timed run starts after an ``os.sync()``: the broker
+  fsyncs once a second, so a run used to pay for writing back the run before it (300 MB), and the
+  transactional run, always second, paid for the idempotent one.
 - **consume**: a fresh confluent-kafka consumer reads the N records of the last 100 ms topic from
   the beginning, read_uncommitted (the baseline) then read_committed (which stops at the last
   stable offset and skips the commit markers), paired the same way.
@@ -52,8 +58,9 @@ from confluent_kafka.admin import AdminClient, NewTopic  # noqa: E402
 from twophase.client import Producer as TwophaseProducer  # noqa: E402
 
 KAFKA_OVERHEAD_AT_100MS = 0.03
+BUFFER_BYTES = 32 << 20  # what each producer may queue unacknowledged: Java's buffer.memory, twophase.client's
 PRODUCER = {"acks": "all", "enable.idempotence": True,
-            "queue.buffering.max.kbytes": 256 << 10, "queue.buffering.max.messages": 1_000_000}
+            "queue.buffering.max.kbytes": BUFFER_BYTES >> 10, "queue.buffering.max.messages": 1_000_000}
 
 
 def new_topic(bootstrap: str) -> str:
@@ -105,7 +112,7 @@ class TwophaseClient:
 
     def __init__(self, bootstrap: str, linger_ms: int, transactional_id: str | None = None) -> None:
         self.producer = TwophaseProducer(bootstrap, transactional_id=transactional_id, linger_ms=linger_ms,
-                                         batch_size=1 << 20)
+                                         batch_size=1 << 20, buffer_memory=BUFFER_BYTES)
         if transactional_id:
             self.producer.init_transactions()
 
@@ -134,6 +141,7 @@ def idempotent(client_type, bootstrap: str, linger_ms: int, pool: list[bytes], r
     try:
         client.send_all(topic, pool, 1, 0)
         client.flush()
+        os.sync()  # untimed: the kernel writes back the previous run's dirty pages, not this run
         t = time.perf_counter()
         client.send_all(topic, pool, records, 0)
         client.flush()
@@ -154,6 +162,7 @@ def transactional(client_type, bootstrap: str, linger_ms: int, pool: list[bytes]
         client.send_all(topic, pool, 1, 0)
         client.commit()
         commits = []
+        os.sync()
         t = time.perf_counter()
         done = 0
         while done < records:
@@ -168,6 +177,23 @@ def transactional(client_type, bootstrap: str, linger_ms: int, pool: list[bytes]
         return records / (time.perf_counter() - t), statistics.median(commits) * 1000, topic
     finally:
         client.close()
+
+
+def paired(client_type, bootstrap: str, linger_ms: int, pool: list[bytes], records: int, txn_ms: int,
+           baseline_first: bool) -> tuple[float, float, float, int, str]:
+    """One idempotent and one transactional run: (idempotent records/s, transactional records/s, commit
+    ms, records per transaction, topic). Transactions hold ``txn_ms`` worth of records at the rate of an
+    idempotent run: the paired one when it goes first, else a short one (a tenth of the records).
+    Rounds alternate which goes first, so neither always runs right after the other."""
+    if baseline_first:
+        base = idempotent(client_type, bootstrap, linger_ms, pool, records)
+    else:
+        base = idempotent(client_type, bootstrap, linger_ms, pool, max(1, records // 10))
+    per_txn = max(1, round(base * txn_ms / 1000))
+    rate, commit_ms, topic = transactional(client_type, bootstrap, linger_ms, pool, records, per_txn)
+    if not baseline_first:
+        base = idempotent(client_type, bootstrap, linger_ms, pool, records)
+    return base, rate, commit_ms, per_txn, topic
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -191,13 +217,11 @@ def main(argv: list[str] | None = None) -> int:
     commits: dict[tuple[str, str], list[float]] = {}  # (client, mode) -> median commit ms per run
     try:
         with BrokerRunner(os.path.join(work, "data"), args.fsync, in_process=False) as broker:
-            for _ in range(args.rounds):
+            for r in range(args.rounds):
                 for client in (CLIENTS[c] for c in args.clients):
                     for ms in args.txn_ms:
-                        base = idempotent(client, broker.bootstrap, args.linger_ms, pool, args.records)
-                        n = max(1, round(base * ms / 1000))
-                        rate, commit_ms, topic = transactional(client, broker.bootstrap, args.linger_ms, pool,
-                                                               args.records, n)
+                        base, rate, commit_ms, n, topic = paired(client, broker.bootstrap, args.linger_ms, pool,
+                                                                 args.records, ms, baseline_first=r % 2 == 0)
                         commits.setdefault((client.name, f"{ms} ms"), []).append(commit_ms)
                         rates.setdefault((client.name, "idempotent"), []).append(base)
                         rates.setdefault((client.name, f"{ms} ms"), []).append(rate)
