@@ -18,10 +18,10 @@ def refuse_requests(monkeypatch, api_key: int, message: str) -> None:
     """From now on (until ``monkeypatch.undo()``), every request of ``api_key`` fails like a lost network."""
     original = Connection.request
 
-    def refusing(self, request, timeout_s=None):
+    def refusing(self, request, timeout_s=None, while_waiting=None):
         if request.__api_key__ == api_key:
             raise KafkaConnectionError(message)
-        return original(self, request, timeout_s)
+        return original(self, request, timeout_s, while_waiting)
 
     monkeypatch.setattr(Connection, "request", refusing)
 
@@ -31,9 +31,9 @@ def count_requests(monkeypatch) -> collections.Counter:
     counts: collections.Counter = collections.Counter()
     original = Connection.request
 
-    def counting(self, request, timeout_s=None):
+    def counting(self, request, timeout_s=None, while_waiting=None):
         counts[request.__api_key__] += 1
-        return original(self, request, timeout_s)
+        return original(self, request, timeout_s, while_waiting)
 
     monkeypatch.setattr(Connection, "request", counting)
     return counts

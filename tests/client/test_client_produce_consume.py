@@ -127,8 +127,8 @@ def test_idempotent_retries_write_each_batch_once_and_in_order(broker, topic, mo
     original = Connection.request
     lost = {"left": 3, "seen": 0}
 
-    def losing(self, request, timeout_s=None):
-        response = original(self, request, timeout_s)
+    def losing(self, request, timeout_s=None, while_waiting=None):
+        response = original(self, request, timeout_s, while_waiting)
         if request.__api_key__ == ApiKey.PRODUCE:
             lost["seen"] += 1
             if lost["left"]:
@@ -231,11 +231,11 @@ def hold_produce_requests(monkeypatch) -> tuple[threading.Event, threading.Event
     original = Connection.request
     entered, gate = threading.Event(), threading.Event()
 
-    def held(self, request, timeout_s=None):
+    def held(self, request, timeout_s=None, while_waiting=None):
         if request.__api_key__ == ApiKey.PRODUCE:
             entered.set()
             assert gate.wait(30), "the test never opened the gate"
-        return original(self, request, timeout_s)
+        return original(self, request, timeout_s, while_waiting)
 
     monkeypatch.setattr(Connection, "request", held)
     return entered, gate
@@ -304,3 +304,46 @@ def test_a_send_that_finds_the_buffer_full_past_max_block_ms_raises_and_queues_n
     with Consumer(broker.bootstrap) as c:
         c.assign([(topic, 0)])
         assert [m.value for m in drain(c, 10)] == values[:10]
+
+
+def test_the_next_full_batch_is_encoded_during_a_produce_round_trip(broker, topic, monkeypatch):
+    """The sender's work for batch N+1 overlaps the broker's for batch N; sealed (producer id, epoch,
+    sequence) when sent, it arrives once and in order, here across a producer id reset too."""
+    original = Connection.request
+    ahead: list[int] = []  # per Produce round trip: how many batches were encoded ahead during it
+    p = Producer(broker.bootstrap, linger_ms=10_000, batch_size=1_000)
+
+    def spying(self, request, timeout_s=None, while_waiting=None):
+        if request.__api_key__ != ApiKey.PRODUCE or while_waiting is None:
+            return original(self, request, timeout_s, while_waiting)
+
+        def spy():
+            while_waiting()
+            ahead.append(sum(b.unsealed is not None for queue in p._queues.values() for b in queue))
+        return original(self, request, timeout_s, spy)
+
+    monkeypatch.setattr(Connection, "request", spying)
+    values = [b"%03d" % i + b"." * 97 for i in range(100)]
+    with p:
+        for value in values[:50]:
+            p.send(topic, value=value, partition=0)
+        p.flush()
+        p._producer_id = -1  # as after a dropped batch: the next send takes a new id, sequences from 0
+        for value in values[50:]:
+            p.send(topic, value=value, partition=0)
+        p.flush()
+    assert len(ahead) > 10 and max(ahead) == 1  # one batch ahead: the partition's next
+    with Consumer(broker.bootstrap) as c:
+        c.assign([(topic, 0)])
+        assert [m.value for m in drain(c, 100)] == values
+
+
+def test_work_during_a_round_trip_that_fails_closes_the_connection_and_raises(broker):
+    conn = Connection("127.0.0.1", broker.port)
+
+    def failing():
+        raise RuntimeError("no (test)")
+
+    with pytest.raises(RuntimeError, match="no"):
+        conn.request(fetch_request("t", 0), while_waiting=failing)
+    assert conn.closed  # its response is unread: no later request may read it as its own

@@ -20,6 +20,7 @@ import socket
 import ssl
 import struct
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from kio.index import load_response_schema
@@ -140,9 +141,12 @@ class Connection:
                              f"{client_min}..{client_max}", ErrorCode.unsupported_version)
         return chosen
 
-    def request(self, request: Any, timeout_s: float | None = None) -> Any:
+    def request(self, request: Any, timeout_s: float | None = None,
+                while_waiting: Callable[[], None] | None = None) -> Any:
         """Send ``request`` and wait for its response (decoded). Connection failures close this
-        connection and raise KafkaConnectionError."""
+        connection and raise KafkaConnectionError. ``while_waiting`` runs once the request is sent,
+        before its response is read: work that overlaps the round trip (if it raises, the connection
+        closes, its response unread)."""
         with self._lock:
             if self.closed:
                 raise KafkaConnectionError(f"{self} is closed")
@@ -151,6 +155,12 @@ class Connection:
             try:
                 self._sock.settimeout(timeout_s or self.timeout_s)
                 self._sock.sendall(encode_request(correlation_id, request, self.client_id))
+                if while_waiting is not None:
+                    try:
+                        while_waiting()
+                    except BaseException:
+                        self.close()
+                        raise
                 frame = read_frame(self._sock)
             except (OSError, ConnectionError) as exc:
                 self.close()

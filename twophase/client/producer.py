@@ -33,7 +33,7 @@ from kio.schema.errors import ErrorCode
 from twophase.wire.api_keys import ApiKey
 from twophase.wire.compression import codec_id
 from twophase.wire.errors import KafkaError
-from twophase.wire.records import INT32_MAX, record_batch
+from twophase.wire.records import INT32_MAX, seal_batch, unsealed_batch
 
 from .cluster import Cluster, CoordinatorType
 from .connection import MS, Connection
@@ -63,6 +63,7 @@ class _Batch:
     records: list[tuple[int, bytes | None, bytes | None, Sequence[Header]]] = dataclasses.field(default_factory=list)
     size: int = 0
     closed: bool = False          # no more appends: it is (being) sent
+    unsealed: bytearray | None = None  # its records encoded ahead, during the round trip before it
     wire: bytes | None = None     # encoded once, with its sequence, so a retry resends the same bytes
     retry_at: float = 0.0
     attempts: int = 0
@@ -416,12 +417,26 @@ class Producer:
         if batch.wire is None:
             key = (batch.topic, batch.partition)
             sequence = self._sequences[key]
-            batch.wire = record_batch(batch.records, producer_id=self._producer_id,
-                                      producer_epoch=self._producer_epoch, base_sequence=sequence,
-                                      transactional=self.transactional_id is not None,
-                                      compression=self._compression)
+            unsealed = batch.unsealed if batch.unsealed is not None else unsealed_batch(batch.records,
+                                                                                        self._compression)
+            batch.wire = seal_batch(unsealed, producer_id=self._producer_id, producer_epoch=self._producer_epoch,
+                                    base_sequence=sequence, transactional=self.transactional_id is not None)
+            batch.unsealed = None
             self._sequences[key] = (sequence + len(batch.records)) % (INT32_MAX + 1)
         return batch.wire
+
+    def _encode_ahead(self) -> None:
+        """During a Produce round trip: encode each partition's next full batch, so that the sender's
+        CPU work overlaps the broker's instead of following it (the flush before a commit is the sender
+        alone). Only the records: producer id, epoch and sequence are set when it is sent."""
+        with self._cond:
+            ahead = [next((b for b in queue if b.wire is None), None) for queue in self._queues.values()]
+        for batch in ahead:
+            if batch is not None and batch.closed and batch.unsealed is None:
+                try:
+                    batch.unsealed = unsealed_batch(batch.records, self._compression)
+                except Exception as exc:  # sent as usual, the same error then fails the batch
+                    log.warning("could not encode a batch for %s-%d ahead: %s", batch.topic, batch.partition, exc)
 
     def _produce(self, node: int, batches: list[_Batch]) -> None:
         try:
@@ -435,7 +450,7 @@ class Producer:
                               timeout=int(self.request_timeout_s * 1000) * MS,
                               topic_data=tuple(part(ApiKey.PRODUCE, v, "TopicProduceData", name=t,
                                                     partition_data=tuple(ps)) for t, ps in topics.items()))
-            response = conn.request(request)
+            response = conn.request(request, while_waiting=self._encode_ahead)
         except KafkaError as exc:
             for b in batches:
                 self._retry_later(b, exc)

@@ -69,6 +69,9 @@ _HEADER = struct.Struct(">qiibIhiqqqhii")
 _PREFIX = struct.Struct(">qi")  # baseOffset, batchLength
 _OFFSET_AND_EPOCH = struct.Struct(">qii")  # baseOffset, batchLength, partitionLeaderEpoch
 _CRC_START = 21
+_ATTRIBUTES = struct.Struct(">h")  # at _CRC_START: the CRC covers them and what follows
+_PRODUCER = struct.Struct(">qhi")  # producerId, producerEpoch, baseSequence
+_PRODUCER_AT = 43
 _NO_SIZE_LIMIT = 1 << 62  # record_batch's caller bounds a batch; the builder must take every record
 _CONTROL_KEY = struct.Struct(">hh")
 _CONTROL_VALUE = struct.Struct(">hi")
@@ -328,29 +331,48 @@ def record_batch(
 ) -> bytes:
     """A v2 batch (base offset 0) of (timestamp_ms, key, value, headers) records, compressed with
     ``compression`` (a codec id of twophase.wire.compression)."""
+    return seal_batch(unsealed_batch(records, compression), producer_id=producer_id, producer_epoch=producer_epoch,
+                      base_sequence=base_sequence, transactional=transactional)
+
+
+def unsealed_batch(
+    records: Sequence[tuple[int, bytes | None, bytes | None, Sequence[tuple[str, bytes | None]]]],
+    compression: int = COMPRESSION_NONE,
+) -> bytearray:
+    """The costly part of :func:`record_batch`: the records encoded (and compressed), before the producer
+    id, epoch, sequence and transactional flag are known. A producer builds it ahead, while the round trip
+    of the batch before it runs; :func:`seal_batch` sets those fields and the CRC."""
     if not records:
         raise ValueError("a record batch needs at least one record")
     if compression not in CODEC_NAMES.values():
         raise ValueError(f"unknown compression codec {compression}")
     # aiokafka's builder (C) encodes a record in about 0.3 us where Python took 2.4, byte for byte as
     # Kafka does; it builds the batch uncompressed, and cramjam compresses its records below.
-    builder = _BatchBuilder(MAGIC, COMPRESSION_NONE, int(transactional), producer_id, producer_epoch,
-                            base_sequence, _NO_SIZE_LIMIT)
+    builder = _BatchBuilder(MAGIC, COMPRESSION_NONE, 0, NO_PRODUCER_ID, -1, NO_SEQUENCE, _NO_SIZE_LIMIT)
     for offset_delta, (timestamp_ms, key, value, headers) in enumerate(records):
         # It takes exactly a list of (str, bytes | None) tuples: a caller's bytearray or list pair is converted.
         builder.append(offset_delta, timestamp_ms, key, value,
                        [(str(name), None if data is None else bytes(data)) for name, data in headers])
     built = builder.build()
     if compression == COMPRESSION_NONE:
-        return bytes(built)
+        return built
     fields = list(_HEADER.unpack_from(built))
     body = compress(compression, bytes(built[HEADER_SIZE:]))
     fields[1] = HEADER_SIZE - LOG_OVERHEAD + len(body)   # batch length
-    fields[5] = compression | (ATTR_TRANSACTIONAL if transactional else 0)  # attributes
+    fields[5] = compression  # attributes
     buf = bytearray(_HEADER.pack(*fields))
     buf += body
-    struct.pack_into(">I", buf, 17, crc32c.crc32c(memoryview(buf)[_CRC_START:]))
-    return bytes(buf)
+    return buf
+
+
+def seal_batch(batch: bytearray, *, producer_id: int = NO_PRODUCER_ID, producer_epoch: int = -1,
+               base_sequence: int = NO_SEQUENCE, transactional: bool = False) -> bytes:
+    """The finished batch of an :func:`unsealed_batch` (which it changes; seal it again for other values)."""
+    attributes = _ATTRIBUTES.unpack_from(batch, _CRC_START)[0] & ~ATTR_TRANSACTIONAL
+    _ATTRIBUTES.pack_into(batch, _CRC_START, attributes | (ATTR_TRANSACTIONAL if transactional else 0))
+    _PRODUCER.pack_into(batch, _PRODUCER_AT, producer_id, producer_epoch, base_sequence)
+    struct.pack_into(">I", batch, 17, crc32c.crc32c(memoryview(batch)[_CRC_START:]))
+    return bytes(batch)
 
 
 # Most a compressed batch may inflate to, by default: real batches are far smaller (producers cap a
