@@ -28,9 +28,12 @@ from twophase.wire.records import (
     parse_control_record,
     parse_header,
     record_batch,
+    seal_batch,
     set_base_offset,
+    unsealed_batch,
     validate_batch,
 )
+from twophase.wire.compression import CODEC_NAMES
 from twophase.wire.varint import decode_varint, encode_varint
 
 from .batches import batch, decode, kafka_batch
@@ -192,3 +195,34 @@ def test_record_batch_takes_header_values_of_any_bytes_like_type():
     plain = record_batch([(1, b"k", b"v", [("h", b"x"), ("n", None)])])
     assert record_batch([(1, b"k", b"v", (["h", bytearray(b"x")], ("n", None)))]) == plain
     assert record_batch([(1, b"k", b"v", [("h", memoryview(b"x")), ("n", None)])]) == plain
+
+
+@given(_records, st.booleans(), st.integers(min_value=-1, max_value=2**31 - 1))
+def test_a_batch_sealed_again_keeps_nothing_of_its_first_seal(records, transactional, base_sequence):
+    """A producer encodes a batch ahead and seals it when it sends it, again after a producer id reset:
+    the last seal is kafka-python's batch byte for byte."""
+    reference = KafkaPythonBuilder(2, 0, int(transactional), 7, 3, base_sequence, 1 << 40)
+    for offset, (timestamp, key, value, headers) in enumerate(records):
+        reference.append(offset, timestamp, key, value, headers)
+    expected = bytearray(reference.build())
+    expected[12:16] = b"\xff" * 4  # the partition leader epoch, as in the test above
+    unsealed = unsealed_batch(records)
+    seal_batch(unsealed, producer_id=99, producer_epoch=9, base_sequence=5, transactional=not transactional)
+    assert seal_batch(unsealed, producer_id=7, producer_epoch=3, base_sequence=base_sequence,
+                      transactional=transactional) == bytes(expected)
+
+
+@pytest.mark.parametrize("codec", sorted(CODEC_NAMES.values()))
+@pytest.mark.parametrize("transactional", [False, True])
+def test_a_compressed_batch_sealed_again_carries_the_last_seal_and_its_codec(codec, transactional):
+    records = [(1_700_000_000_000 + i, b"k%d" % i, b"v" * i, [("h", b"x")]) for i in range(20)]
+    unsealed = unsealed_batch(records, codec)
+    seal_batch(unsealed, producer_id=99, producer_epoch=9, base_sequence=5, transactional=not transactional)
+    sealed = seal_batch(unsealed, producer_id=7, producer_epoch=3, base_sequence=40, transactional=transactional)
+    header = validate_batch(sealed)  # the CRC is the last seal's
+    assert (header.producer_id, header.producer_epoch, header.base_sequence) == (7, 3, 40)
+    assert (header.compression, header.is_transactional) == (codec, transactional)
+    assert [(r.timestamp_ms, r.key, r.value, r.headers) for r in decode_batch_records(sealed)] == [
+        (t, k, v, tuple(h)) for t, k, v, h in records]
+    assert sealed == record_batch(records, producer_id=7, producer_epoch=3, base_sequence=40,
+                                  transactional=transactional, compression=codec)

@@ -40,8 +40,8 @@ def test_list_offsets_earliest_latest_and_the_last_stable_offset_in_one_request(
             p.send(topic, value=b"after", partition=2)
         requests = []
         original = Connection.request
-        monkeypatch.setattr(Connection, "request", lambda self, r, timeout_s=None: (
-            requests.append(r.__api_key__), original(self, r, timeout_s))[1])
+        monkeypatch.setattr(Connection, "request", lambda self, r, timeout_s=None, while_waiting=None: (
+            requests.append(r.__api_key__), original(self, r, timeout_s, while_waiting))[1])
         parts = [(topic, 0), (topic, 1), (topic, 2)]
         with Admin(broker.bootstrap) as admin:
             earliest = admin.list_offsets(parts, EARLIEST)

@@ -13,7 +13,8 @@ from confluent_kafka import Producer as ConfluentProducer
 
 from tests.broker.batches import batch_offsets
 from tests.broker.conftest import fetch_request
-from twophase.client import Admin, Consumer, KafkaConnectionError, KafkaError, KafkaTimeout, Producer
+from twophase.client import (Admin, Consumer, KafkaConnectionError, KafkaError, KafkaTimeout, Producer,
+                             TransactionStateError)
 from twophase.client.connection import Connection
 from twophase.wire.api_keys import ApiKey
 
@@ -241,12 +242,26 @@ def hold_produce_requests(monkeypatch) -> tuple[threading.Event, threading.Event
     return entered, gate
 
 
+def await_waiting_for_room(p: Producer, thread: threading.Thread) -> None:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        with p._cond:
+            if p._room_waiters:
+                return
+        thread.join(0.01)
+    raise AssertionError("no send waited for room")
+
+
+def values_of(n: int) -> list[bytes]:
+    return [b"%03d" % i + b"." * 97 for i in range(n)]
+
+
 @pytest.mark.parametrize("transactional", [False, True])
 def test_a_full_buffer_blocks_sends_until_acknowledgements_free_room(broker, topic, monkeypatch, transactional):
     """Kafka's back-pressure: with the broker's acknowledgements held back, a sender (send and send_many)
     queues what fits in buffer_memory and waits; once they come, it goes on, losing nothing."""
     entered, gate = hold_produce_requests(monkeypatch)
-    values = [b"%03d" % i + b"." * 97 for i in range(40)]
+    values = values_of(40)
     sent: list[int] = []
     p = Producer(broker.bootstrap, linger_ms=0, batch_size=3 * RECORD, buffer_memory=10 * RECORD,
                  transactional_id=f"bp-{topic}" if transactional else None)
@@ -265,11 +280,10 @@ def test_a_full_buffer_blocks_sends_until_acknowledgements_free_room(broker, top
         sending = threading.Thread(target=produce, daemon=True)
         sending.start()
         assert entered.wait(30)
-        deadline = time.monotonic() + 30
-        while len(sent) < 10 and time.monotonic() < deadline:
-            sending.join(0.01)
+        await_waiting_for_room(p, sending)
         assert sent == list(range(10))  # ten fit; the eleventh waits for room
-        assert sending.is_alive()
+        with p._cond:
+            assert p._queued_bytes == 10 * RECORD
         gate.set()
         sending.join(30)
         assert not sending.is_alive() and sent[-1] == 40
@@ -285,10 +299,25 @@ def test_a_full_buffer_blocks_sends_until_acknowledgements_free_room(broker, top
         assert [m.value for m in drain(c, 40)] == values  # each once, in order
 
 
+def test_a_send_waiting_for_room_sends_batches_that_still_linger(broker, topic):
+    """A buffer full of open batches (batch_size above buffer_memory, a minute's linger): waiting sends
+    them at once; nothing waits for the linger, and nothing times out."""
+    values = values_of(30)
+    with Producer(broker.bootstrap, linger_ms=60_000, batch_size=100 * RECORD, buffer_memory=10 * RECORD,
+                  max_block_ms=20_000) as p:
+        for value in values[:15]:
+            p.send(topic, value=value, partition=0)
+        p.send_many([(topic, 0, None, value, None, None) for value in values[15:]])
+        p.flush()
+    with Consumer(broker.bootstrap) as c:
+        c.assign([(topic, 0)])
+        assert [m.value for m in drain(c, 30)] == values
+
+
 def test_a_send_that_finds_the_buffer_full_past_max_block_ms_raises_and_queues_nothing(broker, topic,
                                                                                        monkeypatch):
     entered, gate = hold_produce_requests(monkeypatch)
-    values = [b"%03d" % i + b"." * 97 for i in range(12)]
+    values = values_of(12)
     with Producer(broker.bootstrap, linger_ms=0, buffer_memory=10 * RECORD, max_block_ms=100) as p:
         with pytest.raises(ValueError, match=r"larger than the producer's whole buffer, buffer_memory=1240"):
             p.send(topic, value=b"x" * (10 * RECORD), partition=0)
@@ -306,11 +335,36 @@ def test_a_send_that_finds_the_buffer_full_past_max_block_ms_raises_and_queues_n
         assert [m.value for m in drain(c, 10)] == values[:10]
 
 
+def test_a_send_many_that_times_out_half_queued_leaves_a_transaction_only_to_abort(broker, topic, monkeypatch):
+    entered, gate = hold_produce_requests(monkeypatch)
+    values = values_of(12)
+    with Producer(broker.bootstrap, linger_ms=0, buffer_memory=10 * RECORD, max_block_ms=100,
+                  transactional_id=f"half-{topic}") as p:
+        p.init_transactions()
+        p.begin_transaction()
+        for value in values[:8]:
+            p.send(topic, value=value, partition=0)
+        assert entered.wait(30)
+        with pytest.raises(KafkaTimeout, match="max_block_ms"):
+            p.send_many([(topic, 0, None, value, None, None) for value in values[8:]])  # two of four fit
+        with pytest.raises(TransactionStateError, match="abortable_error"):
+            p.commit_transaction()
+        gate.set()
+        p.abort_transaction()
+        p.begin_transaction()
+        p.send(topic, value=b"after", partition=0)
+        p.commit_transaction()
+    with Consumer(broker.bootstrap, isolation_level="read_committed") as c:
+        c.assign([(topic, 0)])
+        assert [m.value for m in drain(c, 1)] == [b"after"]
+
+
 def test_the_next_full_batch_is_encoded_during_a_produce_round_trip(broker, topic, monkeypatch):
     """The sender's work for batch N+1 overlaps the broker's for batch N; sealed (producer id, epoch,
-    sequence) when sent, it arrives once and in order, here across a producer id reset too."""
+    sequence) when sent, it arrives once and in order, also when the producer id changes in between."""
     original = Connection.request
     ahead: list[int] = []  # per Produce round trip: how many batches were encoded ahead during it
+    reset_with_one_ahead = threading.Event()
     p = Producer(broker.bootstrap, linger_ms=10_000, batch_size=1_000)
 
     def spying(self, request, timeout_s=None, while_waiting=None):
@@ -319,19 +373,20 @@ def test_the_next_full_batch_is_encoded_during_a_produce_round_trip(broker, topi
 
         def spy():
             while_waiting()
-            ahead.append(sum(b.unsealed is not None for queue in p._queues.values() for b in queue))
+            with p._cond:
+                ahead.append(sum(b.unsealed is not None for queue in p._queues.values() for b in queue))
+            if ahead[-1] and len(ahead) > 3 and not reset_with_one_ahead.is_set():
+                p._producer_id = -1  # as after a dropped batch: the next send takes a new id, sequences from 0
+                reset_with_one_ahead.set()
         return original(self, request, timeout_s, spy)
 
     monkeypatch.setattr(Connection, "request", spying)
-    values = [b"%03d" % i + b"." * 97 for i in range(100)]
+    values = values_of(100)
     with p:
-        for value in values[:50]:
+        for value in values:
             p.send(topic, value=value, partition=0)
         p.flush()
-        p._producer_id = -1  # as after a dropped batch: the next send takes a new id, sequences from 0
-        for value in values[50:]:
-            p.send(topic, value=value, partition=0)
-        p.flush()
+    assert reset_with_one_ahead.is_set()
     assert len(ahead) > 10 and max(ahead) == 1  # one batch ahead: the partition's next
     with Consumer(broker.bootstrap) as c:
         c.assign([(topic, 0)])
@@ -342,8 +397,8 @@ def test_work_during_a_round_trip_that_fails_closes_the_connection_and_raises(br
     conn = Connection("127.0.0.1", broker.port)
 
     def failing():
-        raise RuntimeError("no (test)")
+        raise OSError("no (test)")  # not taken for a lost connection: the hook's own error
 
-    with pytest.raises(RuntimeError, match="no"):
+    with pytest.raises(OSError, match="no"):
         conn.request(fetch_request("t", 0), while_waiting=failing)
     assert conn.closed  # its response is unread: no later request may read it as its own

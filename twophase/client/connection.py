@@ -155,21 +155,27 @@ class Connection:
             try:
                 self._sock.settimeout(timeout_s or self.timeout_s)
                 self._sock.sendall(encode_request(correlation_id, request, self.client_id))
-                if while_waiting is not None:
-                    try:
-                        while_waiting()
-                    except BaseException:
-                        self.close()
-                        raise
+            except (OSError, ConnectionError) as exc:
+                raise self._lost(exc) from None
+            if while_waiting is not None:
+                try:
+                    while_waiting()
+                except BaseException:
+                    self.close()  # its response is unread: no later request may take it for its own
+                    raise
+            try:
                 frame = read_frame(self._sock)
             except (OSError, ConnectionError) as exc:
-                self.close()
-                raise KafkaConnectionError(f"{self}: {type(exc).__name__}: {exc}") from None
+                raise self._lost(exc) from None
         try:
             return decode_response(frame, request, correlation_id)
         except ConnectionError as exc:
             self.close()
             raise KafkaConnectionError(f"{self}: {exc}") from None
+
+    def _lost(self, exc: BaseException) -> KafkaConnectionError:
+        self.close()
+        return KafkaConnectionError(f"{self}: {type(exc).__name__}: {exc}")
 
     def close(self) -> None:
         """Close now, also from another thread: a request blocked in recv fails at once."""

@@ -73,9 +73,10 @@ class Producer:
     """See the module docstring. Thread-safe for send/flush from several threads.
 
     ``buffer_memory`` bounds the bytes of records queued and not yet acknowledged (Kafka's
-    ``buffer.memory``, 32 MB): a send that would exceed it waits until acknowledgements free room, and
-    raises KafkaTimeout, queueing nothing, if that takes over ``max_block_ms`` (a record larger than
-    the whole buffer is a ValueError). ``delivery_timeout_ms`` bounds how long a batch is retried
+    ``buffer.memory``, 32 MB; it counts keys, values and headers, not the encoded copies of the
+    batches being sent): a send that would exceed it sends what is queued at once and waits for
+    acknowledgements to free room, for at most ``max_block_ms`` per call, then raises KafkaTimeout
+    (a record larger than the whole buffer is a ValueError). ``delivery_timeout_ms`` bounds how long a batch is retried
     (``retries``, if given, also caps the attempts); ``transaction_timeout_ms`` is the broker-side
     timeout of a non-2PC transaction;
     ``enable_2pc`` registers the producer for KIP-939 (its transactions never time out and can be
@@ -112,6 +113,7 @@ class Producer:
         self.buffer_memory = buffer_memory
         self.max_block_s = max_block_ms / 1000
         self._queued_bytes = 0  # of the records in self._queues (the lock held)
+        self._room_waiters = 0  # sends waiting for room: every queued batch is due meanwhile
         self._compression = compression_id
         self._cluster = Cluster(bootstrap, client_id=client_id, request_timeout_s=self.request_timeout_s,
                                 security=as_security(security))
@@ -151,8 +153,9 @@ class Producer:
         timestamp = int(time.time() * 1000) if timestamp_ms is None else timestamp_ms
         size = RECORD_OVERHEAD + len(key or b"") + len(value or b"") + sum(len(n) + len(v or b"") for n, v in headers)
         self._check_fits(size)
+        deadline = time.monotonic() + self.max_block_s
         with self._cond:
-            self._wait_for_room(size)
+            self._wait_for_room(size, deadline)
             if partition is None:
                 partition = self._sticky.partition(topic, len(partitions))
             if self._append(topic, partition, (timestamp, key, value, headers), size):
@@ -167,7 +170,8 @@ class Producer:
         For bulk writers (a sink writing an Arrow batch): the state checks, the clock and each topic's
         metadata are read once per call and the lock taken once per :data:`SEND_MANY_CHUNK` records,
         not per record. A record with a partition the topic lacks raises ValueError; earlier records
-        may be queued already (in a transaction, abort it).
+        may be queued already (in a transaction, abort it). So may they when the buffer stays full
+        for ``max_block_ms`` (KafkaTimeout): a transaction then moves to ABORTABLE_ERROR.
         """
         if self.transactional_id is not None:
             self._txn.require(TxnState.IN_TRANSACTION, action="send")
@@ -175,6 +179,7 @@ class Producer:
         if timestamp_ms is not None and timestamp_ms < 0:
             raise ValueError(f"invalid timestamp {timestamp_ms}: a record's timestamp is non-negative or None (now)")
         now = int(time.time() * 1000) if timestamp_ms is None else timestamp_ms
+        deadline = time.monotonic() + self.max_block_s
         counts: dict[str, int] = {}  # topic -> its number of partitions
         sent, records = 0, iter(records)
         while chunk := list(itertools.islice(records, SEND_MANY_CHUNK)):
@@ -201,11 +206,16 @@ class Producer:
                 queued.append((topic, partition, (now if timestamp is None else timestamp, key, value, headers), size))
             wake = False
             with self._cond:
-                for topic, partition, record, size in queued:
+                for i, (topic, partition, record, size) in enumerate(queued):
                     if self._queued_bytes + size > self.buffer_memory or self._closing:
                         if wake:  # the batches this chunk filled must go out to make room
                             self._cond.notify_all()
-                        self._wait_for_room(size)
+                        try:
+                            self._wait_for_room(size, deadline)
+                        except KafkaError:
+                            if sent + i and self._txn.state is TxnState.IN_TRANSACTION:
+                                self._txn.transition(TxnState.ABORTABLE_ERROR)  # part of the call is queued
+                            raise
                     if partition is None:
                         partition = self._sticky.partition(topic, counts[topic])
                     wake = self._append(topic, partition, record, size) or wake
@@ -220,24 +230,33 @@ class Producer:
             raise ValueError(f"a record of {size} bytes (key, value and headers) is larger than the producer's "
                              f"whole buffer, buffer_memory={self.buffer_memory}")
 
-    def _wait_for_room(self, size: int) -> None:
-        """Wait (the lock held) until ``size`` more bytes fit in the buffer; KafkaTimeout after max_block_ms."""
-        deadline = None
-        while True:
-            if self._closing:
-                raise KafkaError("producer is closed")
-            if self._queued_bytes + size <= self.buffer_memory:
-                return
-            if not self._sender.is_alive():
-                raise KafkaError("the producer's sender thread has stopped (producer closed?)")
-            now = time.monotonic()
-            deadline = deadline if deadline is not None else now + self.max_block_s
-            if now >= deadline:
-                raise KafkaTimeout(f"the producer's buffer stayed full for max_block_ms "
-                                   f"({self.max_block_s * 1000:.0f} ms): {self._queued_bytes} of "
-                                   f"buffer_memory={self.buffer_memory} bytes queued and not yet acknowledged "
-                                   "(is the broker reachable?)")
-            self._cond.wait(min(deadline - now, 0.5))
+    def _wait_for_room(self, size: int, deadline: float) -> None:
+        """Wait (the lock held) until ``size`` more bytes fit in the buffer; KafkaTimeout at ``deadline``.
+
+        Meanwhile every queued batch is due, lingering or not: room comes only from acknowledgements."""
+        if self._closing:
+            raise KafkaError("producer is closed")
+        if self._queued_bytes + size <= self.buffer_memory:
+            return
+        self._room_waiters += 1
+        self._cond.notify_all()
+        try:
+            while self._queued_bytes + size > self.buffer_memory:
+                if self._closing:
+                    raise KafkaError("producer is closed")
+                if not self._sender.is_alive():
+                    raise KafkaError("the producer's sender thread has stopped (producer closed?)")
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise KafkaTimeout(f"the producer's buffer stayed full for max_block_ms "
+                                       f"({self.max_block_s * 1000:.0f} ms): {self._queued_bytes} of "
+                                       f"buffer_memory={self.buffer_memory} bytes queued and not yet "
+                                       "acknowledged (is the broker reachable?)")
+                self._cond.wait(min(remaining, 0.5))
+        finally:
+            self._room_waiters -= 1
+        if self.transactional_id is not None:  # a commit or abort may have run while this waited
+            self._txn.require(TxnState.IN_TRANSACTION, action="send")
 
     def _append(self, topic: str, partition: int, record: tuple, size: int) -> bool:
         """Add a record to the partition's open batch, starting one if there is none or it would overflow
@@ -334,7 +353,8 @@ class Producer:
             if not queue:
                 continue
             head = queue[0]
-            due = head.closed or self._flushing or self._closing or now - head.created >= self.linger_s
+            due = (head.closed or self._flushing or self._closing or self._room_waiters
+                   or now - head.created >= self.linger_s)
             if due and head.retry_at <= now:
                 if not head.closed:
                     head.closed = True
@@ -374,6 +394,8 @@ class Producer:
     def _dequeue(self, queue: collections.deque[_Batch]) -> None:
         """Take a partition's head batch off its queue (the lock held), freeing its room in the buffer."""
         self._queued_bytes -= queue.popleft().size
+        if self._room_waiters:
+            self._cond.notify_all()
 
     def _send(self, batches: list[_Batch], adding: list[tuple[str, int]]) -> None:
         """Add ``adding`` to the transaction, then produce ``batches`` (due batches, possibly none)."""
