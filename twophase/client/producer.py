@@ -76,12 +76,11 @@ class Producer:
     ``buffer.memory``, 32 MB; it counts keys, values and headers, not the encoded copies of the
     batches being sent): a send that would exceed it sends what is queued at once and waits for
     acknowledgements to free room, for at most ``max_block_ms`` per call, then raises KafkaTimeout
-    (a record larger than the whole buffer is a ValueError). ``delivery_timeout_ms`` bounds how long a batch is retried
-    (``retries``, if given, also caps the attempts); ``transaction_timeout_ms`` is the broker-side
-    timeout of a non-2PC transaction;
-    ``enable_2pc`` registers the producer for KIP-939 (its transactions never time out and can be
-    prepared); ``compression`` is Kafka's compression.type: None or "none", "gzip", "snappy", "lz4" or
-    "zstd" (ValueError for another name). ``security``: TLS and SASL settings, a
+    (a record larger than the whole buffer is a ValueError). ``delivery_timeout_ms`` bounds how long
+    a batch is retried (``retries``, if given, also caps the attempts); ``transaction_timeout_ms`` is
+    the broker-side timeout of a non-2PC transaction; ``enable_2pc`` registers the producer for
+    KIP-939 (its transactions never time out and can be prepared); ``compression`` is Kafka's
+    compression.type: None or "none", "gzip", "snappy", "lz4" or "zstd" (ValueError for another name). ``security``: TLS and SASL settings, a
     :class:`~twophase.client.security.SecuritySettings` or a mapping of Kafka's names
     (``{"security.protocol": "SASL_SSL", "sasl.mechanism": "SCRAM-SHA-256", ...}``), or a source
     (``"file:client.properties"``, ``"env:KAFKA_"``) for :func:`~twophase.client.security.load_security`;
