@@ -68,6 +68,8 @@ CONTROL_COMMIT = 1
 _HEADER = struct.Struct(">qiibIhiqqqhii")
 _PREFIX = struct.Struct(">qi")  # baseOffset, batchLength
 _OFFSET_AND_EPOCH = struct.Struct(">qii")  # baseOffset, batchLength, partitionLeaderEpoch
+_CRC = struct.Struct(">I")
+_CRC_AT = 17
 _CRC_START = 21
 _ATTRIBUTES = struct.Struct(">h")  # at _CRC_START: the CRC covers them and what follows
 _PRODUCER = struct.Struct(">qhi")  # producerId, producerEpoch, baseSequence
@@ -204,7 +206,7 @@ def control_batch(
         )
     )
     buf += records
-    struct.pack_into(">I", buf, 17, crc32c.crc32c(memoryview(buf)[_CRC_START:]))
+    _set_crc(buf)
     return bytes(buf)
 
 
@@ -371,8 +373,13 @@ def seal_batch(batch: bytearray, *, producer_id: int = NO_PRODUCER_ID, producer_
     attributes = _ATTRIBUTES.unpack_from(batch, _CRC_START)[0] & ~ATTR_TRANSACTIONAL
     _ATTRIBUTES.pack_into(batch, _CRC_START, attributes | (ATTR_TRANSACTIONAL if transactional else 0))
     _PRODUCER.pack_into(batch, _PRODUCER_AT, producer_id, producer_epoch, base_sequence)
-    struct.pack_into(">I", batch, 17, crc32c.crc32c(memoryview(batch)[_CRC_START:]))
+    _set_crc(batch)
     return bytes(batch)
+
+
+def _set_crc(batch: bytearray) -> None:
+    """Write the CRC-32C of everything after it (the batch starts ``batch``)."""
+    _CRC.pack_into(batch, _CRC_AT, crc32c.crc32c(memoryview(batch)[_CRC_START:]))
 
 
 # Most a compressed batch may inflate to, by default: real batches are far smaller (producers cap a
