@@ -66,13 +66,6 @@ def _idempotence(option: str, text: str) -> None:
                          "only true is accepted")
 
 
-def _checked(parse: Callable[[str, str], Any]) -> Callable[[str, str], None]:
-    """``parse`` for a setting that is checked but changes nothing in this client."""
-    def check(option: str, text: str) -> None:
-        parse(option, text)
-    return check
-
-
 def _text(option: str, text: str) -> str:
     if not text.strip():
         raise ValueError(f"{option} is empty")
@@ -94,8 +87,7 @@ _SETTINGS: dict[str, tuple[str, str | None, Callable[[str, str], Any]]] = {
     "buffer.memory": ("producer", "buffer_memory", _int(1, unit=_BYTES)),
     "max.block.ms": ("producer", "max_block_ms", _int(0, unit=_MS)),
     "max.request.size": ("producer", None, _int(1, unit=_BYTES)),  # caps the batch size (below)
-    # Kafka allows at most 5 with idempotence; this client sends one request per connection at a time.
-    "max.in.flight.requests.per.connection": ("producer", None, _checked(_int(1, 5))),
+    "max.in.flight.requests.per.connection": ("producer", "max_in_flight", _int(1, 5)),  # 5: idempotence's limit
     "enable.idempotence": ("producer", None, _idempotence),
     "transaction.timeout.ms": ("transaction_timeout_ms", None, _int(1, unit=_MS)),
 }

@@ -29,7 +29,7 @@ from twophase.sink import TxnContext
      {"producer": {"buffer_memory": 64 << 20, "max_block_ms": 5000}}),
     ({"max.request.size": "1048576"}, {"producer": {"batch_size": 64 * 1024}}),   # the default fits
     ({"max.request.size": "1000", "batch.size": "16384"}, {"producer": {"batch_size": 1000}}),
-    ({"max.in.flight.requests.per.connection": "5"}, {}),   # at most 5 with idempotence; one at a time here
+    ({"max.in.flight.requests.per.connection": "2"}, {"producer": {"max_in_flight": 2}}),  # at most 5 (idempotence)
     ({"enable.idempotence": "TRUE"}, {}),
     ({"transaction.timeout.ms": "900000"}, {"transaction_timeout_ms": 900000}),
     ({"security.protocol": "SSL", "ssl.ca.location": "/etc/ca.pem"},

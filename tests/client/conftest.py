@@ -16,26 +16,28 @@ from twophase.client.connection import Connection
 
 def refuse_requests(monkeypatch, api_key: int, message: str) -> None:
     """From now on (until ``monkeypatch.undo()``), every request of ``api_key`` fails like a lost network."""
-    original = Connection.request
+    original = Connection.request_many
 
-    def refusing(self, request, timeout_s=None, while_waiting=None):
-        if request.__api_key__ == api_key:
+    def refusing(self, requests, timeout_s=None, while_waiting=None):
+        requests = list(requests)
+        if any(request.__api_key__ == api_key for request in requests):
             raise KafkaConnectionError(message)
-        return original(self, request, timeout_s, while_waiting)
+        return original(self, requests, timeout_s, while_waiting)
 
-    monkeypatch.setattr(Connection, "request", refusing)
+    monkeypatch.setattr(Connection, "request_many", refusing)
 
 
 def count_requests(monkeypatch) -> collections.Counter:
     """From now on (until ``monkeypatch.undo()``), count the requests every client sends, by api key."""
     counts: collections.Counter = collections.Counter()
-    original = Connection.request
+    original = Connection.request_many
 
-    def counting(self, request, timeout_s=None, while_waiting=None):
-        counts[request.__api_key__] += 1
-        return original(self, request, timeout_s, while_waiting)
+    def counting(self, requests, timeout_s=None, while_waiting=None):
+        requests = list(requests)
+        counts.update(request.__api_key__ for request in requests)
+        return original(self, requests, timeout_s, while_waiting)
 
-    monkeypatch.setattr(Connection, "request", counting)
+    monkeypatch.setattr(Connection, "request_many", counting)
     return counts
 
 

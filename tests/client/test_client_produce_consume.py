@@ -3,6 +3,7 @@ every codec, murmur2 partitions, idempotent retries through a connection-droppin
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import threading
 import time
@@ -10,6 +11,7 @@ import time
 import pytest
 from confluent_kafka import Consumer as ConfluentConsumer
 from confluent_kafka import Producer as ConfluentProducer
+from kio.schema.errors import ErrorCode
 
 from tests.broker.batches import batch_offsets
 from tests.broker.conftest import fetch_request
@@ -125,20 +127,21 @@ def test_long_poll_returns_as_soon_as_data_arrives(broker, topic):
 def test_idempotent_retries_write_each_batch_once_and_in_order(broker, topic, monkeypatch):
     """The first Produce responses are lost after the broker wrote the batch (as when a connection
     drops): the producer resends the same batches, the broker deduplicates them."""
-    original = Connection.request
+    original = Connection.request_many
     lost = {"left": 3, "seen": 0}
 
-    def losing(self, request, timeout_s=None, while_waiting=None):
-        response = original(self, request, timeout_s, while_waiting)
-        if request.__api_key__ == ApiKey.PRODUCE:
+    def losing(self, requests, timeout_s=None, while_waiting=None):
+        requests = list(requests)
+        responses = original(self, requests, timeout_s, while_waiting)
+        if requests[0].__api_key__ == ApiKey.PRODUCE:
             lost["seen"] += 1
             if lost["left"]:
                 lost["left"] -= 1
                 self.close()
-                raise KafkaConnectionError("response lost (test)")
-        return response
+                raise KafkaConnectionError("responses lost (test)")
+        return responses
 
-    monkeypatch.setattr(Connection, "request", losing)
+    monkeypatch.setattr(Connection, "request_many", losing)
     with Producer(broker.bootstrap, linger_ms=0, batch_size=200) as p:
         for i in range(40):
             p.send(topic, value=b"%03d" % i, partition=0)
@@ -154,6 +157,8 @@ def test_idempotent_retries_write_each_batch_once_and_in_order(broker, topic, mo
 def test_bad_input_gets_clear_errors(broker, topic):
     with pytest.raises(ValueError, match="acks"):
         Producer(broker.bootstrap, acks=1)
+    with pytest.raises(ValueError, match="max_in_flight must be 1..5"):
+        Producer(broker.bootstrap, max_in_flight=6)
     with pytest.raises(ValueError, match="HOST:PORT"):
         Producer("nohost")
     with Producer(broker.bootstrap) as p:
@@ -229,16 +234,17 @@ RECORD = 24 + 100  # RECORD_OVERHEAD + a 100-byte value: what one record takes o
 
 def hold_produce_requests(monkeypatch) -> tuple[threading.Event, threading.Event]:
     """(entered, gate): every Produce request waits for ``gate``; ``entered`` is set once one waits."""
-    original = Connection.request
+    original = Connection.request_many
     entered, gate = threading.Event(), threading.Event()
 
-    def held(self, request, timeout_s=None, while_waiting=None):
-        if request.__api_key__ == ApiKey.PRODUCE:
+    def held(self, requests, timeout_s=None, while_waiting=None):
+        requests = list(requests)
+        if requests[0].__api_key__ == ApiKey.PRODUCE:
             entered.set()
             assert gate.wait(30), "the test never opened the gate"
-        return original(self, request, timeout_s, while_waiting)
+        return original(self, requests, timeout_s, while_waiting)
 
-    monkeypatch.setattr(Connection, "request", held)
+    monkeypatch.setattr(Connection, "request_many", held)
     return entered, gate
 
 
@@ -359,38 +365,78 @@ def test_a_send_many_that_times_out_half_queued_leaves_a_transaction_only_to_abo
         assert [m.value for m in drain(c, 1)] == [b"after"]
 
 
-def test_the_next_full_batch_is_encoded_during_a_produce_round_trip(broker, topic, monkeypatch):
-    """The sender's work for batch N+1 overlaps the broker's for batch N; sealed (producer id, epoch,
-    sequence) when sent, it arrives once and in order, also when the producer id changes in between."""
-    original = Connection.request
-    ahead: list[int] = []  # per Produce round trip: how many batches were encoded ahead during it
-    reset_with_one_ahead = threading.Event()
-    p = Producer(broker.bootstrap, linger_ms=10_000, batch_size=1_000)
+@pytest.mark.parametrize("max_in_flight", [1, 5])
+def test_the_next_full_batches_are_encoded_during_a_produce_round_trip(broker, topic, monkeypatch, max_in_flight):
+    """The sender's work for the next request overlaps the broker's for this one; sealed (producer id,
+    epoch, sequence) when sent, every batch arrives once and in order, also when the producer id changes
+    in between."""
+    original = Connection.request_many
+    ahead: list[int] = []  # per Produce pipeline: how many batches were encoded ahead during it
+    reset_with_batches_ahead = threading.Event()
+    p = Producer(broker.bootstrap, linger_ms=10_000, batch_size=1_000, max_in_flight=max_in_flight)
 
-    def spying(self, request, timeout_s=None, while_waiting=None):
-        if request.__api_key__ != ApiKey.PRODUCE or while_waiting is None:
-            return original(self, request, timeout_s, while_waiting)
+    def spying(self, requests, timeout_s=None, while_waiting=None):
+        if while_waiting is None:
+            return original(self, requests, timeout_s, while_waiting)
 
         def spy():
             while_waiting()
             with p._cond:
                 ahead.append(sum(b.unsealed is not None for queue in p._queues.values() for b in queue))
-            if ahead[-1] and len(ahead) > 3 and not reset_with_one_ahead.is_set():
+            if ahead[-1] and len(ahead) > 1 and not reset_with_batches_ahead.is_set():
                 p._producer_id = -1  # as after a dropped batch: the next send takes a new id, sequences from 0
-                reset_with_one_ahead.set()
-        return original(self, request, timeout_s, spy)
+                reset_with_batches_ahead.set()
+        return original(self, requests, timeout_s, spy)
 
-    monkeypatch.setattr(Connection, "request", spying)
-    values = values_of(100)
+    monkeypatch.setattr(Connection, "request_many", spying)
+    values = values_of(100)  # 13 batches of about 1,000 bytes, all sent by the flush
     with p:
         for value in values:
             p.send(topic, value=value, partition=0)
         p.flush()
-    assert reset_with_one_ahead.is_set()
-    assert len(ahead) > 10 and max(ahead) == 1  # one batch ahead: the partition's next
+    assert reset_with_batches_ahead.is_set()
+    assert len(ahead) >= 13 // max_in_flight and max(ahead) == max_in_flight  # what the next request(s) carry
     with Consumer(broker.bootstrap) as c:
         c.assign([(topic, 0)])
         assert [m.value for m in drain(c, 100)] == values
+
+
+def test_produce_requests_are_pipelined_and_batches_behind_a_failed_one_are_sent_again_after_it(
+        broker, topic, monkeypatch):
+    """Up to max_in_flight Produce requests go out before the first answer is read. The first request of
+    one pipeline never reaches the broker, which answers the ones behind it OUT_OF_ORDER_SEQUENCE_NUMBER:
+    the producer retries the first and then sends the others again, and every record lands once, in order."""
+    original = Connection.request_many
+    pipelines: list[int] = []
+
+    def dropping_one(self, requests, timeout_s=None, while_waiting=None):
+        requests = list(requests)
+        if requests[0].__api_key__ != ApiKey.PRODUCE:
+            return original(self, requests, timeout_s, while_waiting)
+        pipelines.append(len(requests))
+        if len(requests) < 3 or len(pipelines) > 1 and max(pipelines[:-1]) >= 3:
+            return original(self, requests, timeout_s, while_waiting)
+        answered = original(self, requests[1:], timeout_s, while_waiting)
+        codes = {int(p.error_code) for r in answered for t in r.responses for p in t.partition_responses}
+        assert codes == {ErrorCode.out_of_order_sequence_number}
+        timed_out = dataclasses.replace(answered[0], responses=tuple(
+            dataclasses.replace(t, partition_responses=tuple(
+                dataclasses.replace(p, error_code=ErrorCode.request_timed_out) for p in t.partition_responses))
+            for t in answered[0].responses))
+        return [timed_out, *answered]
+
+    monkeypatch.setattr(Connection, "request_many", dropping_one)
+    values = values_of(100)
+    with Producer(broker.bootstrap, linger_ms=10_000, batch_size=1_000) as p:
+        p.send(topic, value=b"first", partition=0)  # the broker knows the producer: a gap is out of order
+        p.flush()
+        for value in values:
+            p.send(topic, value=value, partition=0)
+        p.flush()
+    assert max(pipelines) == 5 and len(pipelines) > 4  # pipelined; and the dropped one's batches sent again
+    with Consumer(broker.bootstrap) as c:
+        c.assign([(topic, 0)])
+        assert [m.value for m in drain(c, 101)] == [b"first", *values]
 
 
 def test_work_during_a_round_trip_that_fails_closes_the_connection_and_raises(broker):

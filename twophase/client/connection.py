@@ -2,8 +2,9 @@
 SASL authentication.
 
 Requests are kio message objects of whatever version :meth:`Connection.version` picked (the highest
-both sides speak within the client's range). One request is in flight per connection at a time;
-callers that must not wait behind a long-polling Fetch (heartbeats) use their own connection.
+both sides speak within the client's range). Callers take turns on a connection: one call's requests
+(several pipelined, with :meth:`Connection.request_many`) are in flight at a time; callers that must not
+wait behind a long-polling Fetch (heartbeats) use their own connection.
 
 Example::
 
@@ -20,7 +21,7 @@ import socket
 import ssl
 import struct
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from kio.index import load_response_schema
@@ -143,32 +144,44 @@ class Connection:
 
     def request(self, request: Any, timeout_s: float | None = None,
                 while_waiting: Callable[[], None] | None = None) -> Any:
-        """Send ``request`` and wait for its response (decoded). Connection failures close this
-        connection and raise KafkaConnectionError. ``while_waiting`` runs once the request is sent,
-        before its response is read: work that overlaps the round trip (if it raises, the connection
-        closes, its response unread)."""
+        """Send ``request`` and wait for its response (decoded): :meth:`request_many` of one."""
+        return self.request_many([request], timeout_s, while_waiting)[0]
+
+    def request_many(self, requests: Iterable[Any], timeout_s: float | None = None,
+                     while_waiting: Callable[[], None] | None = None) -> list[Any]:
+        """Send ``requests`` back to back, then read their responses (decoded, in order): a broker
+        answers a connection's requests in the order it received them, so their round trips overlap.
+        ``requests`` may be a generator: each is sent before the next is made. Connection failures
+        close this connection and raise KafkaConnectionError (responses already read are lost with
+        it). ``while_waiting`` runs once every request is sent, before the first response is read:
+        work that overlaps the round trips. If it, or making a request after the first, raises, the
+        connection closes (responses are unread) and the error propagates."""
         with self._lock:
             if self.closed:
                 raise KafkaConnectionError(f"{self} is closed")
-            self._correlation_id += 1
-            correlation_id = self._correlation_id
+            sent: list[tuple[int, Any]] = []
             try:
-                self._sock.settimeout(timeout_s or self.timeout_s)
-                self._sock.sendall(encode_request(correlation_id, request, self.client_id))
-            except (OSError, ConnectionError) as exc:
-                raise self._lost(exc) from None
-            if while_waiting is not None:
-                try:
+                for request in requests:
+                    self._correlation_id += 1
+                    try:
+                        self._sock.settimeout(timeout_s or self.timeout_s)
+                        self._sock.sendall(encode_request(self._correlation_id, request, self.client_id))
+                    except (OSError, ConnectionError) as exc:
+                        raise self._lost(exc) from None
+                    sent.append((self._correlation_id, request))
+                if while_waiting is not None:
                     while_waiting()
-                except BaseException:
-                    self.close()  # its response is unread: no later request may take it for its own
-                    raise
+            except BaseException:
+                if sent:
+                    self.close()  # responses are unread: no later request may take them for its own
+                raise
             try:
-                frame = read_frame(self._sock)
+                frames = [read_frame(self._sock) for _ in sent]
             except (OSError, ConnectionError) as exc:
                 raise self._lost(exc) from None
         try:
-            return decode_response(frame, request, correlation_id)
+            return [decode_response(frame, request, correlation_id)
+                    for frame, (correlation_id, request) in zip(frames, sent, strict=True)]
         except ConnectionError as exc:
             self.close()
             raise KafkaConnectionError(f"{self}: {exc}") from None

@@ -1,8 +1,11 @@
 """The producer: idempotent always, transactional with a transactional id, KIP-939 prepare/resume.
 
-A background sender thread turns per-partition batches into Produce requests, one request at a
-time, so a retried batch (same producer id, epoch and sequence) can never be overtaken by a later
-one and the broker deduplicates it. Batches go out when full (``batch_size``), after ``linger_ms``,
+A background sender thread turns per-partition batches into Produce requests, up to
+``max_in_flight`` of them pipelined on a broker's connection (Kafka's
+``max.in.flight.requests.per.connection``): request *i* carries each partition's *i*-th due batch, so
+a partition's batches reach the broker in sequence order. When one fails, those after it wait and are
+resent after it (same producer id, epoch and sequence: the broker deduplicates any it already wrote,
+as it remembers a partition's last five). Batches go out when full (``batch_size``), after ``linger_ms``,
 or on flush; a send that finds ``buffer_memory`` bytes queued waits for room (Kafka's back-pressure),
 for at most ``max_block_ms``. In a transaction a partition is added (AddPartitionsToTxn) at its
 first record, during that linger. Errors of background sends are raised by the next flush, commit
@@ -52,6 +55,7 @@ RECORD_OVERHEAD = 24  # rough per-record bytes beyond key, value and headers, fo
 Header = tuple[str, bytes | None]
 OutRecord = tuple[str, int | None, bytes | None, bytes | None, Sequence[Header] | None, int | None]  # send_many's
 HAND_OVER_TIMEOUT_S = 1.0  # the longest a send waits for the idle sender to wake for new partitions
+MAX_IN_FLIGHT = 5  # Kafka's limit for idempotence: brokers remember a partition's last five batches
 SEND_MANY_CHUNK = 1024  # send_many lets the sender thread take the lock between chunks of this many records
 
 
@@ -77,7 +81,9 @@ class Producer:
     batches being sent): a send that would exceed it sends what is queued at once and waits for
     acknowledgements to free room, for at most ``max_block_ms`` per call, then raises KafkaTimeout
     (a record larger than the whole buffer is a ValueError). ``delivery_timeout_ms`` bounds how long
-    a batch is retried (``retries``, if given, also caps the attempts); ``transaction_timeout_ms`` is
+    a batch is retried (``retries``, if given, also caps the attempts); ``max_in_flight`` (1..5, Kafka's
+    limit for idempotence) is how many Produce requests are sent to a broker before the first answer is
+    read; ``transaction_timeout_ms`` is
     the broker-side timeout of a non-2PC transaction; ``enable_2pc`` registers the producer for
     KIP-939 (its transactions never time out and can be prepared); ``compression`` is Kafka's
     compression.type: None or "none", "gzip", "snappy", "lz4" or "zstd" (ValueError for another name). ``security``: TLS and SASL settings, a
@@ -91,7 +97,7 @@ class Producer:
                  transaction_timeout_ms: int = 60_000, linger_ms: int = 5, batch_size: int = 64 * 1024,
                  acks: str | int = "all", request_timeout_ms: int = 30_000, delivery_timeout_ms: int = 120_000,
                  retries: int | None = None, compression: str | None = None,
-                 buffer_memory: int = 32 * 1024 * 1024, max_block_ms: int = 60_000,
+                 buffer_memory: int = 32 * 1024 * 1024, max_block_ms: int = 60_000, max_in_flight: int = 5,
                  client_id: str = "twophase-producer",
                  security: SecuritySettings | Mapping[str, str] | str | None = None) -> None:
         if acks not in ("all", -1):
@@ -110,6 +116,10 @@ class Producer:
         if buffer_memory < 1:
             raise ValueError(f"buffer_memory must be at least 1 byte, not {buffer_memory}")
         self.buffer_memory = buffer_memory
+        if not 1 <= max_in_flight <= MAX_IN_FLIGHT:
+            raise ValueError(f"max_in_flight must be 1..{MAX_IN_FLIGHT} (the broker deduplicates a partition's "
+                             f"last {MAX_IN_FLIGHT} batches), not {max_in_flight}")
+        self.max_in_flight = max_in_flight
         self.max_block_s = max_block_ms / 1000
         self._queued_bytes = 0  # of the records in self._queues (the lock held)
         self._room_waiters = 0  # sends waiting for room: every queued batch is due meanwhile
@@ -346,19 +356,18 @@ class Producer:
                 self._cond.notify_all()
 
     def _ready_batches(self, now: float) -> list[_Batch]:
-        """The head batch of each partition that is due: full, lingered, or flushed."""
+        """Each partition's due batches from its head on, at most ``max_in_flight``, in queue order: full,
+        lingered, or flushed. A batch waiting to be retried holds back those behind it."""
+        hurry = self._flushing or self._closing or self._room_waiters
         ready = []
         for queue in self._queues.values():
-            if not queue:
-                continue
-            head = queue[0]
-            due = (head.closed or self._flushing or self._closing or self._room_waiters
-                   or now - head.created >= self.linger_s)
-            if due and head.retry_at <= now:
-                if not head.closed:
-                    head.closed = True
-                    self._sticky.batch_sent(head.topic, head.partition)
-                ready.append(head)
+            for batch in itertools.islice(queue, self.max_in_flight):
+                if not (batch.closed or hurry or now - batch.created >= self.linger_s) or batch.retry_at > now:
+                    break
+                if not batch.closed:
+                    batch.closed = True
+                    self._sticky.batch_sent(batch.topic, batch.partition)
+                ready.append(batch)
         return ready
 
     def _partitions_to_add(self) -> list[tuple[str, int]]:
@@ -372,7 +381,11 @@ class Producer:
         return sorted(key for key, queue in self._queues.items() if queue and key not in self._txn_partitions)
 
     def _next_wakeup(self, now: float) -> float | None:
-        times = [max(b[0].retry_at, b[0].created + self.linger_s) - now for b in self._queues.values() if b]
+        """Seconds until a partition's head batch is due (its retry time, and its linger unless it is full
+        or everything is due now), None if nothing is queued."""
+        hurry = self._flushing or self._closing or self._room_waiters
+        times = [(q[0].retry_at if hurry or q[0].closed else max(q[0].retry_at, q[0].created + self.linger_s)) - now
+                 for q in self._queues.values() if q]
         return max(0.001, min(times)) if times else None
 
     def _fail(self, batch: _Batch, error: KafkaError) -> None:
@@ -387,6 +400,8 @@ class Producer:
             if batch.wire is not None:  # its sequence numbers were used: later batches would leave a gap
                 if self.transactional_id is None:
                     self._producer_id = -1  # a new producer id restarts every sequence at 0
+                    for other in itertools.chain.from_iterable(self._queues.values()):
+                        other.wire = None  # sealed with the old id (sent after the dropped one): seal again
                 else:
                     self._sequence_gap = True  # a new epoch after the abort restarts them
 
@@ -407,11 +422,17 @@ class Producer:
             self._fail_heads(batches, adding, exc)
             return
         by_leader: dict[int, list[_Batch]] = collections.defaultdict(list)
-        for batch in batches:
-            try:
-                by_leader[self._cluster.leader(batch.topic, batch.partition)].append(batch)
-            except KafkaError as exc:
-                self._retry_later(batch, exc)
+        leaders: dict[tuple[str, int], int | None] = {}
+        for batch in batches:  # each partition's head first
+            key = (batch.topic, batch.partition)
+            if key not in leaders:
+                try:
+                    leaders[key] = self._cluster.leader(*key)
+                except KafkaError as exc:
+                    leaders[key] = None
+                    self._retry_later(batch, exc)  # the head: the partition's other batches wait behind it
+            if leaders[key] is not None:
+                by_leader[leaders[key]].append(batch)
         for node, group in by_leader.items():
             self._produce(node, group)
 
@@ -419,7 +440,9 @@ class Producer:
         """Fail ``batches`` and the head batch of each partition of ``adding``, due or not (a partition
         the transaction could not add: its next batch tries again)."""
         with self._cond:
-            heads = {(b.topic, b.partition): b for b in batches}
+            heads: dict[tuple[str, int], _Batch] = {}
+            for b in batches:
+                heads.setdefault((b.topic, b.partition), b)  # a partition's first: its head
             heads.update((key, self._queues[key][0]) for key in adding if self._queues[key])
         for batch in heads.values():
             self._fail(batch, error)
@@ -447,44 +470,68 @@ class Producer:
         return batch.wire
 
     def _encode_ahead(self) -> None:
-        """During a Produce round trip: encode each partition's next full batch, so that the sender's
-        CPU work overlaps the broker's instead of following it (the flush before a commit is the sender
-        alone). Only the records: producer id, epoch and sequence are set when it is sent."""
+        """During a pipeline of Produce requests: encode the full batches that the next one will carry
+        (up to ``max_in_flight`` per partition), so that the sender's CPU work overlaps the broker's
+        instead of following it (the flush before a commit is the sender alone). Only the records:
+        producer id, epoch and sequence are set when a batch is sent."""
         with self._cond:
-            ahead = [next((b for b in queue if b.wire is None), None) for queue in self._queues.values()]
+            unsent = (itertools.islice((b for b in queue if b.wire is None), self.max_in_flight)
+                      for queue in self._queues.values())
+            ahead = [b for b in itertools.chain.from_iterable(unsent) if b.closed and b.unsealed is None]
         for batch in ahead:
-            if batch is not None and batch.closed and batch.unsealed is None:
-                try:
-                    batch.unsealed = unsealed_batch(batch.records, self._compression)
-                except Exception as exc:  # sent as usual, the same error then fails the batch
-                    log.warning("could not encode a batch for %s-%d ahead: %s", batch.topic, batch.partition, exc)
+            try:
+                batch.unsealed = unsealed_batch(batch.records, self._compression)
+            except Exception as exc:  # sent as usual, the same error then fails the batch
+                log.warning("could not encode a batch for %s-%d ahead: %s", batch.topic, batch.partition, exc)
 
     def _produce(self, node: int, batches: list[_Batch]) -> None:
+        """Send ``batches`` (in queue order per partition) to ``node`` pipelined, request *i* carrying each
+        partition's *i*-th, and settle them in order: acknowledged ones leave their queue; at a partition's
+        first failure that batch is retried later and the partition's later ones wait behind it (sent
+        after it, any of them the broker already wrote is answered as a duplicate)."""
+        waves: list[list[_Batch]] = []
+        taken: collections.Counter[tuple[str, int]] = collections.Counter()
+        for b in batches:
+            i = taken[(b.topic, b.partition)]
+            taken[(b.topic, b.partition)] += 1
+            if i == len(waves):
+                waves.append([])
+            waves[i].append(b)
         try:
             conn = self._cluster.connection(node)
             v = conn.version(ApiKey.PRODUCE, 9, 3)
-            topics: dict[str, list] = collections.defaultdict(list)
-            for b in batches:
-                topics[b.topic].append(part(ApiKey.PRODUCE, v, "PartitionProduceData", index=b.partition,
-                                            records=self._encode(b)))
-            request = message(ApiKey.PRODUCE, v, transactional_id=self.transactional_id, acks=-1,
-                              timeout=int(self.request_timeout_s * 1000) * MS,
-                              topic_data=tuple(part(ApiKey.PRODUCE, v, "TopicProduceData", name=t,
-                                                    partition_data=tuple(ps)) for t, ps in topics.items()))
-            response = conn.request(request, while_waiting=self._encode_ahead)
+            responses = conn.request_many((self._produce_request(v, wave) for wave in waves),
+                                          while_waiting=self._encode_ahead)
         except KafkaError as exc:
-            for b in batches:
+            for b in waves[0]:
                 self._retry_later(b, exc)
             return
-        results = {(t.name, int(p.index)): p for t in response.responses for p in t.partition_responses}
-        for b in batches:
-            result = results.get((b.topic, b.partition))
-            code = result.error_code if result is not None else ErrorCode.unknown_server_error
-            if code in (ErrorCode.none, ErrorCode.duplicate_sequence_number):
-                with self._cond:
-                    self._dequeue(self._queues[(b.topic, b.partition)])
-            else:
-                self._retry_later(b, error_for(code, f"Produce to {b.topic}-{b.partition}"))
+        failed: set[tuple[str, int]] = set()
+        for wave, response in zip(waves, responses, strict=True):
+            results = {(t.name, int(p.index)): p for t in response.responses for p in t.partition_responses}
+            for b in wave:
+                key = (b.topic, b.partition)
+                if key in failed:
+                    continue  # sent again after the batch before it
+                result = results.get(key)
+                code = result.error_code if result is not None else ErrorCode.unknown_server_error
+                if code in (ErrorCode.none, ErrorCode.duplicate_sequence_number):
+                    with self._cond:
+                        self._dequeue(self._queues[key])
+                else:
+                    failed.add(key)
+                    self._retry_later(b, error_for(code, f"Produce to {b.topic}-{b.partition}"))
+
+    def _produce_request(self, v: int, wave: list[_Batch]):
+        """One Produce request carrying ``wave`` (one batch per partition), sealed now."""
+        topics: dict[str, list] = collections.defaultdict(list)
+        for b in wave:
+            topics[b.topic].append(part(ApiKey.PRODUCE, v, "PartitionProduceData", index=b.partition,
+                                        records=self._encode(b)))
+        return message(ApiKey.PRODUCE, v, transactional_id=self.transactional_id, acks=-1,
+                       timeout=int(self.request_timeout_s * 1000) * MS,
+                       topic_data=tuple(part(ApiKey.PRODUCE, v, "TopicProduceData", name=t,
+                                             partition_data=tuple(ps)) for t, ps in topics.items()))
 
     # --- producer id and transactions ---------------------------------------------------------
 
