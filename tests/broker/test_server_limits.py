@@ -208,6 +208,26 @@ def test_a_client_leaving_mid_way_through_a_large_request_returns_its_bytes(brok
     assert_serving.close()
 
 
+def test_a_request_waiting_for_the_budget_holds_no_buffer_of_its_own(broker_factory, topic):
+    """A large request's buffer is made once its first step of bytes is reserved: connections waiting
+    for the budget cost the broker their read-ahead only, and the request is answered once it gets it."""
+    broker = broker_factory(queued_max_request_bytes=48 * 1024, fsync=1000)
+    budget = server(broker).budget
+    waiting = WireClient(broker.port, timeout=30)
+    assert only_partition(waiting.request(produce_request(topic, batch([b"first"])))).error_code == ErrorCode.none
+    holder = WireClient(broker.port)
+    holder.send(fetch_request(topic, 1, max_wait_ms=120_000), client_id="h" * 30_000)
+    wait_for(lambda: broker.call(lambda: budget.available) < 48 * 1024 - 30_000, what="the parked fetch's bytes")
+    big = encode_request(2, produce_request(topic, batch([b"x" * 100_000])))
+    waiting.send_raw(big[:70_000])  # more than the 64 KiB read-ahead holds
+    wait_for(lambda: broker.call(lambda: budget.waiting) == 1, what="the large request waiting for the budget")
+    assert broker.call(lambda: [conn._frame for conn in server(broker)._connections]) == [None, None]
+    holder.close()  # the parked fetch ends and gives its bytes back
+    waiting.send_raw(big[70_000:])
+    assert only_partition(waiting.recv(type(produce_request(topic, b"")), 2)).error_code == ErrorCode.none
+    waiting.close()
+
+
 def test_a_request_read_ahead_never_queues_for_the_budget_behind_its_own_connection(broker_factory, topic):
     # A parks a Fetch, then sends a Produce larger than the free budget. Queued for the budget, that
     # Produce would wait for A's own Fetch to end, and every other connection would wait behind it.
