@@ -365,19 +365,35 @@ def test_a_send_many_that_times_out_half_queued_leaves_a_transaction_only_to_abo
         assert [m.value for m in drain(c, 1)] == [b"after"]
 
 
+def gate_first_produce(monkeypatch, then) -> threading.Event:
+    """Patch Connection.request_many: the first Produce pipeline waits for the returned event (set it once
+    every send returned, so that later pipelines find every batch full), then each call goes through
+    ``then(original, conn, requests, timeout_s, while_waiting)``."""
+    original = Connection.request_many
+    gate = threading.Event()
+
+    def gated(self, requests, timeout_s=None, while_waiting=None):
+        requests = list(requests)
+        if requests[0].__api_key__ == ApiKey.PRODUCE:
+            assert gate.wait(30), "the test never opened the gate"
+        return then(original, self, requests, timeout_s, while_waiting)
+
+    monkeypatch.setattr(Connection, "request_many", gated)
+    return gate
+
+
 @pytest.mark.parametrize("max_in_flight", [1, 5])
 def test_the_next_full_batches_are_encoded_during_a_produce_round_trip(broker, topic, monkeypatch, max_in_flight):
     """The sender's work for the next request overlaps the broker's for this one; sealed (producer id,
     epoch, sequence) when sent, every batch arrives once and in order, also when the producer id changes
     in between."""
-    original = Connection.request_many
     ahead: list[int] = []  # per Produce pipeline: how many batches were encoded ahead during it
     reset_with_batches_ahead = threading.Event()
     p = Producer(broker.bootstrap, linger_ms=10_000, batch_size=1_000, max_in_flight=max_in_flight)
 
-    def spying(self, requests, timeout_s=None, while_waiting=None):
+    def spying(original, conn, requests, timeout_s, while_waiting):
         if while_waiting is None:
-            return original(self, requests, timeout_s, while_waiting)
+            return original(conn, requests, timeout_s, while_waiting)
 
         def spy():
             while_waiting()
@@ -386,13 +402,14 @@ def test_the_next_full_batches_are_encoded_during_a_produce_round_trip(broker, t
             if ahead[-1] and len(ahead) > 1 and not reset_with_batches_ahead.is_set():
                 p._producer_id = -1  # as after a dropped batch: the next send takes a new id, sequences from 0
                 reset_with_batches_ahead.set()
-        return original(self, requests, timeout_s, spy)
+        return original(conn, requests, timeout_s, spy)
 
-    monkeypatch.setattr(Connection, "request_many", spying)
-    values = values_of(100)  # 13 batches of about 1,000 bytes, all sent by the flush
+    gate = gate_first_produce(monkeypatch, spying)
+    values = values_of(100)  # 13 batches of about 1,000 bytes
     with p:
         for value in values:
             p.send(topic, value=value, partition=0)
+        gate.set()
         p.flush()
     assert reset_with_batches_ahead.is_set()
     assert len(ahead) >= 13 // max_in_flight and max(ahead) == max_in_flight  # what the next request(s) carry
@@ -401,42 +418,122 @@ def test_the_next_full_batches_are_encoded_during_a_produce_round_trip(broker, t
         assert [m.value for m in drain(c, 100)] == values
 
 
+def answered_with(response, code):
+    """``response`` (a ProduceResponse) with every partition's error code set to ``code``."""
+    return dataclasses.replace(response, responses=tuple(
+        dataclasses.replace(t, partition_responses=tuple(
+            dataclasses.replace(p, error_code=code) for p in t.partition_responses)) for t in response.responses))
+
+
 def test_produce_requests_are_pipelined_and_batches_behind_a_failed_one_are_sent_again_after_it(
         broker, topic, monkeypatch):
     """Up to max_in_flight Produce requests go out before the first answer is read. The first request of
     one pipeline never reaches the broker, which answers the ones behind it OUT_OF_ORDER_SEQUENCE_NUMBER:
     the producer retries the first and then sends the others again, and every record lands once, in order."""
-    original = Connection.request_many
-    pipelines: list[int] = []
+    pipelines: list[int] = []  # Produce requests per call
+    dropped: list[int] = []  # the length of the pipeline whose first request was dropped
 
-    def dropping_one(self, requests, timeout_s=None, while_waiting=None):
-        requests = list(requests)
+    def dropping_one(original, conn, requests, timeout_s, while_waiting):
         if requests[0].__api_key__ != ApiKey.PRODUCE:
-            return original(self, requests, timeout_s, while_waiting)
+            return original(conn, requests, timeout_s, while_waiting)
         pipelines.append(len(requests))
-        if len(requests) < 3 or len(pipelines) > 1 and max(pipelines[:-1]) >= 3:
-            return original(self, requests, timeout_s, while_waiting)
-        answered = original(self, requests[1:], timeout_s, while_waiting)
+        if len(requests) < 3 or dropped:
+            return original(conn, requests, timeout_s, while_waiting)
+        dropped.append(len(requests))
+        answered = original(conn, requests[1:], timeout_s, while_waiting)
         codes = {int(p.error_code) for r in answered for t in r.responses for p in t.partition_responses}
         assert codes == {ErrorCode.out_of_order_sequence_number}
-        timed_out = dataclasses.replace(answered[0], responses=tuple(
-            dataclasses.replace(t, partition_responses=tuple(
-                dataclasses.replace(p, error_code=ErrorCode.request_timed_out) for p in t.partition_responses))
-            for t in answered[0].responses))
-        return [timed_out, *answered]
+        return [answered_with(answered[0], ErrorCode.request_timed_out), *answered]
 
-    monkeypatch.setattr(Connection, "request_many", dropping_one)
     values = values_of(100)
     with Producer(broker.bootstrap, linger_ms=10_000, batch_size=1_000) as p:
         p.send(topic, value=b"first", partition=0)  # the broker knows the producer: a gap is out of order
         p.flush()
+        gate = gate_first_produce(monkeypatch, dropping_one)
         for value in values:
             p.send(topic, value=value, partition=0)
+        gate.set()
         p.flush()
-    assert max(pipelines) == 5 and len(pipelines) > 4  # pipelined; and the dropped one's batches sent again
+    assert max(pipelines) == 5 and sum(pipelines) == 13 + dropped[0]  # pipelined; the dropped one's sent again
     with Consumer(broker.bootstrap) as c:
         c.assign([(topic, 0)])
         assert [m.value for m in drain(c, 101)] == [b"first", *values]
+
+
+def test_a_batch_dropped_for_good_takes_the_batches_sent_after_it_along_and_nothing_is_written_twice(
+        broker, topic, monkeypatch):
+    """The broker wrote a whole pipeline, but the first batch's answer is a non-retriable error: that batch
+    and the ones sent after it are dropped and reported (the broker may hold them, so they are not sealed
+    again under the producer's new id), the batches never sent go out under it, and no record is
+    written twice."""
+    refused = []
+
+    def refusing_first(original, conn, requests, timeout_s, while_waiting):
+        responses = original(conn, requests, timeout_s, while_waiting)
+        if requests[0].__api_key__ == ApiKey.PRODUCE and len(requests) >= 3 and not refused:
+            refused.append(len(requests))
+            return [answered_with(responses[0], ErrorCode.invalid_timestamp), *responses[1:]]
+        return responses
+
+    values = values_of(100)
+    with Producer(broker.bootstrap, linger_ms=10_000, batch_size=1_000) as p:
+        gate = gate_first_produce(monkeypatch, refusing_first)
+        for value in values:
+            p.send(topic, value=value, partition=0)
+        gate.set()
+        with pytest.raises(KafkaError, match="INVALID_TIMESTAMP"):
+            p.flush()
+        p.send(topic, value=b"after", partition=0)
+        p.flush()
+    assert refused
+    with Consumer(broker.bootstrap) as c:
+        c.assign([(topic, 0)])
+        assert [m.value for m in drain(c, 101)] == [*values, b"after"]  # each once: none sealed again
+
+
+def test_a_batch_that_cannot_be_encoded_ends_its_pipeline_and_fails_alone(broker, topic, monkeypatch):
+    """Encoding fails for one batch in the middle of a pipeline: the requests before it are sent and
+    settled, the batch is reported by flush, and every other record lands once, in order."""
+    from twophase.client import producer as producer_module
+
+    original_encode = producer_module.unsealed_batch
+    poison = values_of(100)[50]
+
+    def encode(records, compression):
+        if any(value == poison for _, _, value, _ in records):
+            raise MemoryError("cannot encode (test)")
+        return original_encode(records, compression)
+
+    monkeypatch.setattr(producer_module, "unsealed_batch", encode)
+    values = values_of(100)
+    gate = gate_first_produce(monkeypatch, lambda original, *call: original(*call))
+    with Producer(broker.bootstrap, linger_ms=10_000, batch_size=1_000) as p:
+        for value in values:
+            p.send(topic, value=value, partition=0)
+        gate.set()
+        with pytest.raises(KafkaError, match="cannot encode a batch .* MemoryError: cannot encode"):
+            p.flush()
+    with Consumer(broker.bootstrap) as c:
+        c.assign([(topic, 0)])
+        got = [m.value for m in drain(c, 92)]
+    assert poison not in got and got == [v for v in values if v in got] and len(got) > 80  # once, in order
+
+
+def test_records_the_sender_could_not_encode_are_refused_by_the_send(broker, topic):
+    with Producer(broker.bootstrap) as p:
+        with pytest.raises(TypeError, match="value must be bytes-like or None, not str"):
+            p.send(topic, value="text")
+        with pytest.raises(TypeError, match="key must be bytes-like or None, not int"):
+            p.send_many([(topic, 0, 5, b"v", None, None)])
+        with pytest.raises(TypeError, match="header's name must be a str, not bytes"):
+            p.send_many([(topic, 0, None, b"v", [(b"h", b"x")], None)])
+        with pytest.raises(TypeError, match="header 'h' must be bytes-like or None, not str"):
+            p.send(topic, value=b"v", headers=[("h", "x")])
+        p.send_many([(topic, 0, bytearray(b"k"), memoryview(b"v"), [("h", None)], None)])
+        p.flush()
+    with Consumer(broker.bootstrap) as c:
+        c.assign([(topic, 0)])
+        assert [(m.key, m.value) for m in drain(c, 1)] == [(b"k", b"v")]  # nothing of the refused ones
 
 
 def test_work_during_a_round_trip_that_fails_closes_the_connection_and_raises(broker):
@@ -448,3 +545,26 @@ def test_work_during_a_round_trip_that_fails_closes_the_connection_and_raises(br
     with pytest.raises(OSError, match="no"):
         conn.request(fetch_request("t", 0), while_waiting=failing)
     assert conn.closed  # its response is unread: no later request may read it as its own
+
+
+def test_request_many_pipelines_in_order_and_closes_only_when_responses_are_left_unread(broker, topic):
+    conn = Connection("127.0.0.1", broker.port)
+    try:
+        assert [int(r.responses[0].partitions[0].partition_index) for r in conn.request_many(
+            fetch_request(topic, p) for p in (0, 0, 0))] == [0, 0, 0]
+
+        def failing_at(n):
+            for i in range(3):
+                if i == n:
+                    raise ValueError(f"cannot make request {i} (test)")
+                yield fetch_request(topic, 0)
+
+        with pytest.raises(ValueError, match="request 0"):
+            conn.request_many(failing_at(0))
+        assert not conn.closed  # nothing was sent: nothing is left unread
+        assert conn.request(fetch_request(topic, 0)).responses[0].partitions[0].partition_index == 0  # usable
+        with pytest.raises(ValueError, match="request 1"):
+            conn.request_many(failing_at(1))
+        assert conn.closed  # the first request's response is unread
+    finally:
+        conn.close()

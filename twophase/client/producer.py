@@ -5,7 +5,8 @@ A background sender thread turns per-partition batches into Produce requests, up
 ``max.in.flight.requests.per.connection``): request *i* carries each partition's *i*-th due batch, so
 a partition's batches reach the broker in sequence order. When one fails, those after it wait and are
 resent after it (same producer id, epoch and sequence: the broker deduplicates any it already wrote,
-as it remembers a partition's last five). Batches go out when full (``batch_size``), after ``linger_ms``,
+as it remembers a partition's last five); when one is dropped for good, the ones sent after it are
+dropped with it (reported, never sealed again: the broker may hold them). Batches go out when full (``batch_size``), after ``linger_ms``,
 or on flush; a send that finds ``buffer_memory`` bytes queued waits for room (Kafka's back-pressure),
 for at most ``max_block_ms``. In a transaction a partition is added (AddPartitionsToTxn) at its
 first record, during that linger. Errors of background sends are raised by the next flush, commit
@@ -55,8 +56,23 @@ RECORD_OVERHEAD = 24  # rough per-record bytes beyond key, value and headers, fo
 Header = tuple[str, bytes | None]
 OutRecord = tuple[str, int | None, bytes | None, bytes | None, Sequence[Header] | None, int | None]  # send_many's
 HAND_OVER_TIMEOUT_S = 1.0  # the longest a send waits for the idle sender to wake for new partitions
+_BYTES_LIKE = (bytes, bytearray, memoryview)
 MAX_IN_FLIGHT = 5  # Kafka's limit for idempotence: brokers remember a partition's last five batches
 SEND_MANY_CHUNK = 1024  # send_many lets the sender thread take the lock between chunks of this many records
+
+
+def _check_record(key: object, value: object, headers: Sequence[tuple[object, object]]) -> None:
+    """TypeError for a record the sender could not encode, raised by the send instead of in the background."""
+    for what, data in (("key", key), ("value", value), *((f"header {name!r}", data) for name, data in headers)):
+        if data is not None and not isinstance(data, _BYTES_LIKE):
+            raise TypeError(f"a record's {what} must be bytes-like or None, not {type(data).__name__}")
+    for name, _ in headers:
+        if not isinstance(name, str):
+            raise TypeError(f"a record header's name must be a str, not {type(name).__name__}: {name!r}")
+
+
+class _Unencodable(Exception):
+    """A batch the sender could not encode (args: the batch, the cause): it fails once it is its queue's head."""
 
 
 @dataclasses.dataclass
@@ -152,6 +168,7 @@ class Producer:
             self._txn.require(TxnState.IN_TRANSACTION, action="send")
         self._raise_errors()
         headers = tuple(headers or ())
+        _check_record(key, value, headers)
         partitions = self._cluster.partitions(topic, create=True)
         if partition is not None and partition not in partitions:
             raise ValueError(f"topic {topic!r} has partitions 0..{len(partitions) - 1}, not {partition}")
@@ -205,9 +222,13 @@ class Producer:
                     raise ValueError(f"topic {topic!r} has partitions 0..{count - 1}, not {partition}")
                 if timestamp is not None and timestamp < 0:
                     raise ValueError(f"invalid timestamp {timestamp}: a record's timestamp is non-negative or None")
+                if not (value is None or isinstance(value, _BYTES_LIKE)) or not (key is None or
+                                                                                 isinstance(key, _BYTES_LIKE)):
+                    _check_record(key, value, ())
                 size = RECORD_OVERHEAD + len(key or b"") + len(value or b"")
                 if headers:
                     headers = tuple(headers)
+                    _check_record(None, None, headers)
                     size += sum(len(n) + len(v or b"") for n, v in headers)
                 else:
                     headers = ()
@@ -389,19 +410,27 @@ class Producer:
         return max(0.001, min(times)) if times else None
 
     def _fail(self, batch: _Batch, error: KafkaError) -> None:
-        """Drop a still pending batch for good and report ``error``."""
+        """Drop a still pending batch for good and report ``error``.
+
+        A batch that was sent used its sequence numbers, so the partition's batches sent after it (in the
+        same pipelines) are dropped with it: the broker may have written any of them, and sealing one
+        again under a new producer id or epoch could write it twice. Batches never sent are sealed later
+        under the new id (idempotent) or after the abort (transactional); batches of other partitions
+        keep their producer id and sequences, so the broker still deduplicates them."""
         with self._cond:
             queue = self._queues[(batch.topic, batch.partition)]
             if not queue or queue[0] is not batch:
                 return  # acknowledged before the sender failed
-            log.warning("dropping %d records for %s-%d: %s", len(batch.records), batch.topic, batch.partition, error)
-            self._dequeue(queue)
             self._errors.append(error)
-            if batch.wire is not None:  # its sequence numbers were used: later batches would leave a gap
+            sent = batch.wire is not None
+            while queue and (queue[0] is batch or sent and queue[0].wire is not None):
+                dropped = queue[0]
+                log.warning("dropping %d records for %s-%d: %s", len(dropped.records), dropped.topic,
+                            dropped.partition, error)
+                self._dequeue(queue)
+            if sent:  # later batches would leave a gap in the sequence
                 if self.transactional_id is None:
                     self._producer_id = -1  # a new producer id restarts every sequence at 0
-                    for other in itertools.chain.from_iterable(self._queues.values()):
-                        other.wire = None  # sealed with the old id (sent after the dropped one): seal again
                 else:
                     self._sequence_gap = True  # a new epoch after the abort restarts them
 
@@ -497,17 +526,29 @@ class Producer:
             if i == len(waves):
                 waves.append([])
             waves[i].append(b)
+        unencodable: list[tuple[_Batch, Exception]] = []
+
+        def requests(v: int):
+            for wave in waves:
+                try:
+                    request = self._produce_request(v, wave)
+                except _Unencodable as exc:  # the pipeline ends before this wave
+                    unencodable.append(exc.args)
+                    return
+                yield request
+
         try:
+            if self._producer_id < 0:  # a batch dropped while another broker's batches were settled
+                self._init_producer_id()
             conn = self._cluster.connection(node)
-            v = conn.version(ApiKey.PRODUCE, 9, 3)
-            responses = conn.request_many((self._produce_request(v, wave) for wave in waves),
+            responses = conn.request_many(requests(conn.version(ApiKey.PRODUCE, 9, 3)),
                                           while_waiting=self._encode_ahead)
         except KafkaError as exc:
             for b in waves[0]:
                 self._retry_later(b, exc)
             return
         failed: set[tuple[str, int]] = set()
-        for wave, response in zip(waves, responses, strict=True):
+        for wave, response in zip(waves[:len(responses)], responses, strict=True):
             results = {(t.name, int(p.index)): p for t in response.responses for p in t.partition_responses}
             for b in wave:
                 key = (b.topic, b.partition)
@@ -521,13 +562,20 @@ class Producer:
                 else:
                     failed.add(key)
                     self._retry_later(b, error_for(code, f"Produce to {b.topic}-{b.partition}"))
+        for b, cause in unencodable:  # unless batches before it wait to be sent again
+            self._fail(b, KafkaError(f"cannot encode a batch for {b.topic}-{b.partition}: "
+                                     f"{type(cause).__name__}: {cause}"))
 
     def _produce_request(self, v: int, wave: list[_Batch]):
         """One Produce request carrying ``wave`` (one batch per partition), sealed now."""
         topics: dict[str, list] = collections.defaultdict(list)
         for b in wave:
+            try:
+                records = self._encode(b)
+            except Exception as exc:
+                raise _Unencodable(b, exc) from exc
             topics[b.topic].append(part(ApiKey.PRODUCE, v, "PartitionProduceData", index=b.partition,
-                                        records=self._encode(b)))
+                                        records=records))
         return message(ApiKey.PRODUCE, v, transactional_id=self.transactional_id, acks=-1,
                        timeout=int(self.request_timeout_s * 1000) * MS,
                        topic_data=tuple(part(ApiKey.PRODUCE, v, "TopicProduceData", name=t,
