@@ -120,18 +120,25 @@ def test_byte_budget_grants_in_order_and_never_more_than_it_has():
     asyncio.run(scenario())
 
 
+def budget_held_by_a_parked_fetch(broker_factory, topic):
+    """(broker, a client that produced one record, the client whose parked Fetch holds most of the
+    broker's 48 KiB request budget)."""
+    broker = broker_factory(queued_max_request_bytes=48 * 1024, fsync=1000)
+    budget = server(broker).budget
+    client = WireClient(broker.port, timeout=30)
+    assert only_partition(client.request(produce_request(topic, batch([b"first"])))).error_code == ErrorCode.none
+    holder = WireClient(broker.port)
+    holder.send(fetch_request(topic, 1, max_wait_ms=120_000), client_id="h" * 30_000)
+    wait_for(lambda: broker.call(lambda: budget.available) < 48 * 1024 - 30_000, what="the parked fetch's bytes")
+    return broker, client, holder
+
+
 def test_a_full_budget_stops_reading_and_drops_nothing(broker_factory, topic):
     """A parked Fetch holds most of a 48 KiB budget; a client pipelining 20 KiB produce requests is
     not read any more (its socket fills up and blocks) until the Fetch's client goes away; then
     every request it sent is answered and stored."""
-    broker = broker_factory(queued_max_request_bytes=48 * 1024, fsync=1000)
+    broker, pipeline, holder = budget_held_by_a_parked_fetch(broker_factory, topic)
     budget = server(broker).budget
-    pipeline = WireClient(broker.port, timeout=30)
-    assert only_partition(pipeline.request(produce_request(topic, batch([b"first"])))).error_code == ErrorCode.none
-
-    holder = WireClient(broker.port)
-    holder.send(fetch_request(topic, 1, max_wait_ms=120_000), client_id="h" * 30_000)
-    wait_for(lambda: broker.call(lambda: budget.available) < 48 * 1024 - 30_000, what="the parked fetch's bytes")
 
     frames = [encode_request(pipeline.correlation_id + 1 + i, produce_request(topic, batch([bytes([i % 256]) * 20_000])))
               for i in range(4000)]
@@ -211,13 +218,8 @@ def test_a_client_leaving_mid_way_through_a_large_request_returns_its_bytes(brok
 def test_a_request_waiting_for_the_budget_holds_no_buffer_of_its_own(broker_factory, topic):
     """A large request's buffer is made once its first step of bytes is reserved: connections waiting
     for the budget cost the broker their read-ahead only, and the request is answered once it gets it."""
-    broker = broker_factory(queued_max_request_bytes=48 * 1024, fsync=1000)
+    broker, waiting, holder = budget_held_by_a_parked_fetch(broker_factory, topic)
     budget = server(broker).budget
-    waiting = WireClient(broker.port, timeout=30)
-    assert only_partition(waiting.request(produce_request(topic, batch([b"first"])))).error_code == ErrorCode.none
-    holder = WireClient(broker.port)
-    holder.send(fetch_request(topic, 1, max_wait_ms=120_000), client_id="h" * 30_000)
-    wait_for(lambda: broker.call(lambda: budget.available) < 48 * 1024 - 30_000, what="the parked fetch's bytes")
     big = encode_request(2, produce_request(topic, batch([b"x" * 100_000])))
     waiting.send_raw(big[:70_000])  # more than the 64 KiB read-ahead holds
     wait_for(lambda: broker.call(lambda: budget.waiting) == 1, what="the large request waiting for the budget")
