@@ -15,6 +15,7 @@ from kio.schema.errors import ErrorCode
 
 from tests.broker.batches import batch_offsets
 from tests.broker.conftest import fetch_request
+from tests.waiting import wait_for
 from twophase.client import (Admin, Consumer, KafkaConnectionError, KafkaError, KafkaTimeout, Producer,
                              TransactionStateError)
 from twophase.client.connection import Connection
@@ -303,6 +304,36 @@ def test_a_full_buffer_blocks_sends_until_acknowledgements_free_room(broker, top
     with Consumer(broker.bootstrap, isolation_level="read_committed") as c:
         c.assign([(topic, 0)])
         assert [m.value for m in drain(c, 40)] == values  # each once, in order
+
+
+def test_sends_waiting_for_room_get_it_in_the_order_they_came(broker, topic, monkeypatch):
+    """A large record waiting for room is not overtaken by a small one that came after it, although the
+    first acknowledgements free room for the small one only (Kafka's buffer pool: first come, first served)."""
+    entered, gate = hold_produce_requests(monkeypatch)
+    order: list[str] = []
+    with Producer(broker.bootstrap, linger_ms=0, batch_size=RECORD, buffer_memory=10 * RECORD) as p:
+        for value in values_of(10):
+            p.send(topic, value=value, partition=0)  # a full buffer, a batch per record
+
+        def send(name: str, value: bytes) -> None:
+            p.send(topic, value=value, partition=0)
+            order.append(name)
+
+        def await_waiters(n: int) -> None:
+            wait_for(lambda: len(p._room_waiters) == n, what=f"{n} sends waiting for room")
+
+        large = threading.Thread(target=send, args=("large", b"L" * (6 * RECORD - 24)), daemon=True)
+        large.start()  # fits once 6 of the 10 are acknowledged
+        await_waiters(1)
+        small = threading.Thread(target=send, args=("small", b"s" * 100), daemon=True)
+        small.start()  # fits once 1 is
+        await_waiters(2)
+        assert entered.wait(30)  # the sender holds the first batches: nothing was acknowledged yet
+        gate.set()
+        large.join(30)
+        small.join(30)
+        p.flush()
+    assert order == ["large", "small"]
 
 
 def test_a_send_waiting_for_room_sends_batches_that_still_linger(broker, topic):

@@ -138,7 +138,8 @@ class Producer:
         self.max_in_flight = max_in_flight
         self.max_block_s = max_block_ms / 1000
         self._queued_bytes = 0  # of the records in self._queues (the lock held)
-        self._room_waiters = 0  # sends waiting for room: every queued batch is due meanwhile
+        # Sends waiting for room, first come first served: every queued batch is due meanwhile.
+        self._room_waiters: collections.deque[object] = collections.deque()
         self._compression = compression_id
         self._cluster = Cluster(bootstrap, client_id=client_id, request_timeout_s=self.request_timeout_s,
                                 security=as_security(security))
@@ -237,7 +238,7 @@ class Producer:
             wake = False
             with self._cond:
                 for i, (topic, partition, record, size) in enumerate(queued):
-                    if self._queued_bytes + size > self.buffer_memory or self._closing:
+                    if self._room_waiters or self._queued_bytes + size > self.buffer_memory or self._closing:
                         if wake:  # the batches this chunk filled must go out to make room
                             self._cond.notify_all()
                         try:
@@ -263,15 +264,18 @@ class Producer:
     def _wait_for_room(self, size: int, deadline: float) -> None:
         """Wait (the lock held) until ``size`` more bytes fit in the buffer; KafkaTimeout at ``deadline``.
 
-        Meanwhile every queued batch is due, lingering or not: room comes only from acknowledgements."""
+        Meanwhile every queued batch is due, lingering or not: room comes only from acknowledgements.
+        Sends that wait get room in the order they came (as Kafka's buffer pool gives it), so a large
+        record is not overtaken until ``max_block_ms`` by a stream of small ones."""
         if self._closing:
             raise KafkaError("producer is closed")
-        if self._queued_bytes + size <= self.buffer_memory:
+        if not self._room_waiters and self._queued_bytes + size <= self.buffer_memory:
             return
-        self._room_waiters += 1
+        ticket = object()
+        self._room_waiters.append(ticket)
         self._cond.notify_all()
         try:
-            while self._queued_bytes + size > self.buffer_memory:
+            while self._room_waiters[0] is not ticket or self._queued_bytes + size > self.buffer_memory:
                 if self._closing:
                     raise KafkaError("producer is closed")
                 if not self._sender.is_alive():
@@ -284,7 +288,8 @@ class Producer:
                                        "acknowledged (is the broker reachable?)")
                 self._cond.wait(min(remaining, 0.5))
         finally:
-            self._room_waiters -= 1
+            self._room_waiters.remove(ticket)
+            self._cond.notify_all()  # the next in line may fit now
         if self.transactional_id is not None:  # a commit or abort may have run while this waited
             self._txn.require(TxnState.IN_TRANSACTION, action="send")
 
