@@ -95,8 +95,9 @@ class Producer:
     ``buffer_memory`` bounds the bytes of records queued and not yet acknowledged (Kafka's
     ``buffer.memory``, 32 MB; it counts keys, values and headers, not the encoded copies of the
     batches being sent): a send that would exceed it sends what is queued at once and waits for
-    acknowledgements to free room, for at most ``max_block_ms`` per call, then raises KafkaTimeout
-    (a record larger than the whole buffer is a ValueError). ``delivery_timeout_ms`` bounds how long
+    acknowledgements to free room (waiting sends get it in the order they came), for at most
+    ``max_block_ms`` per call, then raises KafkaTimeout (a record larger than the whole buffer is a
+    ValueError). ``delivery_timeout_ms`` bounds how long
     a batch is retried (``retries``, if given, also caps the attempts); ``max_in_flight`` (1..5, Kafka's
     limit for idempotence) is how many Produce requests are sent to a broker before the first answer is
     read; ``transaction_timeout_ms`` is
