@@ -97,13 +97,14 @@ class _Connection(asyncio.BufferedProtocol):
     larger than the read-ahead buffer gets a buffer of its own size that the socket fills
     directly (one copy, instead of the four a StreamReader makes: receive, buffer, slice,
     bytes), but only as far as the request loop allows (``fill``): the part of the request it
-    reserved budget for. A request of at most one step (``RECEIVE_STEP_BYTES``, reserved whole
-    before its buffer is made) gets heap memory, which the allocator hands out again request after
-    request; a larger one gets an anonymous mapping, so the pages of bytes that have not arrived
-    cost no memory (but a fresh mapping costs a page fault per 4 KiB written: about 1 ms per MiB
-    here, as much as the rest of a Produce request's handling). The read-ahead buffer holds at most ``READ_AHEAD_BYTES``; when
-    it is full, reading pauses until the request loop consumes it, so a connection waiting for
-    request bytes buffers no more than that.
+    reserved budget for. The buffer is made once the request's first step is reserved. A request of
+    at most one step (``RECEIVE_STEP_BYTES``; reserved whole unless the budget is smaller) gets heap
+    memory, which the allocator hands out again request after request (and may keep after a burst);
+    a larger one gets an anonymous mapping, so the pages of bytes that have not arrived cost no
+    memory (but a fresh mapping costs a page fault per 4 KiB written: about 1 ms per MiB here, as
+    much as the rest of a Produce request's handling). The read-ahead buffer holds at most
+    ``READ_AHEAD_BYTES``; when it is full, reading pauses until the request loop consumes it, so a
+    connection waiting for request bytes buffers no more than that.
 
     ``gone`` is done once the client closed or reset the connection, so a parked Fetch of a
     client that went away ends at once instead of at max_wait.

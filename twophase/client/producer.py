@@ -274,8 +274,8 @@ class Producer:
             return
         ticket = object()
         self._room_waiters.append(ticket)
-        self._cond.notify_all()
         try:
+            self._cond.notify_all()  # the sender: every queued batch is due now
             while self._room_waiters[0] is not ticket or self._queued_bytes + size > self.buffer_memory:
                 if self._closing:
                     raise KafkaError("producer is closed")
@@ -283,7 +283,7 @@ class Producer:
                     raise KafkaError("the producer's sender thread has stopped (producer closed?)")
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    raise KafkaTimeout(f"the producer's buffer stayed full for max_block_ms "
+                    raise KafkaTimeout(f"the producer's buffer had no room for this send for max_block_ms "
                                        f"({self.max_block_s * 1000:.0f} ms): {self._queued_bytes} of "
                                        f"buffer_memory={self.buffer_memory} bytes queued and not yet "
                                        "acknowledged (is the broker reachable?)")
