@@ -6,10 +6,10 @@ A background sender thread turns per-partition batches into Produce requests, up
 a partition's batches reach the broker in sequence order. When one fails, those after it wait and are
 resent after it (same producer id, epoch and sequence: the broker deduplicates any it already wrote,
 as it remembers a partition's last five); when one is dropped for good, the ones sent after it are
-dropped with it (reported, never sealed again: the broker may hold them). Batches go out when full (``batch_size``), after ``linger_ms``,
-or on flush; a send that finds ``buffer_memory`` bytes queued waits for room (Kafka's back-pressure),
-for at most ``max_block_ms``. In a transaction a partition is added (AddPartitionsToTxn) at its
-first record, during that linger. Errors of background sends are raised by the next flush, commit
+dropped with it (reported, never sealed again: the broker may hold them). Batches go out when full
+(``batch_size``), after ``linger_ms``, or on flush; a send that finds ``buffer_memory`` bytes queued
+waits for room (Kafka's back-pressure), for at most ``max_block_ms``. In a transaction a partition is
+added (AddPartitionsToTxn) at its first record, during that linger. Errors of background sends are raised by the next flush, commit
 or send.
 
 Example::
@@ -97,11 +97,10 @@ class Producer:
     batches being sent): a send that would exceed it sends what is queued at once and waits for
     acknowledgements to free room (waiting sends get it in the order they came), for at most
     ``max_block_ms`` per call, then raises KafkaTimeout (a record larger than the whole buffer is a
-    ValueError). ``delivery_timeout_ms`` bounds how long
-    a batch is retried (``retries``, if given, also caps the attempts); ``max_in_flight`` (1..5, Kafka's
-    limit for idempotence) is how many Produce requests are sent to a broker before the first answer is
-    read; ``transaction_timeout_ms`` is
-    the broker-side timeout of a non-2PC transaction; ``enable_2pc`` registers the producer for
+    ValueError). ``delivery_timeout_ms`` bounds how long a batch is retried (``retries``, if given, also
+    caps the attempts); ``max_in_flight`` (1..5, Kafka's limit for idempotence) is how many Produce
+    requests are sent to a broker before the first answer is read; ``transaction_timeout_ms`` is the
+    broker-side timeout of a non-2PC transaction; ``enable_2pc`` registers the producer for
     KIP-939 (its transactions never time out and can be prepared); ``compression`` is Kafka's
     compression.type: None or "none", "gzip", "snappy", "lz4" or "zstd" (ValueError for another name). ``security``: TLS and SASL settings, a
     :class:`~twophase.client.security.SecuritySettings` or a mapping of Kafka's names
@@ -385,7 +384,7 @@ class Producer:
     def _ready_batches(self, now: float) -> list[_Batch]:
         """Each partition's due batches from its head on, at most ``max_in_flight``, in queue order: full,
         lingered, or flushed. A batch waiting to be retried holds back those behind it."""
-        hurry = self._flushing or self._closing or self._room_waiters
+        hurry = self._all_due()
         ready = []
         for queue in self._queues.values():
             for batch in itertools.islice(queue, self.max_in_flight):
@@ -407,10 +406,14 @@ class Producer:
             return []
         return sorted(key for key, queue in self._queues.items() if queue and key not in self._txn_partitions)
 
+    def _all_due(self) -> bool:
+        """Every queued batch is due, lingering or not: a flush, a close, or a send waiting for room."""
+        return bool(self._flushing or self._closing or self._room_waiters)
+
     def _next_wakeup(self, now: float) -> float | None:
         """Seconds until a partition's head batch is due (its retry time, and its linger unless it is full
         or everything is due now), None if nothing is queued."""
-        hurry = self._flushing or self._closing or self._room_waiters
+        hurry = self._all_due()
         times = [(q[0].retry_at if hurry or q[0].closed else max(q[0].retry_at, q[0].created + self.linger_s)) - now
                  for q in self._queues.values() if q]
         return max(0.001, min(times)) if times else None
