@@ -13,9 +13,10 @@ unless the sink names nothing by slot (``uses_slots`` False: the intent is then 
 Attempt and intent nodes are named by :attr:`TxnContext.name <twophase.sink.TxnContext.name>`
 (``<run>.<epoch>.<partition>.<attempt>``), the name sinks use for the attempt's own resources.
 
-A task's ``open`` is one :meth:`PrecommitRegistry.admit`: the run's halted node, the partition's
-winner and its held slots are read in one pipelined round trip, then the intent and slot are
-created in one multi-op, which also creates the epoch's nodes if this is its first attempt.
+A task's ``open`` is one :meth:`PrecommitRegistry.admit`: one multi-op checks that the run is not
+halted and the partition has no winner, and creates the intent (and the epoch's nodes, for the
+epoch's first attempt). A sink that names resources by slot first reads the partition's held
+slots, and the multi-op claims the lowest free one.
 
 Usage (in a Spark task)::
 
@@ -166,11 +167,12 @@ class PrecommitRegistry:
         return _halt_reason(raw)
 
     def admit(self, ctx: TxnContext, slot: bool = True) -> Admission:
-        """Everything a task's ``open`` asks of ZooKeeper, in two round trips: :meth:`ensure_run` (once per
-        process), then :meth:`halted`, :meth:`winner` and the partition's held slots read pipelined, then,
-        unless halted or won, :meth:`intend`'s multi-op (creating the epoch's nodes with it if they are
-        missing). A halt is reported before a winner, as separate calls would. ``slot`` False (a sink
-        that names nothing by slot): no slot is read or claimed, and the intent records none."""
+        """Everything a task's ``open`` asks of ZooKeeper: :meth:`ensure_run` (once per process), then one
+        multi-op that checks the run is not halted and the partition has no winner, and records the intent
+        (:meth:`intend`'s), creating the epoch's nodes with it if they are missing. ``slot`` True (a sink
+        that names resources by slot): the partition's held slots and the epoch's node are read first, in
+        one pipelined round trip, to pick the slot. A halt is reported before a winner, as separate calls
+        (:meth:`halted`, :meth:`winner`) would; either costs one more read, of its reason or name."""
         self.ensure_run(ctx.run_id)
         admission = self._client.retry(self._admit, ctx, slot)
         if admission.ctx is None:
@@ -178,26 +180,15 @@ class PrecommitRegistry:
         return replace(admission, intent=IntentWatch(self, admission.ctx))
 
     def _admit(self, ctx: TxnContext, slot: bool) -> Admission:
-        halted = self._client.get_async(self._paths.halted(ctx.run_id))
-        winner = self._client.get_async(f"{self._paths.winners(ctx.epoch)}/{winner_name(ctx)}")
-        held = self._client.get_children_async(self._paths.partition_slots(ctx.partition)) if slot else None
+        if not slot:  # nothing to read: the epoch's nodes are taken as made, as they are for all but its first task
+            return self._intend(ctx, None, epoch_made=None, pool_made=True, admitting=True)
+        held = self._client.get_children_async(self._paths.partition_slots(ctx.partition))
         epoch_made = self._client.exists_async(self._paths.winners(ctx.epoch))
         try:
-            return Admission(halted=_halt_reason(halted.get()[0]))
+            slots, pool_made = {int(n) for n in held.get() if n.isdigit()}, True
         except NoNodeError:
-            pass
-        try:
-            return Admission(winner=winner.get()[0].decode())
-        except NoNodeError:
-            pass
-        slots: set[int] | None = None  # a sink that uses no slots claims none, and needs no pool
-        pool_made = True
-        if held is not None:
-            try:
-                slots = {int(n) for n in held.get() if n.isdigit()}
-            except NoNodeError:
-                slots, pool_made = set(), False
-        return Admission(ctx=self._intend(ctx, slots, epoch_made=epoch_made.get() is not None, pool_made=pool_made))
+            slots, pool_made = set(), False
+        return self._intend(ctx, slots, epoch_made=epoch_made.get() is not None, pool_made=pool_made, admitting=True)
 
     def latest_run(self, attempts: Sequence[Attempt], others: Iterable[str] = ()) -> str | None:
         """The most recently started run among those with attempts and ``others`` (runs without any, such
@@ -238,21 +229,29 @@ class PrecommitRegistry:
         pool = self._paths.partition_slots(ctx.partition)
         held = {int(n) for n in children(self._client, pool) if n.isdigit()}
         epoch_made = self._client.exists(self._paths.winners(ctx.epoch)) is not None
-        return self._intend(ctx, held, epoch_made=epoch_made, pool_made=True)
+        return self._intend(ctx, held, epoch_made=epoch_made, pool_made=True, admitting=False).ctx
 
-    def _intend(self, ctx: TxnContext, held: set[int] | None, epoch_made: bool, pool_made: bool) -> TxnContext:
+    def _intend(self, ctx: TxnContext, held: set[int] | None, epoch_made: bool | None, pool_made: bool,
+                admitting: bool) -> Admission:
         """The intent multi-op. The first attempt of an epoch creates the epoch's node and its
         ``intents``, ``attempts`` and ``winners`` children in the same multi-op (one write where
-        ensure_path took a dozen round trips), so registration never finds them missing. ``held``
-        None: no slot is claimed (the intent is empty, as :func:`~coordinator.slots.slot_of_intent` reads)."""
+        ensure_path took a dozen round trips), so registration never finds them missing; ``epoch_made``
+        None: not known, taken as made until the multi-op finds them missing. ``held`` None: no slot is
+        claimed (the intent is empty, as :func:`~coordinator.slots.slot_of_intent` reads).
+
+        ``admitting``: the multi-op also checks that the run's ``halted`` node and the partition's winner
+        are absent, by creating and deleting each (ZooKeeper has no "check absent"; a multi-op is atomic,
+        so nobody sees them); finding either, it reads it and returns the halt or the winner."""
         epoch = self._paths.epoch(ctx.epoch)
         intent = self.intent_path(ctx)
         pool = self._paths.partition_slots(ctx.partition)
+        absent = {"halted": self._paths.halted(ctx.run_id),
+                  "winner": f"{self._paths.winners(ctx.epoch)}/{winner_name(ctx)}"} if admitting else {}
         while True:
             slot = None if held is None else lowest_free(held)
             txn = self._client.transaction()
             ops = []
-            if not epoch_made:  # created empty: an OPEN epoch (coordinator/state.py)
+            if epoch_made is False:  # created empty: an OPEN epoch (coordinator/state.py)
                 for path in (epoch, self._paths.intents(ctx.epoch), self._paths.attempts(ctx.epoch),
                              self._paths.winners(ctx.epoch)):
                     txn.create(path)
@@ -260,6 +259,10 @@ class PrecommitRegistry:
             if not pool_made:
                 txn.create(pool)
                 ops.append(("pool", pool))
+            for op, path in absent.items():  # the halt before the winner: the order a failed multi-op reports
+                txn.create(path)
+                txn.delete(path)
+                ops += [(op, path), (op, path)]
             txn.create(intent, intent_data(slot))
             ops.append(("intent", intent))
             if slot is not None:
@@ -269,20 +272,29 @@ class PrecommitRegistry:
             failed = [(op, path, r) for (op, path), r in zip(ops, results, strict=True)
                       if isinstance(r, Exception) and not isinstance(r, (RolledBackError, RuntimeInconsistency))]
             if not failed:
-                return replace(ctx, slot=slot)
+                return Admission(ctx=replace(ctx, slot=slot))
             op, path, error = failed[0]
+            if isinstance(error, NodeExistsError) and op in absent:
+                try:
+                    raw, _ = self._client.get(path)
+                except NoNodeError:
+                    continue  # gone meanwhile (its run or epoch was cleaned up): ask again
+                return Admission(halted=_halt_reason(raw)) if op == "halted" else Admission(winner=raw.decode())
             if isinstance(error, NodeExistsError) and op == "intent":  # our own earlier try went through
                 raw, _ = self._client.get(intent)
-                return replace(ctx, slot=slot_of_intent(raw, intent))
+                return Admission(ctx=replace(ctx, slot=slot_of_intent(raw, intent)))
             if isinstance(error, NodeExistsError) and op == "epoch":
                 epoch_made = True  # another attempt of the epoch created it meanwhile (or our earlier try did)
             elif isinstance(error, NodeExistsError) and op == "pool":
                 pool_made = True
             elif isinstance(error, NodeExistsError) and op == "slot":
                 held.add(slot)  # another attempt claimed it first
+            elif isinstance(error, NoNodeError) and epoch_made is None and op in ("winner", "intent"):
+                epoch_made = False  # the epoch's first attempt: make its nodes in the multi-op
             elif isinstance(error, NoNodeError):
-                # A parent is missing: the query's first epoch (no epochs/, slots/), or an epoch node made
-                # without its children by an earlier version. Made the slow way, then tried again.
+                # A parent is missing: the query's first epoch (no epochs/, slots/), the run's node (a process
+                # that recorded it before it was cleaned up), or an epoch node made without its children by an
+                # earlier version. Made the slow way, then tried again.
                 self._client.ensure_path(path.rsplit("/", 1)[0])
             else:
                 raise RuntimeError(f"recording the intent {ctx.name} failed unexpectedly at {path}: {error!r}")

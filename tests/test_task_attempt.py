@@ -47,8 +47,7 @@ def ctx(epoch=0, partition=0, attempt=0, run="r1") -> TxnContext:
 
 
 @pytest.mark.parametrize("slots", [True, False], ids=["slots", "no-slots"])
-def test_open_is_one_pipelined_read_and_one_multi_op_and_close_one_multi_op(zk, zk_root, tmp_path, counted,
-                                                                           monkeypatch, slots):
+def test_open_is_one_multi_op_and_close_one_multi_op(zk, zk_root, tmp_path, counted, monkeypatch, slots):
     monkeypatch.setattr(precommits, "TRUSTED_FOR", 600.0)  # however loaded the host, the attempt is young
     pipe = Pipeline(zk, zk_root, (SlotFileSink if slots else FileSink)(str(tmp_path / "out")))
     client, sent = counted
@@ -59,9 +58,12 @@ def test_open_is_one_pipelined_read_and_one_multi_op_and_close_one_multi_op(zk, 
         attempt = TaskAttempt(pipe.sink, registry, ctx(epoch, partition))
         sent.clear()
         assert attempt.open()
-        # halted, winner, held slots (a sink that uses them), the epoch's nodes: sent together, answered in
-        # one round trip; then the intent's multi-op and, not waited for, the watch on the intent (IntentWatch)
-        assert sent == Counter(GetData=2, GetChildren=int(slots), Exists=2, Transaction=1)
+        # One multi-op checks the halt and the winner and records the intent; then, not waited for, the watch
+        # on the intent (IntentWatch). A sink that uses slots first reads the held ones and the epoch's node,
+        # in one round trip; one that does not takes the epoch as made, so its first attempt tries twice.
+        first_of_epoch = partition == 0
+        assert sent == (Counter(GetChildren=1, Exists=2, Transaction=1) if slots
+                        else Counter(Exists=1, Transaction=1 + first_of_epoch))
         assert (attempt.ctx.slot is not None) is slots
         attempt.write({"id": epoch * 10 + partition})
         sent.clear()
@@ -83,6 +85,31 @@ def test_a_halt_is_reported_before_a_winner_and_records_no_intent(pipe):
     admission = pipe.registry.admit(ctx(attempt=1))
     assert (admission.halted, admission.winner, admission.ctx) == (None, "r1.0.0.0", None)
     assert pipe.zk.get_children(pipe.qp.intents(0)) == ["r1.0.0.0"]  # the winner's, none for the skipper
+
+
+@pytest.mark.parametrize("slots", [True, False], ids=["slots", "no-slots"])
+def test_an_open_repeated_after_its_multi_op_went_through_finds_its_own_intent(zk, zk_root, tmp_path, slots):
+    """client.retry repeats the admission when a connection loss hid whether its multi-op went through."""
+    pipe = Pipeline(zk, zk_root, (SlotFileSink if slots else FileSink)(str(tmp_path / "out")))
+    first = pipe.registry.admit(ctx(), slot=pipe.sink.uses_slots)
+    again = pipe.registry.admit(ctx(), slot=pipe.sink.uses_slots)
+    assert again.ctx == first.ctx and (first.ctx.slot == 0) is slots
+    assert pipe.zk.get_children(pipe.qp.intents(0)) == ["r1.0.0.0"]
+    if slots:
+        assert pipe.zk.get_children(pipe.qp.partition_slots(0)) == ["0"]
+
+
+def test_an_open_after_its_runs_node_was_deleted_makes_it_again(pipe):
+    """A process records each run once (Spark reuses Python workers); the multi-op's halt check needs the
+    run's node, so one deleted since is made again, as a fresh process would make it."""
+    pipe.registry.ensure_run("r1")
+    pipe.zk.delete(pipe.qp.run("r1"), recursive=True)
+    attempt = TaskAttempt(pipe.sink, pipe.registry, ctx())
+    assert attempt.open()
+    assert pipe.zk.exists(pipe.qp.run("r1")) and pipe.zk.get_children(pipe.qp.intents(0)) == ["r1.0.0.0"]
+    attempt.write({"id": 1})
+    attempt.close(None)
+    assert attempt.won
 
 
 def test_the_first_attempts_of_an_epoch_racing_to_make_it_all_record_their_intents(zk_server, pipe):
