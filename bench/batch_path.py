@@ -26,7 +26,8 @@ input: a shorter one leaves the first timed runs slower than the later ones, sti
 
 The clock runs from ``start()`` to ``awaitTermination()`` and, for exactly-once writers, until the
 last epoch is committed (``await_committed``). Every run's output is counted afterwards (outside
-the clock): every row exactly once. Targets (issue 14): batch FileSink jsonl >= Spark's JSON sink and
+the clock): every row exactly once. Per exactly-once writer and its plain twin, a table of CPU seconds
+per run by process (bench/cpu.py) says what the exactly-once part costs. Targets (issue 14): batch FileSink jsonl >= Spark's JSON sink and
 >= 1.25x foreach FileSink; batch FileSink's overhead against the plain Arrow writer of its format <= 5 %;
 batch LogSink >= 0.8x batch FileSink jsonl.
 """
@@ -51,6 +52,7 @@ os.environ.setdefault("TWOPHASE_SECRET", "twophase-bench-secret-0123456789")
 os.environ.setdefault("PYSPARK_SUBMIT_ARGS", "--conf spark.ui.showConsoleProgress=false pyspark-shell")
 
 from broker_throughput import BrokerRunner  # noqa: E402
+from cpu import CpuMeter  # noqa: E402
 from pyspark.sql.datasource import DataSource, DataSourceStreamArrowWriter, WriterCommitMessage  # noqa: E402
 
 from examples.file_sink_query import INPUT_SCHEMA, build_spark, write_input  # noqa: E402
@@ -214,6 +216,9 @@ class Bench:
         return time.perf_counter() - t, out
 
 
+PAIRS = [("batch FileSink jsonl", "plain arrow jsonl"), ("batch FileSink parquet", "plain arrow parquet")]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, default=10)
@@ -243,10 +248,12 @@ def main(argv: list[str] | None = None) -> int:
                 seconds, _ = bench.run(w, input_dir)
                 print(f"warm-up {w.name:24}: {seconds:6.2f} s", file=sys.stderr, flush=True)
             load_before = os.getloadavg()[0]
+            meter = CpuMeter()
             for r in range(args.rounds):
                 order = writers[r % len(writers):] + writers[:r % len(writers)]
                 for w in order:
-                    seconds, out = bench.run(w, input_dir)
+                    with meter.measure(w.name):
+                        seconds, out = bench.run(w, input_dir)
                     if w.name not in ("noop", "plain arrow drop"):
                         report = count_rows(range(total), w.read(out))
                         if not report.exact:
@@ -291,6 +298,11 @@ def main(argv: list[str] | None = None) -> int:
     for label, value, target in checks:
         if value is not None:
             print(f"{label:<46} {value:5.2f}  target >= {target:.2f}  {'PASS' if value >= target else 'MISS'}")
+    for exactly_once, plain in PAIRS:  # what exactly-once costs, in CPU: steadier than wall time
+        if exactly_once in times and plain in times:
+            print()
+            print("\n".join(meter.table([plain, exactly_once], baseline=plain)))
+    print()
     print(f"output check: {'every run exact' if not failures else 'NOT EXACT: ' + '; '.join(failures)}")
     print(f"host: {os.cpu_count()} CPUs, 1-min load average {load_before:.1f} before the timed rounds, "
           f"{load_after:.1f} after")

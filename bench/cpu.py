@@ -83,13 +83,14 @@ class CpuMeter:
         to ``baseline`` (the cost of what that label adds to it)."""
         means = {label: self.mean(label) for label in labels}
         kinds = sorted({kind for m in means.values() for kind in m}, key=lambda k: -max(m[k] for m in means.values()))
-        head = f"{'CPU s per run':<24}" + "".join(f"{label[:14]:>15}" for label in labels)
         others = [label for label in labels if baseline and label != baseline]
-        head += "".join(f"{('+' + label)[:14]:>15}" for label in others)
+        width = max(15, *(len(label) + 3 for label in labels))  # room for a "+" and two spaces
+        head = f"{'CPU s per run':<24}" + "".join(f"{label:>{width}}" for label in labels)
+        head += "".join(f"{'+' + label:>{width}}" for label in others)
         lines = [head, "-" * len(head)]
         for kind in kinds + ["total"]:
             row = {label: (sum(m.values()) if kind == "total" else m[kind]) for label, m in means.items()}
-            line = f"{kind:<24}" + "".join(f"{row[label]:>15.2f}" for label in labels)
-            line += "".join(f"{row[label] - row[baseline]:>+15.2f}" for label in others)
+            line = f"{kind:<24}" + "".join(f"{row[label]:>{width}.2f}" for label in labels)
+            line += "".join(f"{row[label] - row[baseline]:>+{width}.2f}" for label in others)
             lines.append(line)
         return lines
