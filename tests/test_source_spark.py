@@ -144,6 +144,31 @@ def test_stream_read_limits_available_now_end_restart_and_new_topics(source, bro
     assert last[other] == {"0": 20, "1": 20}
 
 
+def test_two_queries_started_together_on_one_source_write_into_a_thread_safe_environment(source, broker, topic,
+                                                                                       tmp_path):
+    """Spark's streaming source runner writes its settings into the registered source's environment map on
+    each query's thread, while the other queries serialize it into their tasks (see
+    streams._register_with_shared_environment): the map is one both queries can share, and both read every
+    record once."""
+    broker.create_topic(topic, 3)
+    keys = produce(broker.bootstrap, topic, range(300), partitions=3)
+    df = reader(source, broker.bootstrap, stream=True, subscribe=topic, startingOffsets="earliest")
+    queries = [df.writeStream.format("parquet").option("path", str(tmp_path / f"out{n}"))
+               .option("checkpointLocation", str(tmp_path / f"ck{n}")).trigger(availableNow=True).start()
+               for n in range(2)]
+    for n, query in enumerate(queries):
+        try:
+            query.awaitTermination(180)
+            assert not query.isActive and query.exception() is None, query.exception()
+        finally:
+            query.stop()
+        assert keys_of(source.read.parquet(str(tmp_path / f"out{n}")).collect()) == collections.Counter(keys.keys())
+    manager = source._jsparkSession.sessionState().dataSourceManager()
+    environment = manager.lookupDataSource("twophase-kafka").dataSourceCls().envVars()
+    assert environment.getClass().getName() == "java.util.concurrent.ConcurrentHashMap"
+    assert environment.containsKey("SPARK_LOCAL_DIRS"), "the runner wrote into another map: the test proves nothing"
+
+
 def transactions(bootstrap: str, topic: str) -> tuple[set[bytes], set[bytes], set[bytes]]:
     """Committed and aborted transactions on ``topic``, then one left open and plain records after it.
     Returns the keys (visible under read_committed, aborted, hidden behind the open transaction)."""

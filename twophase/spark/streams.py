@@ -49,8 +49,30 @@ def register(spark) -> None:
     manager = spark._jsparkSession.sessionState().dataSourceManager()  # no Python API asks whether one exists
     for source in (KafkaSource, SinkFormat):
         if not manager.dataSourceExists(source.name()):
-            spark.dataSource.register(source)
+            _register_with_shared_environment(spark, source)
     WriterDiscovery.start(spark, {KafkaSource.name(): kafka_hook, SINK_FORMAT: lambda options: None})
+
+
+def _register_with_shared_environment(spark, source: type) -> None:
+    """``spark.dataSource.register(source)``, with the source's worker environment in a map threads may share.
+
+    Spark keeps one environment map per registered Python data source, in every function it makes for it, and
+    its streaming source runner adds its settings to that map in place (``PythonStreamingSourceRunner.init``,
+    PySpark 4.3), on the thread of each query that starts, while other queries serialize the same map into their
+    tasks. With Spark's ``java.util.HashMap``, two queries starting together on one source can corrupt it, and
+    then every task of both fails to deserialize (``java.io.OptionalDataException``; seen once in the demo's
+    restart, which starts two queries on one ``twophase-kafka`` DataFrame). A ``ConcurrentHashMap`` takes
+    concurrent writes and serializes whole. Otherwise this is what ``DataSourceRegistration.register`` does.
+    """
+    from pyspark.core.rdd import _prepare_for_python_RDD
+
+    sc = spark.sparkContext
+    jvm = sc._jvm
+    pickled, broadcast_vars, environment, includes = _prepare_for_python_RDD(sc, source)
+    function = jvm.SimplePythonFunction(bytearray(pickled), jvm.java.util.concurrent.ConcurrentHashMap(environment),
+                                        includes, sc.pythonExec, sc.pythonVer, broadcast_vars, sc._javaAccumulator)
+    data_source = getattr(jvm, "org.apache.spark.sql.execution.datasources.v2.python.UserDefinedPythonDataSource")
+    spark._jsparkSession.dataSource().registerPython(source.name(), data_source(function))
 
 
 def write_stream(df: DataFrame, sink: TwoPhaseCommitSink, app: str, zk: str, *, root: str = DEFAULT_ROOT,
