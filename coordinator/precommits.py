@@ -180,8 +180,11 @@ class PrecommitRegistry:
         return replace(admission, intent=IntentWatch(self, admission.ctx))
 
     def _admit(self, ctx: TxnContext, slot: bool) -> Admission:
-        if not slot:  # nothing to read: the epoch's nodes are taken as made, as they are for all but its first task
-            return self._intend(ctx, None, epoch_made=None, pool_made=True, admitting=True)
+        if not slot:
+            # Nothing to read. Spark launches an epoch's tasks in partition order, so partition 0's first attempt
+            # makes the epoch's nodes and the others take them as made; a wrong guess costs one more try.
+            first = ctx.partition == 0 and ctx.attempt == 0
+            return self._intend(ctx, None, epoch_made=False if first else None, pool_made=True, admitting=True)
         held = self._client.get_children_async(self._paths.partition_slots(ctx.partition))
         epoch_made = self._client.exists_async(self._paths.winners(ctx.epoch))
         try:
@@ -235,9 +238,10 @@ class PrecommitRegistry:
                 admitting: bool) -> Admission:
         """The intent multi-op. The first attempt of an epoch creates the epoch's node and its
         ``intents``, ``attempts`` and ``winners`` children in the same multi-op (one write where
-        ensure_path took a dozen round trips), so registration never finds them missing; ``epoch_made``
-        None: not known, taken as made until the multi-op finds them missing. ``held`` None: no slot is
-        claimed (the intent is empty, as :func:`~coordinator.slots.slot_of_intent` reads).
+        ensure_path took a dozen round trips), so registration never finds them missing. ``epoch_made``
+        False: create them (a multi-op finding them made tries again without); None: take them as made
+        (one finding them missing tries again with). ``held`` None: no slot is claimed (the intent is
+        empty, as :func:`~coordinator.slots.slot_of_intent` reads).
 
         ``admitting``: the multi-op also checks that the run's ``halted`` node and the partition's winner
         are absent, by creating and deleting each (ZooKeeper has no "check absent"; a multi-op is atomic,

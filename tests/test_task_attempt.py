@@ -54,26 +54,27 @@ def test_open_is_one_multi_op_and_close_one_multi_op(zk, zk_root, tmp_path, coun
     assert pipe.task("r1", 0, 0, [0]) is True  # the query's first: makes epochs/ and slots/ the slow way
     registry = PrecommitRegistry(client, pipe.qp, SIGNER)
     registry.ensure_run("r1")
-    for epoch, partition in ((0, 1), (1, 0), (1, 1)):  # the first attempt of an epoch makes it in its multi-op
+    # (epoch, partition, multi-ops for a sink without slots): the first attempt of an epoch makes it in its
+    # multi-op; without slots nothing is read first, and partition 0 guesses it is first, the others not.
+    for epoch, partition, tries in ((0, 1, 1), (1, 0, 1), (1, 1, 1), (2, 1, 2), (2, 0, 2)):
         attempt = TaskAttempt(pipe.sink, registry, ctx(epoch, partition))
         sent.clear()
         assert attempt.open()
         # One multi-op checks the halt and the winner and records the intent; then, not waited for, the watch
         # on the intent (IntentWatch). A sink that uses slots first reads the held ones and the epoch's node,
-        # in one round trip; one that does not takes the epoch as made, so its first attempt tries twice.
-        first_of_epoch = partition == 0
+        # in one round trip.
         assert sent == (Counter(GetChildren=1, Exists=2, Transaction=1) if slots
-                        else Counter(Exists=1, Transaction=1 + first_of_epoch))
+                        else Counter(Exists=1, Transaction=tries))
         assert (attempt.ctx.slot is not None) is slots
         attempt.write({"id": epoch * 10 + partition})
         sent.clear()
         attempt.close(None)
         assert attempt.won
         assert sent == Counter(Transaction=1)  # the registration multi-op: the watch says the intent is held
-    assert sorted(pipe.zk.get_children(pipe.qp.epoch(1))) == ["attempts", "intents", "winners"]
-    pipe.barrier(1, "r1")
+    assert sorted(pipe.zk.get_children(pipe.qp.epoch(2))) == ["attempts", "intents", "winners"]
+    pipe.barrier(2, "r1")
     pipe.coordinator().reconcile()
-    assert count_rows([0, 1, 10, 11], ids_out(pipe)).exact
+    assert count_rows([0, 1, 10, 11, 20, 21], ids_out(pipe)).exact
 
 
 def test_a_halt_is_reported_before_a_winner_and_records_no_intent(pipe):
