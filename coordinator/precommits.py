@@ -245,7 +245,9 @@ class PrecommitRegistry:
 
         ``admitting``: the multi-op also checks that the run's ``halted`` node and the partition's winner
         are absent, by creating and deleting each (ZooKeeper has no "check absent"; a multi-op is atomic,
-        so nobody sees them); finding either, it reads it and returns the halt or the winner."""
+        so no reader sees them, but a watch on either node, or on the children of ``runs/<run>`` or
+        ``winners``, would fire at every ``open``: nothing sets one); finding either, it reads it and
+        returns the halt or the winner."""
         epoch = self._paths.epoch(ctx.epoch)
         intent = self.intent_path(ctx)
         pool = self._paths.partition_slots(ctx.partition)

@@ -19,7 +19,7 @@ from tests.broker.conftest import broker, broker_factory, topic  # noqa: F401  (
 from tests.waiting import wait_until
 from twophase.client import Consumer, Producer
 from twophase.spark import register
-from twophase.spark.source import SCHEMA, SCHEMA_WITH_HEADERS
+from twophase.spark.source import SCHEMA, SCHEMA_WITH_HEADERS, KafkaSource
 
 pytestmark = pytest.mark.spark
 
@@ -148,25 +148,35 @@ def test_two_queries_started_together_on_one_source_write_into_a_thread_safe_env
                                                                                        tmp_path):
     """Spark's streaming source runner writes its settings into the registered source's environment map on
     each query's thread, while the other queries serialize it into their tasks (see
-    streams._register_with_shared_environment): the map is one both queries can share, and both read every
-    record once."""
+    streams._register_with_shared_environment). The race itself is rare, so this checks the map's type
+    (a HashMap before the fix) and that two queries started together on one DataFrame read every record
+    once; a source registered by ``spark.dataSource.register`` is registered again by ``register``."""
+    manager = source._jsparkSession.sessionState().dataSourceManager()
+
+    def environment():
+        return manager.lookupDataSource("twophase-kafka").dataSourceCls().envVars()
+
+    source.dataSource.register(KafkaSource)  # PySpark's registration: a HashMap
+    assert environment().getClass().getName() == "java.util.HashMap"
+    register(source)
+    assert environment().getClass().getName() == "java.util.concurrent.ConcurrentHashMap"
     broker.create_topic(topic, 3)
     keys = produce(broker.bootstrap, topic, range(300), partitions=3)
     df = reader(source, broker.bootstrap, stream=True, subscribe=topic, startingOffsets="earliest")
-    queries = [df.writeStream.format("parquet").option("path", str(tmp_path / f"out{n}"))
-               .option("checkpointLocation", str(tmp_path / f"ck{n}")).trigger(availableNow=True).start()
-               for n in range(2)]
-    for n, query in enumerate(queries):
-        try:
+    queries = []
+    try:
+        for n in range(2):
+            queries.append(df.writeStream.format("parquet").option("path", str(tmp_path / f"out{n}"))
+                           .option("checkpointLocation", str(tmp_path / f"ck{n}")).trigger(availableNow=True).start())
+        for query in queries:
             query.awaitTermination(180)
             assert not query.isActive and query.exception() is None, query.exception()
-        finally:
+    finally:
+        for query in queries:
             query.stop()
+    for n in range(2):
         assert keys_of(source.read.parquet(str(tmp_path / f"out{n}")).collect()) == collections.Counter(keys.keys())
-    manager = source._jsparkSession.sessionState().dataSourceManager()
-    environment = manager.lookupDataSource("twophase-kafka").dataSourceCls().envVars()
-    assert environment.getClass().getName() == "java.util.concurrent.ConcurrentHashMap"
-    assert environment.containsKey("SPARK_LOCAL_DIRS"), "the runner wrote into another map: the test proves nothing"
+    assert environment().containsKey("SPARK_LOCAL_DIRS"), "the runner wrote into another map: the test proves nothing"
 
 
 def transactions(bootstrap: str, topic: str) -> tuple[set[bytes], set[bytes], set[bytes]]:

@@ -83,7 +83,7 @@ def test_a_halt_is_reported_before_a_winner_and_records_no_intent(pipe):
     with pytest.raises(PhaseTwoHalted, match="the coordinator failed for good"):
         TaskAttempt(pipe.sink, pipe.registry, ctx(attempt=1)).open()
     pipe.zk.delete(pipe.qp.halted("r1"))
-    admission = pipe.registry.admit(ctx(attempt=1))
+    admission = pipe.registry.admit(ctx(attempt=1), slot=pipe.sink.uses_slots)
     assert (admission.halted, admission.winner, admission.ctx) == (None, "r1.0.0.0", None)
     assert pipe.zk.get_children(pipe.qp.intents(0)) == ["r1.0.0.0"]  # the winner's, none for the skipper
 

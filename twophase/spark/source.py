@@ -257,7 +257,7 @@ class KafkaSource(DataSource):
 
     Usage::
 
-        spark.dataSource.register(KafkaSource)      # or twophase.spark.register(spark)
+        twophase.spark.register(spark)   # not spark.dataSource.register: see streams._register_with_shared_environment
         spark.read.format("twophase-kafka").option("kafka.bootstrap.servers", "h:9092") \\
             .option("subscribe", "orders").load()
     """

@@ -44,13 +44,18 @@ from twophase.supervisor import Supervision
 
 def register(spark) -> None:
     """Register twophase's data sources (``twophase-kafka``, ``twophase``) on ``spark`` and start its
-    writer discovery. Idempotent: a source registered already is kept (registering again would log
-    Spark's "replaced" WARNING)."""
+    writer discovery. Idempotent: a source this function registered is kept (registering again would log
+    Spark's "replaced" WARNING); one registered by ``spark.dataSource.register`` is registered again."""
     manager = spark._jsparkSession.sessionState().dataSourceManager()  # no Python API asks whether one exists
     for source in (KafkaSource, SinkFormat):
-        if not manager.dataSourceExists(source.name()):
+        if not manager.dataSourceExists(source.name()) or not _shares_environment_safely(manager, source.name()):
             _register_with_shared_environment(spark, source)
     WriterDiscovery.start(spark, {KafkaSource.name(): kafka_hook, SINK_FORMAT: lambda options: None})
+
+
+def _shares_environment_safely(manager, name: str) -> bool:
+    environment = manager.lookupDataSource(name).dataSourceCls().envVars()
+    return environment.getClass().getName() == "java.util.concurrent.ConcurrentHashMap"
 
 
 def _register_with_shared_environment(spark, source: type) -> None:
