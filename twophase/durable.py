@@ -12,7 +12,12 @@ import os
 
 def fsync_dir(directory: str) -> None:
     """Make a rename, creation or deletion in ``directory`` durable."""
-    fd = os.open(directory, os.O_RDONLY)
+    fsync_file(directory)  # a directory opened read-only fsyncs as a file does
+
+
+def fsync_file(path: str) -> None:
+    """Make what was written to the file at ``path`` durable (by whichever process wrote it)."""
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:

@@ -158,10 +158,15 @@ class TwoPhaseCommitSink(ABC):
     ``uses_slots``: whether the sink names anything by ``ctx.slot``. Slots cost ZooKeeper work in
     every task and in every epoch's phase two (claiming, listing, releasing); a sink that names its
     resources by attempt (``ctx.name``) or not at all sets it False, and its attempts get no slot.
+
+
+    ``takes_dataframe``: whether Spark writes the sink's rows itself, a whole DataFrame per transaction
+    (:meth:`write_dataframe`, on the driver, in ``foreachBatch``), instead of handing them to ``write``.
     """
 
     commit_concurrency: int = 1
     uses_slots: bool = True
+    takes_dataframe: bool = False
 
     @abstractmethod
     def begin_transaction(self, ctx: TxnContext) -> Any:
@@ -181,6 +186,15 @@ class TwoPhaseCommitSink(ABC):
         """
         for row in batch.to_pylist():
             self.write(txn, Record(row))
+
+    def write_dataframe(self, txn: Any, df: Any) -> None:
+        """Have Spark write a whole DataFrame (a ``pyspark.sql.DataFrame``) into the transaction.
+
+        Only for a sink whose ``takes_dataframe`` is True: ``TwoPhaseBatchSink`` calls it on the driver
+        with the micro-batch, in a transaction of its own (partition 0, attempt 0), and the row paths
+        refuse such a sink. Spark's own writer then does the work (SparkFileSink: its file writer).
+        """
+        raise NotImplementedError(f"{type(self).__name__} takes rows, not DataFrames (takes_dataframe is False)")
 
     @abstractmethod
     def pre_commit(self, txn: Any) -> Any:

@@ -67,6 +67,10 @@ class TaskAttempt:
         """Write one Arrow record batch into the transaction open() began."""
         self.sink.write_batch(self._txn, batch)
 
+    def write_dataframe(self, df: Any) -> None:
+        """Have Spark write a whole DataFrame into the transaction (a sink that ``takes_dataframe``)."""
+        self.sink.write_dataframe(self._txn, df)
+
     def close(self, error: BaseException | None) -> None:
         """Pre-commit and register (error is None), or discard the open transaction."""
         txn, self._txn = self._txn, None

@@ -33,13 +33,14 @@ from coordinator.app import CommitPolicy
 from coordinator.layout import DEFAULT_ROOT
 from coordinator.precommits import PrecommitRegistry
 from twophase.signing import load_secret
-from twophase.sink import TwoPhaseCommitSink
+from twophase.sink import TwoPhaseCommitSink, TxnContext
 from twophase.spark.driver import DriverHook, HookConfig
-from twophase.spark.sink_options import check_app_settings
-from twophase.spark.stream_sink import SINK_DIGEST, SINK_FORMAT
+from twophase.spark.sink_options import check_app_settings, check_sink
+from twophase.spark.stream_sink import HOOK_WAIT, SINK_DIGEST, SINK_FORMAT, await_watched
 from twophase.spark.task_context import NotInStream
 from twophase.spark.streams import register, stored_digest
 from twophase.supervisor import Supervision
+from twophase.task import TaskAttempt
 
 
 log = logging.getLogger("twophase.driver")
@@ -75,12 +76,12 @@ class TwoPhaseBatchSink:
     def __init__(self, sink: TwoPhaseCommitSink, app: str, zk: str, *, root: str = DEFAULT_ROOT,
                  coordinator: str = "embedded", policy: CommitPolicy | None = None,
                  supervision: Supervision | None = None, spark: SparkSession | None = None) -> None:
-        if not isinstance(sink, TwoPhaseCommitSink):
-            raise TypeError(f"sink must be a TwoPhaseCommitSink, got {type(sink).__name__}")
+        check_sink(sink, takes_rows=False)
         check_app_settings(app, root, coordinator)
         self.app, self.zk, self.root, self.coordinator = app, zk, root, coordinator
         config = HookConfig(zk, root, app, load_secret(), coordinator, policy or CommitPolicy(),
                             supervision or Supervision())
+        self._sink = sink
         self._hook: DriverHook | None = DriverHook.acquire(config, sink, spark)
         try:
             register(self._hook.watcher.spark)
@@ -109,12 +110,32 @@ class TwoPhaseBatchSink:
                                  "micro-batch (union the DataFrames, or give each target an app of its own)")
             _last[written] = batch_id
         try:
-            (batch_df.write.format(SINK_FORMAT).mode("append")
-             .option("twophase.zk", self.zk).option("twophase.app", self.app).option("twophase.root", self.root)
-             .option("twophase.coordinator", self.coordinator).option(SINK_DIGEST, self._digest).save())
+            if self._sink.takes_dataframe:
+                self._write_on_driver(batch_df, query, run, batch_id)
+            else:
+                (batch_df.write.format(SINK_FORMAT).mode("append")
+                 .option("twophase.zk", self.zk).option("twophase.app", self.app).option("twophase.root", self.root)
+                 .option("twophase.coordinator", self.coordinator).option(SINK_DIGEST, self._digest).save())
         except BaseException as e:
             self._failed(query, run, batch_id, e)
             raise
+
+    def _write_on_driver(self, batch_df: DataFrame, query: str, run: str, batch_id: int) -> None:
+        """A sink that takes whole DataFrames: one transaction for the micro-batch, begun, written (by Spark)
+        and pre-committed here, as partition 0 of epoch ``batch_id``; then, as the batch writer's
+        ``commit`` does, wait until the hook publishes the run (at once after the first micro-batch)."""
+        qp = self._hook.paths.query(query)
+        attempt = TaskAttempt(self._sink, PrecommitRegistry(self._hook.client, qp, self._hook.signer),
+                              TxnContext(self.app, query, run, batch_id, 0, 0))
+        if not attempt.open():
+            raise ValueError(f"app {self.app} already wrote micro-batch {batch_id} in run {run}")
+        try:
+            attempt.write_dataframe(batch_df)
+        except BaseException as e:
+            attempt.close(e)
+            raise
+        attempt.close(None)
+        await_watched(self._hook.client, qp, run, self.app, HOOK_WAIT)
 
     def _failed(self, query: str, run: str, batch_id: int, error: BaseException) -> None:
         """Record the failed write of micro-batch ``batch_id`` under its epoch, then halt the run.

@@ -26,6 +26,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from coordinator.layout import DEFAULT_ROOT
+from twophase.sink import TwoPhaseCommitSink
 
 APP_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 COORDINATOR_MODES = ("embedded", "daemon")
@@ -46,6 +47,16 @@ def check_app_settings(app: str, root: str, coordinator: str) -> None:
         raise ValueError(f"coordinator must be one of {COORDINATOR_MODES}, got {coordinator!r}")
     if not root.startswith("/") or root.endswith("/"):
         raise ValueError(f"root {root!r} must be an absolute znode path without a trailing '/'")
+
+
+def check_sink(sink: object, *, takes_rows: bool) -> None:
+    """TypeError unless ``sink`` is a TwoPhaseCommitSink the writer can hand its rows: a writer that hands
+    over rows (``foreach``, ``write_stream``: ``takes_rows``) refuses one that takes whole DataFrames."""
+    if not isinstance(sink, TwoPhaseCommitSink):
+        raise TypeError(f"sink must be a TwoPhaseCommitSink, got {type(sink).__name__}")
+    if takes_rows and sink.takes_dataframe:
+        raise TypeError(f"{type(sink).__name__} takes a whole DataFrame per micro-batch, written by Spark itself: "
+                        "use it with TwoPhaseBatchSink in foreachBatch")
 
 
 @dataclass(frozen=True)

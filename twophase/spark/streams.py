@@ -35,7 +35,7 @@ from twophase.spark.discovery import WriterDiscovery, write_options
 from twophase.spark.driver import DriverHook, HookConfig
 from twophase.spark.kafka_sink import kafka_hook
 from twophase.spark.queries import QueryWatcher
-from twophase.spark.sink_options import ExactlyOnce, check_app_settings, exactly_once
+from twophase.spark.sink_options import ExactlyOnce, check_app_settings, check_sink, exactly_once
 from twophase.spark.source import KafkaSource
 from twophase.spark.stream_sink import SINK_DIGEST, SINK_FORMAT, SinkFormat, arrow_schema, sink_digest
 from twophase.spark.waiter import await_watermark
@@ -92,8 +92,7 @@ def write_stream(df: DataFrame, sink: TwoPhaseCommitSink, app: str, zk: str, *, 
         query = write_stream(df, FileSink("/data/out", format="parquet"), app="orders", zk="zk:2181") \\
             .option("checkpointLocation", "/data/ck/orders").start()
     """
-    if not isinstance(sink, TwoPhaseCommitSink):
-        raise TypeError(f"sink must be a TwoPhaseCommitSink, got {type(sink).__name__}")
+    check_sink(sink, takes_rows=True)
     check_app_settings(app, root, coordinator)
     sink.check_target(arrow_schema(df.schema))
     spark = df.sparkSession

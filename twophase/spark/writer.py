@@ -29,7 +29,7 @@ from coordinator.zk import shared_client
 from twophase.signing import Signer, load_secret
 from twophase.sink import TwoPhaseCommitSink
 from twophase.spark.driver import DriverHook, HookConfig
-from twophase.spark.sink_options import check_app_settings
+from twophase.spark.sink_options import check_app_settings, check_sink
 from twophase.spark.task_context import task_context
 from twophase.supervisor import Supervision
 from twophase.task import TaskAttempt
@@ -65,8 +65,7 @@ class TwoPhaseSink:
                  secret: str | bytes | None = None, coordinator: str = "embedded",
                  policy: CommitPolicy | None = None, supervision: Supervision | None = None,
                  spark: SparkSession | None = None) -> None:
-        if not isinstance(sink, TwoPhaseCommitSink):
-            raise TypeError(f"sink must be a TwoPhaseCommitSink, got {type(sink).__name__}")
+        check_sink(sink, takes_rows=True)
         check_app_settings(app, root, coordinator)
         sink.check_target(None)  # foreach hands rows over one at a time: no schema to check here
         self.sink = sink
