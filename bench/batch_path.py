@@ -22,14 +22,19 @@ input: a shorter one leaves the first timed runs slower than the later ones, sti
 - ``plain arrow drop``: the same Python Arrow writer consuming its batches and writing nothing: the ceiling
   of any writer on PySpark's Python data source API (``mapInArrow`` into a Python worker);
 - ``batch LogSink``: ``format("twophase-kafka")`` to the built-in broker (a ``twophase broker``
-  process, fsync 1000 ms), key = id, value = the row as JSON (``to_json`` in Spark).
+  process, fsync 1000 ms), key = id, value = the row as JSON (``to_json`` in Spark);
+- ``SparkFileSink json`` / ``parquet``: ``foreachBatch(TwoPhaseBatchSink(SparkFileSink(format=...)).write)``,
+  Spark's own file writer, exactly once;
+- ``plain foreachBatch json``: ``foreachBatch`` appending each micro-batch with Spark's JSON writer, at
+  least once: the baseline of SparkFileSink's exactly-once overhead.
 
 The clock runs from ``start()`` to ``awaitTermination()`` and, for exactly-once writers, until the
 last epoch is committed (``await_committed``). Every run's output is counted afterwards (outside
 the clock): every row exactly once. Per exactly-once writer and its plain twin, a table of CPU seconds
-per run by process (bench/cpu.py) says what the exactly-once part costs. Targets (issue 14): batch FileSink jsonl >= Spark's JSON sink and
->= 1.25x foreach FileSink; batch FileSink's overhead against the plain Arrow writer of its format <= 5 %;
-batch LogSink >= 0.8x batch FileSink jsonl.
+per run by process (bench/cpu.py) says what the exactly-once part costs. Targets (issue 14): FileSink through the batch path
+>= Spark's JSON sink and >= 1.25x foreach FileSink (for the batch path proper, and for Spark's writer
+through SparkFileSink); each one's exactly-once overhead against its plain twin <= 5 %; batch LogSink >=
+0.8x batch FileSink jsonl.
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ from pyspark.sql.datasource import DataSource, DataSourceStreamArrowWriter, Writ
 
 from examples.file_sink_query import INPUT_SCHEMA, build_spark, write_input  # noqa: E402
 from sinks.files import ROW_GROUP_SIZE, FileSink, _json_lines, _ParquetStaging, read_committed_rows  # noqa: E402
+from sinks.spark_files import SparkFileSink  # noqa: E402
 from twophase.verify import count_rows  # noqa: E402
 from twophase.zkserver import ZooKeeperServer  # noqa: E402
 
@@ -134,13 +140,14 @@ class Bench:
         self.workdir = workdir
         self.root = f"/bench-{uuid.uuid4().hex[:8]}"
         self._n = 0
+        self.held = {}  # writer name -> its TwoPhaseSink or TwoPhaseBatchSink of the last run
 
     def source(self, input_dir: str):
         return (self.spark.readStream.schema(INPUT_SCHEMA).option("maxFilesPerTrigger", 1).json(input_dir)
                 .repartition(4))
 
     def writers(self) -> list[Writer]:
-        from twophase.spark import TwoPhaseSink, write_stream
+        from twophase.spark import TwoPhaseBatchSink, TwoPhaseSink, write_stream
 
         def files(path: str) -> list[int]:
             return [r["id"] for r in read_committed_rows(path)]
@@ -171,14 +178,21 @@ class Bench:
         def stream(writer):
             return lambda df, out, ck: writer(df, out).option("checkpointLocation", ck).trigger(availableNow=True).start()
 
-        foreach = TwoPhaseSink(FileSink(str(self.workdir / "unused")), app=f"{APP}-foreach", zk=self.zk,
-                               root=self.root, spark=self.spark)
-        self._foreach_sink = foreach
+        def spark_files(fmt: str):
+            return lambda df, out: df.writeStream.foreachBatch(self._hold(f"SparkFileSink {fmt}", TwoPhaseBatchSink(
+                SparkFileSink(out, format=fmt), app=f"{APP}-spark-{fmt}", zk=self.zk, root=self.root,
+                spark=self.spark)).write)
+
+        def append_json(out: str):
+            return lambda batch_df, batch_id: batch_df.write.mode("append").json(out)
+
         return [
             Writer("noop", stream(lambda df, out: df.writeStream.format("noop")), False, lambda out: []),
             Writer("spark json", stream(lambda df, out: df.writeStream.format("json").option("path", out)),
                    False, spark_json),
-            Writer("foreach FileSink", stream(lambda df, out: df.writeStream.foreach(self._foreach(out))), True, files),
+            Writer("foreach FileSink", stream(lambda df, out: df.writeStream.foreach(self._hold("foreach FileSink",
+                   TwoPhaseSink(FileSink(out), app=f"{APP}-foreach", zk=self.zk, root=self.root, spark=self.spark)))),
+                   True, files),
             Writer("batch FileSink jsonl", stream(lambda df, out: write_stream(
                 df, FileSink(out), app=f"{APP}-jsonl", zk=self.zk, root=self.root)), True, files),
             Writer("plain arrow jsonl", stream(lambda df, out: df.writeStream.format("bench-plain-arrow")
@@ -190,15 +204,18 @@ class Bench:
             Writer("plain arrow drop", stream(lambda df, out: df.writeStream.format("bench-plain-arrow")
                                               .option("path", out).option("format", "drop")), False, lambda out: []),
             Writer("batch LogSink", kafka, True, topic),
+            Writer("SparkFileSink json", stream(spark_files("json")), True, spark_json),
+            Writer("SparkFileSink parquet", stream(spark_files("parquet")), True, plain),
+            Writer("plain foreachBatch json", stream(lambda df, out: df.writeStream.foreachBatch(append_json(out))),
+                   False, spark_json),
         ]
 
-    def _foreach(self, out: str):
-        from twophase.spark import TwoPhaseSink
-
-        self._foreach_sink.close()
-        self._foreach_sink = TwoPhaseSink(FileSink(out), app=f"{APP}-foreach", zk=self.zk, root=self.root,
-                                          spark=self.spark)
-        return self._foreach_sink
+    def _hold(self, name: str, target):
+        """The writer's TwoPhaseSink or TwoPhaseBatchSink for this run (its output path), in place of its last."""
+        if name in self.held:
+            self.held[name].close()
+        self.held[name] = target
+        return target
 
     def run(self, writer: Writer, input_dir: str) -> tuple[float, str]:
         from twophase.spark import await_committed
@@ -209,14 +226,15 @@ class Bench:
         t = time.perf_counter()
         query = writer.start(self.source(input_dir), out, ck)
         query.awaitTermination()
-        if writer.name == "foreach FileSink":
-            self._foreach_sink.await_committed(query, timeout=300)
+        if writer.name in self.held:
+            self.held[writer.name].await_committed(query, timeout=300)
         elif writer.exactly_once:
             await_committed(query, timeout=300)
         return time.perf_counter() - t, out
 
 
-PAIRS = [("batch FileSink jsonl", "plain arrow jsonl"), ("batch FileSink parquet", "plain arrow parquet")]
+PAIRS = [("batch FileSink jsonl", "plain arrow jsonl"), ("batch FileSink parquet", "plain arrow parquet"),
+         ("SparkFileSink json", "plain foreachBatch json")]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -266,7 +284,8 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             from twophase.spark.driver import DriverHook
 
-            bench._foreach_sink.close()
+            for target in bench.held.values():
+                target.close()
             DriverHook.close_all()
             spark.stop()
     shutil.rmtree(workdir, ignore_errors=True)
@@ -291,6 +310,9 @@ def main(argv: list[str] | None = None) -> int:
         ("batch FileSink jsonl / plain arrow jsonl", ratio("batch FileSink jsonl", "plain arrow jsonl"), 0.95),
         ("batch FileSink parquet / plain arrow parquet", ratio("batch FileSink parquet", "plain arrow parquet"), 0.95),
         ("batch LogSink / batch FileSink jsonl", ratio("batch LogSink", "batch FileSink jsonl"), 0.8),
+        ("SparkFileSink json / spark json", ratio("SparkFileSink json", "spark json"), 1.0),
+        ("SparkFileSink json / foreach FileSink", ratio("SparkFileSink json", "foreach FileSink"), 1.25),
+        ("SparkFileSink json / plain foreachBatch json", ratio("SparkFileSink json", "plain foreachBatch json"), 0.95),
     ]
     ceiling = ratio("plain arrow drop", "spark json")
     if ceiling is not None:

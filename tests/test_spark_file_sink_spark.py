@@ -59,6 +59,14 @@ def read_ids(output: Path) -> list[int]:
     return table.column("id").to_pylist()
 
 
+def parquet_by_batch(tmp_path, batches, app, zk_server, zk_root, spark) -> TwoPhaseBatchSink:
+    """``batches`` input files of ROWS_PER_BATCH rows, and a target writing Parquet into ``out/batch=<n>/``."""
+    for b in range(batches):
+        write_input(str(tmp_path / "in"), b, range(b * ROWS_PER_BATCH, (b + 1) * ROWS_PER_BATCH))
+    return TwoPhaseBatchSink(SparkFileSink(str(tmp_path / "out"), partition_by=["batch"]), app=app, zk=zk_server.hosts,
+                             root=zk_root, spark=spark)
+
+
 def start(spark, process, tmp_path, fail_rate=0.0, app="files"):
     df = (spark.readStream.schema(INPUT_SCHEMA).option("maxFilesPerTrigger", 1).json(str(tmp_path / "in"))
           .repartition(4))
@@ -70,11 +78,8 @@ def start(spark, process, tmp_path, fail_rate=0.0, app="files"):
 
 def test_sparks_writer_commits_every_row_once_through_retried_tasks(spark, zk_server, zk_root, tmp_path):
     """Half the first task attempts die mid-write; Spark's commit protocol keeps the retries' files only."""
-    for b in range(3):
-        write_input(str(tmp_path / "in"), b, range(b * ROWS_PER_BATCH, (b + 1) * ROWS_PER_BATCH))
     out = tmp_path / "out"
-    with TwoPhaseBatchSink(SparkFileSink(str(out), partition_by=["batch"]), app="files", zk=zk_server.hosts,
-                           root=zk_root, spark=spark) as files:
+    with parquet_by_batch(tmp_path, 3, "files", zk_server, zk_root, spark) as files:
         query = start(spark, files.write, tmp_path, fail_rate=0.5)
         query.awaitTermination()
         assert files.await_committed(query, timeout=60) == 2
@@ -84,11 +89,8 @@ def test_sparks_writer_commits_every_row_once_through_retried_tasks(spark, zk_se
 
 
 def test_a_failed_write_makes_nothing_of_its_micro_batch_visible(spark, zk_server, zk_root, tmp_path):
-    for b in range(2):
-        write_input(str(tmp_path / "in"), b, range(b * ROWS_PER_BATCH, (b + 1) * ROWS_PER_BATCH))
     out = tmp_path / "out"
-    with TwoPhaseBatchSink(SparkFileSink(str(out), partition_by=["batch"]), app="failing", zk=zk_server.hosts,
-                           root=zk_root, spark=spark) as files:
+    with parquet_by_batch(tmp_path, 2, "failing", zk_server, zk_root, spark) as files:
         def process(batch_df, batch_id):
             poisoned = F.when(F.col("id") == ROWS_PER_BATCH + 7, F.raise_error(F.lit("poison row")))
             files.write(batch_df.withColumn("id", poisoned.otherwise(F.col("id"))), batch_id)

@@ -3,7 +3,9 @@
 A ``foreachBatch`` function runs on the driver with the micro-batch as a DataFrame; the jobs it starts
 carry the query's id, run id and batch id (Spark sets them on the stream thread, and tasks read them
 from their TaskContext), so each :class:`TwoPhaseBatchSink` writes its share as epoch ``batch_id`` of
-its own app, through the batch writer of the ``twophase`` format (an Arrow batch at a time). Each app
+its own app, through the batch writer of the ``twophase`` format (an Arrow batch at a time). A sink
+that takes whole DataFrames (``SparkFileSink``: Spark's own file writer) gets the micro-batch instead,
+in one transaction the driver runs as partition 0 of the epoch (docs/spark-file-sink.md). Each app
 has its own coordinator and state; each commits its epoch once Spark has durably completed the
 micro-batch (``commits/N``), whatever happened to the others. A driver crash in the middle of the
 function re-runs the micro-batch in a new run, whose pre-commits replace the old run's in every app.
