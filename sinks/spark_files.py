@@ -115,6 +115,13 @@ class SparkFileSink(TwoPhaseCommitSink):
         (df.write.format(self.format).options(**self.options).partitionBy(*self.partition_by)
          .mode("errorifexists").save(txn.staging))
 
+    def check_target(self, schema: Any | None) -> None:
+        """ValueError naming the ``partition_by`` columns the micro-batch has not (before Spark writes)."""
+        missing = [c for c in self.partition_by if schema is not None and c not in schema.names]
+        if missing:
+            raise ValueError(f"SparkFileSink partition_by: the micro-batch has no column(s) {missing}; "
+                             f"its columns: {schema.names}")
+
     def pre_commit(self, txn: SparkFilesTxn) -> FileSetHandle:
         """fsync what Spark wrote and rename its directory into ``_pending/``; return the handle."""
         ctx = txn.ctx

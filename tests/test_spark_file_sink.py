@@ -207,3 +207,13 @@ def test_a_handle_commits_in_another_process(tmp_path):
     subprocess.run([sys.executable, "-c", code], input=blob, check=True, cwd="/", env={**os.environ, "PYTHONPATH": ROOT})
     assert visible_ids(tmp_path / "out") == [1, 2]
     assert pickle.loads(pickle.dumps(handle)) == handle
+
+
+def test_check_target_names_the_partition_columns_a_micro_batch_lacks(tmp_path):
+    import pyarrow as pa
+
+    sink = SparkFileSink(str(tmp_path / "out"), partition_by=["day", "id"])
+    with pytest.raises(ValueError, match=r"no column\(s\) \['day'\]"):
+        sink.check_target(pa.schema([("id", pa.int64())]))
+    sink.check_target(pa.schema([("id", pa.int64()), ("day", pa.string())]))
+    sink.check_target(None)  # a schema pyarrow cannot spell: Spark's own error then

@@ -103,6 +103,16 @@ def test_a_failed_write_makes_nothing_of_its_micro_batch_visible(spark, zk_serve
     assert os.listdir(out / "_staging") == []  # the failed job's directory went with its transaction
 
 
+def test_a_partition_column_the_micro_batch_lacks_fails_the_query_naming_it(spark, zk_server, zk_root, tmp_path):
+    write_input(str(tmp_path / "in"), 0, range(ROWS_PER_BATCH))
+    with TwoPhaseBatchSink(SparkFileSink(str(tmp_path / "out"), partition_by=["day"]), app="nocolumn",
+                           zk=zk_server.hosts, root=zk_root, spark=spark) as files:
+        query = start(spark, files.write, tmp_path)
+        with pytest.raises(StreamingQueryException, match=r"no column\(s\) \['day'\]"):
+            query.awaitTermination()
+    assert not (tmp_path / "out").exists()  # checked before Spark wrote anything
+
+
 def test_the_row_writers_refuse_a_sink_spark_writes(spark, zk_server, zk_root, tmp_path):
     sink = SparkFileSink(str(tmp_path / "out"))
     with pytest.raises(TypeError, match="TwoPhaseBatchSink in foreachBatch"):

@@ -38,7 +38,7 @@ from twophase.signing import load_secret
 from twophase.sink import TwoPhaseCommitSink, TxnContext
 from twophase.spark.driver import DriverHook, HookConfig
 from twophase.spark.sink_options import check_app_settings, check_sink
-from twophase.spark.stream_sink import HOOK_WAIT, SINK_DIGEST, SINK_FORMAT, await_watched
+from twophase.spark.stream_sink import HOOK_WAIT, SINK_DIGEST, SINK_FORMAT, arrow_schema, await_watched
 from twophase.spark.task_context import NotInStream
 from twophase.spark.streams import register, stored_digest
 from twophase.supervisor import Supervision
@@ -84,6 +84,7 @@ class TwoPhaseBatchSink:
         config = HookConfig(zk, root, app, load_secret(), coordinator, policy or CommitPolicy(),
                             supervision or Supervision())
         self._sink = sink
+        self._checked: set[str] = set()  # the DataFrame schemas check_target passed (a sink that takes_dataframe)
         self._hook: DriverHook | None = DriverHook.acquire(config, sink, spark)
         try:
             register(self._hook.watcher.spark)
@@ -126,6 +127,10 @@ class TwoPhaseBatchSink:
         """A sink that takes whole DataFrames: one transaction for the micro-batch, begun, written (by Spark)
         and pre-committed here, as partition 0 of epoch ``batch_id``; then, as the batch writer's
         ``commit`` does, wait until the hook publishes the run (at once after the first micro-batch)."""
+        schema = batch_df.schema.json()
+        if schema not in self._checked:  # as the batch writer does: once per schema, not every micro-batch
+            self._sink.check_target(arrow_schema(batch_df.schema))
+            self._checked.add(schema)
         qp = self._hook.paths.query(query)
         attempt = TaskAttempt(self._sink, PrecommitRegistry(self._hook.client, qp, self._hook.signer),
                               TxnContext(self.app, query, run, batch_id, 0, 0))
