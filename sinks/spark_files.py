@@ -92,6 +92,9 @@ class SparkFileSink(TwoPhaseCommitSink):
             raise ValueError("SparkFileSink options: 'path' is the sink's own (the first argument)")
         if isinstance(partition_by, str) or not all(isinstance(c, str) and c for c in partition_by):
             raise ValueError(f"SparkFileSink partition_by={partition_by!r}: expected a list of column names")
+        if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*:", path):
+            raise ValueError(f"SparkFileSink path={path!r}: a POSIX directory (local, or mounted on every executor "
+                             "and coordinator host), not a URL: commit renames files with the os module")
         self.path = os.path.abspath(path)  # commit runs in another process, with another cwd
         self.format = format
         self.options = options

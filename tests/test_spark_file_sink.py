@@ -193,10 +193,12 @@ def test_rows_are_refused_and_row_writers_refuse_the_sink(tmp_path):
     ({"options": {"PATH": "/elsewhere"}}, "'path' is the sink's own"),
     ({"partition_by": "day"}, "partition_by='day'"),
     ({"partition_by": [""]}, "partition_by="),
+    ({"path": "hdfs://nn/data"}, "not a URL"),
+    ({"path": "file:/data"}, "not a URL"),
 ])
 def test_bad_settings_are_refused_by_name(tmp_path, settings, named):
     with pytest.raises(ValueError, match=named):
-        SparkFileSink(str(tmp_path / "out"), **settings)
+        SparkFileSink(**{"path": str(tmp_path / "out"), **settings})
 
 
 def test_a_handle_commits_in_another_process(tmp_path):
