@@ -50,6 +50,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -65,6 +66,9 @@ from sinks.files import ROW_GROUP_SIZE, FileSink, _json_lines, _ParquetStaging, 
 from sinks.spark_files import SparkFileSink  # noqa: E402
 from twophase.verify import count_rows  # noqa: E402
 from twophase.zkserver import ZooKeeperServer  # noqa: E402
+
+if TYPE_CHECKING:
+    from twophase.spark import TwoPhaseBatchSink, TwoPhaseSink
 
 APP = "bench-batch-path"
 
@@ -210,7 +214,7 @@ class Bench:
                    False, spark_json),
         ]
 
-    def _hold(self, name: str, target):
+    def _hold(self, name: str, target: TwoPhaseSink | TwoPhaseBatchSink) -> TwoPhaseSink | TwoPhaseBatchSink:
         """The writer's TwoPhaseSink or TwoPhaseBatchSink for this run (its output path), in place of its last."""
         if name in self.held:
             self.held[name].close()

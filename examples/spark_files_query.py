@@ -15,12 +15,17 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from examples.file_sink_query import INPUT_SCHEMA, build_spark, fails_first_attempt, query_parser
 from sinks.spark_files import FORMATS, SparkFileSink
 
+if TYPE_CHECKING:
+    from pyspark.sql import Column
 
-def faults(app: str, fail_rate: float, slow_ms: int):
+
+def faults(app: str, fail_rate: float, slow_ms: int) -> Callable[[Column], Column]:
     """A column function passing ``id`` through, slowly and failing first attempts if asked (a Python UDF:
     only the example's faults make rows cross into Python)."""
     from pyspark.sql import functions as F

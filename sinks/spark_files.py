@@ -42,6 +42,10 @@ from twophase.sink import AbortFailed, CommitFailed, TwoPhaseCommitSink, TxnCont
 
 # Spark's built-in file formats (spark.read.format(...) reads each back).
 FORMATS = ("parquet", "json", "csv", "orc", "text")
+# Hadoop's FileOutputCommitter setting. Version 2 moves a task's files into the output one by one as the task
+# commits: a task that dies halfway leaves some next to its retry's. Version 1 (Spark's default) moves them
+# at the job's commit, which pre_commit comes after.
+COMMITTER_VERSION = "mapreduce.fileoutputcommitter.algorithm.version"
 
 
 @dataclass(frozen=True)
@@ -59,7 +63,10 @@ class FileSetHandle:
 
 @dataclass
 class SparkFilesTxn:
-    """One micro-batch's open transaction: the staging directory Spark writes into."""
+    """One micro-batch's open transaction: the staging directory Spark writes into::
+
+        SparkFilesTxn(TxnContext("orders", "q-1", "r1", 7, 0, 0), "/data/_staging/r1.7.0.0")
+    """
 
     ctx: TxnContext
     staging: str
@@ -90,8 +97,15 @@ class SparkFileSink(TwoPhaseCommitSink):
             raise ValueError(f"SparkFileSink options={options!r}: names and values are strings, as Spark takes them")
         if "path" in {k.lower() for k in options}:
             raise ValueError("SparkFileSink options: 'path' is the sink's own (the first argument)")
+        if options.get(COMMITTER_VERSION, "1") != "1":
+            raise ValueError(f"SparkFileSink options: {COMMITTER_VERSION}={options[COMMITTER_VERSION]!r}; only "
+                             "version 1 keeps a failed task's files out of the output")
         if isinstance(partition_by, str) or not all(isinstance(c, str) and c for c in partition_by):
             raise ValueError(f"SparkFileSink partition_by={partition_by!r}: expected a list of column names")
+        hidden = [c for c in partition_by if c.startswith(("_", "."))]
+        if hidden:
+            raise ValueError(f"SparkFileSink partition_by: {hidden} would name directories readers skip "
+                             "('_' or '.' first), and so would this sink: rename the column(s)")
         if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*:", path):
             raise ValueError(f"SparkFileSink path={path!r}: a POSIX directory (local, or mounted on every executor "
                              "and coordinator host), not a URL: commit renames files with the os module")
@@ -114,6 +128,10 @@ class SparkFileSink(TwoPhaseCommitSink):
         """Have Spark write ``df`` into the staging directory: one Spark job, on the driver's thread."""
         if txn.written:
             raise ValueError(f"transaction {txn.ctx.name} holds a DataFrame already: one per micro-batch")
+        version = df.sparkSession.conf.get(f"spark.hadoop.{COMMITTER_VERSION}", None)
+        if version not in (None, "1") and COMMITTER_VERSION not in self.options:
+            raise ValueError(f"the session sets spark.hadoop.{COMMITTER_VERSION}={version}; SparkFileSink needs "
+                             f"version 1 (pass options={{{COMMITTER_VERSION!r}: '1'}} to override it for its writes)")
         txn.written = True
         (df.write.format(self.format).options(**self.options).partitionBy(*self.partition_by)
          .mode("errorifexists").save(txn.staging))
@@ -140,9 +158,12 @@ class SparkFileSink(TwoPhaseCommitSink):
         if self.fsync:
             for name in files:
                 fsync_file(os.path.join(txn.staging, name))  # Spark's writer fsyncs nothing
-            for directory in {os.path.dirname(os.path.join(txn.staging, name)) for name in files}:
+            for directory in _directories(txn.staging, [os.path.dirname(name) for name in files]):
                 fsync_dir(directory)
-        os.makedirs(pending_dir, exist_ok=True)
+        if not os.path.isdir(pending_dir):
+            os.makedirs(pending_dir, exist_ok=True)
+            if self.fsync:
+                fsync_dir(self.path)
         os.rename(txn.staging, handle.pending)
         if self.fsync:
             fsync_dir(pending_dir)
@@ -153,17 +174,15 @@ class SparkFileSink(TwoPhaseCommitSink):
 
         Raises CommitFailed if a file is in neither place (its rows are lost).
         """
-        directories = set()
         for pending, final in handle.files:
             source, target = os.path.join(handle.pending, pending), os.path.join(handle.path, final)
-            directories.add(os.path.dirname(target))
             if os.path.exists(source):
                 os.makedirs(os.path.dirname(target), exist_ok=True)  # a new k=v/ directory
                 os.rename(source, target)
             elif not os.path.exists(target):
                 raise CommitFailed(f"neither {source} nor {target} exists: the pre-committed rows in it are lost")
-        if self.fsync:
-            for directory in sorted(directories):
+        if self.fsync:  # each file's directory, and those above it, whose new k=v/ entries must last too
+            for directory in _directories(handle.path, [os.path.dirname(final) for _, final in handle.files]):
                 fsync_dir(directory)
         shutil.rmtree(handle.pending, ignore_errors=True)  # what is left: _SUCCESS, checksums
 
@@ -196,6 +215,16 @@ def _data_files(directory: str) -> list[str]:
         found.extend(os.path.relpath(os.path.join(folder, n), directory)
                      for n in names if not n.startswith(("_", ".")))
     return sorted(found)
+
+
+def _directories(top: str, relative: list[str]) -> list[str]:
+    """``top`` and every directory below it on the way to each of ``relative``, deepest first."""
+    found = {top}
+    for folder in relative:
+        while folder:
+            found.add(os.path.join(top, folder))
+            folder = os.path.dirname(folder)
+    return sorted(found, key=lambda d: (-d.count(os.sep), d))
 
 
 def _suffix(name: str) -> str:

@@ -62,9 +62,23 @@ class FakeWrite:
         Path(path, "_SUCCESS").touch()
 
 
+class FakeConf:
+    def __init__(self, settings: dict[str, str]) -> None:
+        self.settings = settings
+
+    def get(self, key, default):
+        return self.settings.get(key, default)
+
+
+class FakeSession:
+    def __init__(self, settings: dict[str, str]) -> None:
+        self.conf = FakeConf(settings)
+
+
 class FakeFrame:
-    def __init__(self, rows: list[dict], tasks: int = 2) -> None:
+    def __init__(self, rows: list[dict], tasks: int = 2, settings: dict[str, str] | None = None) -> None:
         self.write = FakeWrite(rows, tasks)
+        self.sparkSession = FakeSession(settings or {})
 
 
 def ctx(epoch=0, run="run1"):
@@ -194,6 +208,8 @@ def test_rows_are_refused_and_row_writers_refuse_the_sink(tmp_path):
     ({"partition_by": "day"}, "partition_by='day'"),
     ({"partition_by": [""]}, "partition_by="),
     ({"path": "hdfs://nn/data"}, "not a URL"),
+    ({"partition_by": ["_source"]}, "directories readers skip"),
+    ({"options": {"mapreduce.fileoutputcommitter.algorithm.version": "2"}}, "only version 1"),
     ({"path": "file:/data"}, "not a URL"),
 ])
 def test_bad_settings_are_refused_by_name(tmp_path, settings, named):
@@ -219,3 +235,27 @@ def test_check_target_names_the_partition_columns_a_micro_batch_lacks(tmp_path):
         sink.check_target(pa.schema([("id", pa.int64())]))
     sink.check_target(pa.schema([("id", pa.int64()), ("day", pa.string())]))
     sink.check_target(None)  # a schema pyarrow cannot spell: Spark's own error then
+
+
+def test_a_session_with_the_version_2_committer_is_refused_before_spark_writes(tmp_path):
+    settings = {"spark.hadoop.mapreduce.fileoutputcommitter.algorithm.version": "2"}
+    sink = SparkFileSink(str(tmp_path / "out"))
+    txn = sink.begin_transaction(ctx())
+    with pytest.raises(ValueError, match="needs version 1"):
+        sink.write_dataframe(txn, FakeFrame([{"id": 1}], settings=settings))
+    assert not os.path.exists(txn.staging)
+    overridden = SparkFileSink(str(tmp_path / "out"), options={"mapreduce.fileoutputcommitter.algorithm.version": "1"})
+    overridden.write_dataframe(overridden.begin_transaction(ctx(1)), FakeFrame([{"id": 1}], settings=settings))
+
+
+def test_every_directory_a_rename_changed_is_fsynced(tmp_path, monkeypatch):
+    synced = []
+    monkeypatch.setattr("sinks.spark_files.fsync_dir", synced.append)
+    out = tmp_path / "out"
+    sink = SparkFileSink(str(out), format="json", partition_by=["day", "hour"])
+    handle = pre_committed(sink, [{"id": 1, "day": 1, "hour": 2}], epoch=4)
+    staging = str(out / "_staging" / "run1.4.0.0")
+    assert synced == [f"{staging}/day=1/hour=2", f"{staging}/day=1", staging, str(out), str(out / "_pending")]
+    synced.clear()
+    sink.commit(handle)
+    assert synced == [str(out / "day=1" / "hour=2"), str(out / "day=1"), str(out)]

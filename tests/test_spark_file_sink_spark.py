@@ -16,12 +16,12 @@ import pytest
 from pyspark.errors import StreamingQueryException
 from pyspark.sql import functions as F
 
-from examples.file_sink_query import INPUT_SCHEMA, write_input
-from examples.spark_files_query import faults
+from examples.file_sink_query import INPUT_SCHEMA, fails_first_attempt, write_input
 from sinks.spark_files import SparkFileSink
 from tests.test_chaos_driver import (ROWS_PER_BATCH, SLOW_MS, children, job, kill_run, query_paths,  # noqa: F401
                                      spark_completed, wait_while_alive, watermark)
 from twophase.spark import TwoPhaseBatchSink, TwoPhaseSink, write_stream
+from twophase.spark.task_context import task_context
 from twophase.verify import count_rows
 
 pytestmark = pytest.mark.spark
@@ -59,32 +59,50 @@ def read_ids(output: Path) -> list[int]:
     return table.column("id").to_pylist()
 
 
-def parquet_by_batch(tmp_path, batches, app, zk_server, zk_root, spark) -> TwoPhaseBatchSink:
-    """``batches`` input files of ROWS_PER_BATCH rows, and a target writing Parquet into ``out/batch=<n>/``."""
+def parquet_by_batch(tmp_path, batches, app, zk_server, zk_root, spark, empty=()) -> TwoPhaseBatchSink:
+    """``batches`` input files of ROWS_PER_BATCH rows (none for those in ``empty``), and a target writing
+    Parquet into ``out/batch=<n>/``."""
     for b in range(batches):
-        write_input(str(tmp_path / "in"), b, range(b * ROWS_PER_BATCH, (b + 1) * ROWS_PER_BATCH))
+        write_input(str(tmp_path / "in"), b, range(0) if b in empty else range(b * ROWS_PER_BATCH, (b + 1) * ROWS_PER_BATCH))
     return TwoPhaseBatchSink(SparkFileSink(str(tmp_path / "out"), partition_by=["batch"]), app=app, zk=zk_server.hosts,
                              root=zk_root, spark=spark)
 
 
-def start(spark, process, tmp_path, fail_rate=0.0, app="files"):
+def failing_first_attempts(marks: Path):
+    """``id`` passed through by a UDF whose first attempt of every other (epoch, partition) task fails,
+    leaving a mark file per failure: the test sees that Spark did retry."""
+    def pass_through(row_id):
+        ctx = task_context("files")
+        if fails_first_attempt(ctx, 0.5):
+            (marks / f"{ctx.epoch}.{ctx.partition}").touch()
+            raise RuntimeError("injected failure: first attempt of this task dies mid-write")
+        return row_id
+
+    return F.udf(pass_through, "long")
+
+
+def start(spark, process, tmp_path, marks: Path | None = None):
     df = (spark.readStream.schema(INPUT_SCHEMA).option("maxFilesPerTrigger", 1).json(str(tmp_path / "in"))
           .repartition(4))
-    if fail_rate:
-        df = df.withColumn("id", faults(app, fail_rate, 0)("id"))
+    if marks is not None:
+        df = df.withColumn("id", failing_first_attempts(marks)("id"))
     return (df.writeStream.foreachBatch(process).option("checkpointLocation", str(tmp_path / "ck"))
             .trigger(availableNow=True).start())
 
 
 def test_sparks_writer_commits_every_row_once_through_retried_tasks(spark, zk_server, zk_root, tmp_path):
-    """Half the first task attempts die mid-write; Spark's commit protocol keeps the retries' files only."""
-    out = tmp_path / "out"
-    with parquet_by_batch(tmp_path, 3, "files", zk_server, zk_root, spark) as files:
-        query = start(spark, files.write, tmp_path, fail_rate=0.5)
+    """Half the first task attempts die mid-write; Spark's commit protocol keeps the retries' files only.
+    Micro-batch 1 has no rows: it commits, and adds none."""
+    out, marks = tmp_path / "out", tmp_path / "marks"
+    marks.mkdir()
+    expected = [*range(ROWS_PER_BATCH), *range(2 * ROWS_PER_BATCH, 3 * ROWS_PER_BATCH)]
+    with parquet_by_batch(tmp_path, 3, "files", zk_server, zk_root, spark, empty={1}) as files:
+        query = start(spark, files.write, tmp_path, marks)
         query.awaitTermination()
         assert files.await_committed(query, timeout=60) == 2
-    assert count_rows(range(3 * ROWS_PER_BATCH), read_ids(out)).exact
-    assert spark.read.parquet(str(out)).count() == 3 * ROWS_PER_BATCH  # Spark's reader sees the same
+    assert os.listdir(marks), "no task failed: nothing was retried"
+    assert count_rows(expected, read_ids(out)).exact
+    assert spark.read.parquet(str(out)).count() == len(expected)  # Spark's reader sees the same
     assert os.listdir(out / "_staging") == [] and os.listdir(out / "_pending") == []
 
 
@@ -153,3 +171,4 @@ def test_driver_killed_between_pre_commit_and_commit_commits_once(zk, job):
 
     job.run_to_end(module="examples.spark_files_query")
     assert count_rows(job.expected, read_ids(job.output)).exact, job.logs()
+    assert os.listdir(job.output / "_pending") == []

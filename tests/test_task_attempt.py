@@ -4,13 +4,14 @@ the cheaper path keeps every rule (halt first, winner skips, the epoch's nodes m
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import Counter
 
 import pytest
 
 from coordinator import precommits
-from coordinator.precommits import PrecommitRegistry
+from coordinator.precommits import IntentGone, PrecommitRegistry
 from coordinator.zk import connect
 from sinks.files import FileSink
 from tests.harness import QUERY, SIGNER, Pipeline, SlotFileSink, ids_out
@@ -179,6 +180,28 @@ def test_an_attempt_older_than_the_watch_is_trusted_for_asks_zookeeper(pipe, cou
     admission = registry.admit(ctx())
     sent.clear()
     assert admission.intent.held() and sent == Counter(Exists=1)
+
+
+def test_an_attempt_without_slots_cleaned_up_before_it_registers_discards_its_own_pre_commit(pipe, tmp_path):
+    """Its epoch was settled between its pre-commit and its registration. A sink without slots names the
+    pre-commit by attempt (FileSink's pending file), so the attempt discards it: nothing else ever would."""
+    registry = PrecommitRegistry(pipe.zk, pipe.qp, SIGNER)
+    registry.ensure_run("r1")
+    sink = FileSink(str(tmp_path / "late"))
+    attempt = TaskAttempt(sink, registry, ctx())
+    assert attempt.open()
+    attempt.write({"id": 1})
+    pre_commit = sink.pre_commit
+
+    def settled_meanwhile(txn):
+        handle = pre_commit(txn)
+        pipe.zk.delete(registry.intent_path(attempt.ctx))  # the coordinator cleaned the attempt up
+        return handle
+
+    sink.pre_commit = settled_meanwhile
+    with pytest.raises(IntentGone):
+        attempt.close(None)
+    assert os.listdir(tmp_path / "late" / "_pending") == []
 
 
 class _FailingAbortAndClose(FileSink):

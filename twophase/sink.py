@@ -159,7 +159,6 @@ class TwoPhaseCommitSink(ABC):
     every task and in every epoch's phase two (claiming, listing, releasing); a sink that names its
     resources by attempt (``ctx.name``) or not at all sets it False, and its attempts get no slot.
 
-
     ``takes_dataframe``: whether Spark writes the sink's rows itself, a whole DataFrame per transaction
     (:meth:`write_dataframe`, on the driver, in ``foreachBatch``), instead of handing them to ``write``.
     """

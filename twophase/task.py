@@ -99,7 +99,11 @@ class TaskAttempt:
         try:
             self.won = self.registry.register(self.ctx, handle)
         except IntentGone:
-            raise  # a zombie: its slot, so its transactional id, may be another attempt's now
+            # A zombie. With slots its transactional id may be another attempt's now: hands off. Without, its
+            # pre-commit is named by attempt and nobody's else; ending it here is the only way it ends.
+            if not self.sink.uses_slots:
+                self._abort(handle)
+            raise
         except BaseException:
             self._abort(handle)
             raise

@@ -38,7 +38,8 @@ from twophase.signing import load_secret
 from twophase.sink import TwoPhaseCommitSink, TxnContext
 from twophase.spark.driver import DriverHook, HookConfig
 from twophase.spark.sink_options import check_app_settings, check_sink
-from twophase.spark.stream_sink import HOOK_WAIT, SINK_DIGEST, SINK_FORMAT, arrow_schema, await_watched
+from twophase.spark.stream_sink import (HOOK_WAIT, SINK_DIGEST, SINK_FORMAT, arrow_schema, await_watched,
+                                        stored_sink)
 from twophase.spark.task_context import NotInStream
 from twophase.spark.streams import register, stored_digest
 from twophase.supervisor import Supervision
@@ -127,6 +128,7 @@ class TwoPhaseBatchSink:
         """A sink that takes whole DataFrames: one transaction for the micro-batch, begun, written (by Spark)
         and pre-committed here, as partition 0 of epoch ``batch_id``; then, as the batch writer's
         ``commit`` does, wait until the hook publishes the run (at once after the first micro-batch)."""
+        stored_sink(self.zk, self._hook.paths, self.app, self._digest)  # still this app's sink: as the batch writer
         schema = batch_df.schema.json()
         if schema not in self._checked:  # as the batch writer does: once per schema, not every micro-batch
             self._sink.check_target(arrow_schema(batch_df.schema))

@@ -230,20 +230,28 @@ class SinkFormat(DataSource):
                                     "Python, write_stream(df, sink, ...) (docs/spark-writer.md)")
         secret = load_secret()
         paths = AppPaths(where.root, where.app)
-        # Spark asks for a writer twice a batch (its tasks', then the commit's): a watch, not a read each time.
-        expected = lowered(self.options).get(SINK_DIGEST.lower())
-        blob = watched_data(where.zk, paths.sink)
-        if not blob or sink_digest(blob) != expected:
-            blob = watched_data(where.zk, paths.sink, fresh=True)  # refused only on what ZooKeeper says now
-            if not blob:
-                raise DriverHookMissing(f"app {where.app} has no sink stored in ZooKeeper: start the query with "
-                                        "twophase.spark.write_stream(df, sink, app=..., zk=...)")
-            if sink_digest(blob) != expected:
-                raise WriterOptionError(
-                    f"the sink stored for app {where.app} is not the one this query was started with: another "
-                    "write_stream or TwoPhaseBatchSink of the app stored its own since. One sink per app: give "
-                    "each sink an app of its own")
+        blob = stored_sink(where.zk, paths, where.app, lowered(self.options).get(SINK_DIGEST.lower()))
         return Signer(secret).loads(blob, paths.sink, what=f"sink of app {where.app!r}"), where, secret
+
+
+def stored_sink(zk: str, paths: AppPaths, app: str, digest: str | None) -> bytes:
+    """The sink stored for ``app`` (signed), checked to be the one the writer started with (``digest``).
+
+    DriverHookMissing if none is stored; WriterOptionError once another writer of the app stored its own.
+    Asked for twice a batch by Spark (its tasks' writer, then the commit's), so a watch, not a read each time.
+    """
+    blob = watched_data(zk, paths.sink)
+    if not blob or sink_digest(blob) != digest:
+        blob = watched_data(zk, paths.sink, fresh=True)  # refused only on what ZooKeeper says now
+        if not blob:
+            raise DriverHookMissing(f"app {app} has no sink stored in ZooKeeper: start the query with "
+                                    "twophase.spark.write_stream(df, sink, app=..., zk=...)")
+        if sink_digest(blob) != digest:
+            raise WriterOptionError(
+                f"the sink stored for app {app} is not the one this query was started with: another "
+                "write_stream or TwoPhaseBatchSink of the app stored its own since. One sink per app: give "
+                "each sink an app of its own")
+    return blob
 
 
 def arrow_schema(schema: StructType) -> pa.Schema | None:
