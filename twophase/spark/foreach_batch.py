@@ -38,8 +38,7 @@ from twophase.signing import load_secret
 from twophase.sink import TwoPhaseCommitSink, TxnContext
 from twophase.spark.driver import DriverHook, HookConfig
 from twophase.spark.sink_options import check_app_settings, check_sink
-from twophase.spark.stream_sink import (HOOK_WAIT, SINK_DIGEST, SINK_FORMAT, arrow_schema, await_watched,
-                                        stored_sink)
+from twophase.spark.stream_sink import SINK_DIGEST, SINK_FORMAT, arrow_schema, stored_sink
 from twophase.spark.task_context import NotInStream
 from twophase.spark.streams import register, stored_digest
 from twophase.supervisor import Supervision
@@ -126,8 +125,9 @@ class TwoPhaseBatchSink:
 
     def _write_on_driver(self, batch_df: DataFrame, query: str, run: str, batch_id: int) -> None:
         """A sink that takes whole DataFrames: one transaction for the micro-batch, begun, written (by Spark)
-        and pre-committed here, as partition 0 of epoch ``batch_id``; then, as the batch writer's
-        ``commit`` does, wait until the hook publishes the run (at once after the first micro-batch)."""
+        and pre-committed here, as partition 0 of epoch ``batch_id``. Unlike the batch writer's ``commit`` it
+        need not wait for a hook to publish the run: the hook is this object's own, and ``open`` has just
+        checked that it did not halt the run (a halt during the write fails the next micro-batch)."""
         stored_sink(self.zk, self._hook.paths, self.app, self._digest)  # still this app's sink: as the batch writer
         schema = batch_df.schema.json()
         if schema not in self._checked:  # as the batch writer does: once per schema, not every micro-batch
@@ -144,7 +144,6 @@ class TwoPhaseBatchSink:
             attempt.close(e)
             raise
         attempt.close(None)
-        await_watched(self._hook.client, qp, run, self.app, HOOK_WAIT)
 
     def _failed(self, query: str, run: str, batch_id: int, error: BaseException) -> None:
         """Record the failed write of micro-batch ``batch_id`` under its epoch, then halt the run.
