@@ -328,6 +328,11 @@ def main(argv: list[str] | None = None) -> int:
         if exactly_once in times and plain in times:
             print()
             print("\n".join(meter.table([plain, exactly_once], baseline=plain)))
+            # Wall time per round: the two ran close together (the order rotates), so a round's ratio is
+            # steadier than the ratio of medians taken over rounds apart.
+            pairs = [e / p - 1 for e, p in zip(times[exactly_once], times[plain])]
+            print(f"{exactly_once} vs {plain}, wall time per round: "
+                  f"{', '.join(f'{100 * x:+.1f}' for x in pairs)} %; median {100 * statistics.median(pairs):+.1f} %")
     print()
     print(f"output check: {'every run exact' if not failures else 'NOT EXACT: ' + '; '.join(failures)}")
     print(f"host: {os.cpu_count()} CPUs, 1-min load average {load_before:.1f} before the timed rounds, "
