@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import repeat
@@ -76,6 +77,15 @@ class FileTxn:
     parquet: _ParquetStaging | None = None
 
 
+def directory_path(path: str, sink: str) -> str:
+    """``path`` made absolute (commit runs in another process, with another cwd); ValueError for a URL,
+    which ``os`` would take for a relative local path (``s3a://b/out`` as ``./s3a:/b/out``)."""
+    if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*:", path):
+        raise ValueError(f"{sink} path={path!r}: a POSIX directory (local, or mounted on every executor and "
+                         "coordinator host), not a URL: commit renames files with the os module")
+    return os.path.abspath(path)
+
+
 def _default_serializer(row: Any) -> dict:
     if hasattr(row, "asDict"):
         return row.asDict(recursive=True)
@@ -118,8 +128,7 @@ class FileSink(TwoPhaseCommitSink):
                              f"with format={format!r}")
         if not isinstance(row_group_size, int) or row_group_size < 1:
             raise ValueError(f"FileSink row_group_size={row_group_size!r}: expected a positive number of rows")
-        # Absolute, because commit may run in another process with another cwd.
-        self.path = os.path.abspath(path)
+        self.path = directory_path(path, "FileSink")
         self.fsync = fsync
         self.serializer = serializer or _default_serializer
         self.format = format

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from sinks.files import directory_path
 from twophase.durable import fsync_dir, fsync_file
 from twophase.sink import AbortFailed, CommitFailed, TwoPhaseCommitSink, TxnContext
 
@@ -106,10 +107,7 @@ class SparkFileSink(TwoPhaseCommitSink):
         if hidden:
             raise ValueError(f"SparkFileSink partition_by: {hidden} would name directories readers skip "
                              "('_' or '.' first), and so would this sink: rename the column(s)")
-        if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*:", path):
-            raise ValueError(f"SparkFileSink path={path!r}: a POSIX directory (local, or mounted on every executor "
-                             "and coordinator host), not a URL: commit renames files with the os module")
-        self.path = os.path.abspath(path)  # commit runs in another process, with another cwd
+        self.path = directory_path(path, "SparkFileSink")
         self.format = format
         self.options = options
         self.partition_by = tuple(partition_by)

@@ -445,10 +445,11 @@ def test_a_sink_and_handle_pickled_before_parquet_still_commit_and_clean_up(tmp_
     ({"format": "jsonl", "schema": pa.schema([("a", pa.int64())])}, "schema="),
     ({"format": "parquet", "schema": {"a": "int64"}}, "schema="),
     ({"format": "parquet", "row_group_size": 0}, "row_group_size=0"),
+    ({"path": "s3a://bucket/out"}, "not a URL"),
 ])
 def test_bad_settings_are_refused_by_name(tmp_path, settings, named):
     with pytest.raises(ValueError, match=named.replace("(", r"\(")):
-        FileSink(str(tmp_path), **settings)
+        FileSink(**{"path": str(tmp_path), **settings})
 
 
 @settings(max_examples=100, deadline=None)
