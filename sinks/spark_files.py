@@ -209,7 +209,7 @@ def _data_files(directory: str) -> list[str]:
     anything else whose name, or whose directory's, starts with ``_`` or ``.``."""
     found = []
     for folder, subfolders, names in os.walk(directory):
-        subfolders[:] = sorted(d for d in subfolders if not d.startswith(("_", ".")))
+        subfolders[:] = [d for d in subfolders if not d.startswith(("_", "."))]
         found.extend(os.path.relpath(os.path.join(folder, n), directory)
                      for n in names if not n.startswith(("_", ".")))
     return sorted(found)

@@ -38,7 +38,7 @@ from twophase.signing import load_secret
 from twophase.sink import TwoPhaseCommitSink, TxnContext
 from twophase.spark.driver import DriverHook, HookConfig
 from twophase.spark.sink_options import check_app_settings, check_sink
-from twophase.spark.stream_sink import SINK_DIGEST, SINK_FORMAT, arrow_schema, stored_sink
+from twophase.spark.stream_sink import SINK_DIGEST, SINK_FORMAT, check_target_once, stored_sink
 from twophase.spark.task_context import NotInStream
 from twophase.spark.streams import register, stored_digest
 from twophase.supervisor import Supervision
@@ -84,7 +84,6 @@ class TwoPhaseBatchSink:
         config = HookConfig(zk, root, app, load_secret(), coordinator, policy or CommitPolicy(),
                             supervision or Supervision())
         self._sink = sink
-        self._checked: set[str] = set()  # the DataFrame schemas check_target passed (a sink that takes_dataframe)
         self._hook: DriverHook | None = DriverHook.acquire(config, sink, spark)
         try:
             register(self._hook.watcher.spark)
@@ -129,10 +128,7 @@ class TwoPhaseBatchSink:
         need not wait for a hook to publish the run: the hook is this object's own, and ``open`` has just
         checked that it did not halt the run (a halt during the write fails the next micro-batch)."""
         stored_sink(self.zk, self._hook.paths, self.app, self._digest)  # still this app's sink: as the batch writer
-        schema = batch_df.schema.json()
-        if schema not in self._checked:  # as the batch writer does: once per schema, not every micro-batch
-            self._sink.check_target(arrow_schema(batch_df.schema))
-            self._checked.add(schema)
+        check_target_once(self._sink, self._digest, batch_df.schema)
         qp = self._hook.paths.query(query)
         attempt = TaskAttempt(self._sink, PrecommitRegistry(self._hook.client, qp, self._hook.signer),
                               TxnContext(self.app, query, run, batch_id, 0, 0))

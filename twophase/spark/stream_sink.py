@@ -55,7 +55,7 @@ from twophase.task import PhaseTwoHalted, TaskAttempt
 SINK_FORMAT = "twophase"
 SINK_DIGEST = "twophase.sinkDigest"  # the stored sink the query was started with (see sink_digest)
 _OWN = {name.lower() for name in (*SPARK_OWN, *EXACTLY_ONCE, SINK_DIGEST)}  # every option the format takes
-_CHECKED: set[tuple[str | None, str]] = set()  # (sink digest, schema) the batch writer had check_target pass
+_CHECKED: set[tuple[str | None, str]] = set()  # (sink digest, schema) check_target passed (check_target_once)
 # How long commit() waits for the driver hook to publish a run it has not seen yet: the hook sees a
 # query within a poll (0.25 s) and publishes its run once the first task recorded it.
 HOOK_WAIT = 60.0
@@ -215,10 +215,7 @@ class SinkFormat(DataSource):
 
     def writer(self, schema: StructType, overwrite: bool) -> TwoPhaseBatchWriter:
         sink, where, secret = self._stored()
-        checked = (lowered(self.options).get(SINK_DIGEST.lower()), schema.json())
-        if checked not in _CHECKED:  # a foreachBatch DataFrame's own columns, once, not every micro-batch
-            sink.check_target(arrow_schema(schema))
-            _CHECKED.add(checked)
+        check_target_once(sink, lowered(self.options).get(SINK_DIGEST.lower()), schema)
         return TwoPhaseBatchWriter(sink, where, secret)
 
     def _stored(self) -> tuple[TwoPhaseCommitSink, ExactlyOnce, bytes]:
@@ -252,6 +249,15 @@ def stored_sink(zk: str, paths: AppPaths, app: str, digest: str | None) -> bytes
                 "write_stream or TwoPhaseBatchSink of the app stored its own since. One sink per app: give "
                 "each sink an app of its own")
     return blob
+
+
+def check_target_once(sink: TwoPhaseCommitSink, digest: str | None, schema: StructType) -> None:
+    """``sink.check_target`` for a foreachBatch DataFrame's own columns, once per (stored sink, schema) in
+    this process, not every micro-batch."""
+    checked = (digest, schema.json())
+    if checked not in _CHECKED:
+        sink.check_target(arrow_schema(schema))
+        _CHECKED.add(checked)
 
 
 def arrow_schema(schema: StructType) -> pa.Schema | None:
