@@ -8,6 +8,7 @@ import resource
 import pytest
 from pyspark.errors import StreamingQueryException
 
+from coordinator.zk import read_json
 from examples.file_sink_query import FaultyFileSink, start_query, write_input
 from sinks.files import FileSink, read_committed_rows
 from tests.waiting import wait_until
@@ -112,3 +113,34 @@ def test_a_hook_closed_under_a_running_query_halts_its_run_and_one_closed_after_
         ended.awaitTermination()
         after.await_committed(ended, timeout=120)
     assert not zk.exists(after.paths.query(str(ended.id)).halted(str(ended.runId)))
+
+
+def test_a_query_with_async_progress_tracking_is_refused_before_spark_could_run_a_committed_batch_again(
+        spark, zk, zk_server, zk_root, tmp_path):
+    """Spark allows async progress tracking with foreach sinks. Such a run records batches as done in memory and
+    writes its checkpoint's logs once an interval: a restart could run them again with other rows. The hook
+    halts it at its first poll, naming the option, and publishes no barrier from Spark's memory."""
+    write_input(str(tmp_path / "in"), 0, range(10))
+    with TwoPhaseSink(FileSink(str(tmp_path / "out")), app="async", zk=zk_server.hosts, root=zk_root,
+                      spark=spark) as writer:
+        query = (spark.readStream.schema("id LONG, batch LONG, payload STRING").json(str(tmp_path / "in"))
+                 .writeStream.foreach(writer).option("checkpointLocation", str(tmp_path / "ck"))
+                 .option("asyncProgressTrackingEnabled", "true")
+                 .option("asyncProgressTrackingCheckpointIntervalMs", "600000")
+                 .trigger(processingTime="100 milliseconds").start())
+        try:
+            qp = writer.paths.query(str(query.id))
+            wait_until(lambda: zk.exists(qp.halted(str(query.runId))), timeout=120, what="the hook to halt the run")
+            assert b"asyncProgressTrackingEnabled" in zk.get(qp.halted(str(query.runId)))[0]
+            with pytest.raises(ValueError, match="async progress tracking"):
+                writer.await_committed(query, timeout=60)
+            # Batch 0's tasks refuse to open; had they opened before the first poll, batch 1's refuse.
+            write_input(str(tmp_path / "in"), 1, range(10, 20))
+            with pytest.raises(StreamingQueryException, match="asyncProgressTrackingEnabled"):
+                query.awaitTermination(120)
+            assert read_json(zk, qp.barrier, None) is None
+        finally:
+            query.stop()
+    # Nothing, or batch 0 once Spark's checkpoint held it (commits/0 on disk: a restart does not run it again).
+    visible = {r["id"] for r in read_committed_rows(str(tmp_path / "out"))}
+    assert visible == set() or (visible == set(range(10)) and (tmp_path / "ck" / "commits" / "0").exists())

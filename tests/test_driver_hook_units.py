@@ -163,6 +163,25 @@ def test_a_halt_reaches_runs_published_after_it(zk, zk_root):
         publisher.close()
 
 
+def test_a_refused_run_is_halted_with_its_reason_at_once_and_gets_no_barrier(zk, zk_root):
+    """At once: before the run's first pre-commit would tell whether it writes through the app, so that its
+    first micro-batch's tasks already fail to open."""
+    paths = AppPaths(zk_root, "app")
+    qp = paths.query("q")
+    publisher = ProgressPublisher(zk, paths, "driver")
+    refused = QuerySnapshot("q", "r1", "/ck", None, refused="Spark runs this query with async progress tracking")
+    try:
+        publisher.update({"q": refused})
+        publisher.publish()
+        assert zk.get(qp.halted("r1"))[0] == refused.refused.encode()
+        assert publisher.halted is None  # the app's other runs go on
+        publisher.update({"q": refused})
+        publisher.publish()
+        assert not zk.exists(qp.barrier)
+    finally:
+        publisher.close()
+
+
 def test_a_query_that_never_wrote_through_the_app_costs_one_watched_exists_not_one_per_poll(zk, zk_root):
     paths = AppPaths(zk_root, "app")
     qp = paths.query("q")

@@ -263,13 +263,16 @@ class DriverHook:
         """Wait until the watermark reaches the last epoch Spark completed for the query.
 
         None if the query has completed no epoch. Raises HookFailed at once if the hook
-        stopped for good. Reads the query's own commit log (any checkpoint file system); a
-        query that ended before the publisher ever saw it (it ran between two polls) is
-        handed to the publisher here, so its checkpoint and last barrier reach the coordinator.
+        stopped for good, ValueError for a query twophase refuses (async progress tracking).
+        Reads the query's own commit log (any checkpoint file system); a query that ended
+        before the publisher ever saw it (it ran between two polls) is handed to the publisher
+        here, so its checkpoint and last barrier reach the coordinator.
         """
         if self.failure is not None:
             raise self.failure
         snapshot = QueryWatcher.snapshot_of(query._jsq)
+        if snapshot.refused is not None:
+            raise ValueError(snapshot.refused)
         if not query.isActive:
             self.publisher.update_ended(snapshot)
         if snapshot.last_batch is None:

@@ -47,6 +47,7 @@ class PublishedRun:
     barrier: int = -1
     ended: float | None = None
     halted: bool = False  # its halted node is written
+    refused: str | None = None  # why twophase cannot run it (QuerySnapshot.refused): halted at once
 
 
 class ProgressPublisher:
@@ -96,7 +97,7 @@ class ProgressPublisher:
 
     def _take(self, snap: QuerySnapshot, ended: bool) -> None:
         run = self.runs.setdefault((snap.query_id, snap.run_id),
-                                   PublishedRun(snap.query_id, snap.run_id, snap.checkpoint))
+                                   PublishedRun(snap.query_id, snap.run_id, snap.checkpoint, refused=snap.refused))
         if snap.last_batch is not None:
             run.barrier = max(run.barrier, snap.last_batch)
         if ended and run.ended is None:
@@ -112,6 +113,10 @@ class ProgressPublisher:
                     run.published = False
             for key, run in list(self.runs.items()):
                 qp = self.paths.query(run.query_id)
+                if run.refused is not None and run.ended is None and not run.halted:
+                    # At once, whether or not it wrote through the app yet: before its first micro-batch, in practice
+                    # (only this app's tasks read the node; for a query of another sink it is just a node).
+                    self._halt_run(run)
                 if not run.published:
                     if not self._written(run.query_id):  # no pre-commit through this app yet
                         if run.ended and time.time() - run.ended > FORGET_AFTER:
@@ -183,12 +188,13 @@ class ProgressPublisher:
 
     def _halt_run(self, run: PublishedRun) -> None:
         path = self.paths.query(run.query_id).halted(run.run_id)
+        reason = run.refused or self.halted or ""
         try:
-            self.client.create(path, (self.halted or "").encode(), makepath=True)
+            self.client.create(path, reason.encode(), makepath=True)
         except NodeExistsError:
             pass
         run.halted = True
-        log.error("app %s query %s: run %s halted", self.paths.app, run.query_id, run.run_id)
+        log.error("app %s query %s: run %s halted: %s", self.paths.app, run.query_id, run.run_id, reason)
 
     def _end_run(self, run_path: str) -> None:
         try:
