@@ -41,10 +41,10 @@ import time
 import traceback
 from collections import Counter
 
-from kazoo.exceptions import KazooException
+from kazoo.exceptions import KazooException, NoNodeError
 
 from coordinator.layout import AppPaths, QueryPaths
-from coordinator.state import EpochRecord
+from coordinator.state import EpochRecord, EpochState
 from coordinator.zk import children, connect, read_epoch, read_json
 from examples.demo_display import Display, Progress
 from examples.demo_processes import (
@@ -126,6 +126,7 @@ class Demo:
         self.seen_intents: set[str] = set()
         self.task_failures = 0
         self.killed: tuple[int, str] | None = None   # (epoch, run) the driver SIGKILL interrupted
+        self.killed_settled: EpochRecord | None = None  # that epoch's record, once committed
 
     # -- processes ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -282,7 +283,7 @@ class Demo:
         self.display.event(f"input producer stopped: {self.producer.produced.summary()}")
         self.progress.fault = "none"
         self.start_driver(2, "available-now")
-        self.wait("driver run 2 to finish", lambda: self.driver.poll() is not None)
+        self.wait("driver run 2 to finish", lambda: (self.keep_killed_epoch(), self.driver.poll() is not None)[1])
         if self.driver.returncode != 0:
             self.display.event(f"driver run 2 failed with exit code {self.driver.returncode}; "
                                f"see {self.work}/driver-run2.log")
@@ -293,10 +294,26 @@ class Demo:
         self.tick()
         return self.verify()
 
+    def keep_killed_epoch(self) -> None:
+        """Keep the interrupted epoch's record once it is committed: the coordinator drops committed records past
+        its retain_epochs (10), which a long second run reaches."""
+        if self.killed_settled is None:
+            try:
+                raw, _ = self.zk.get(query_paths(self.zk, QUERIES["enrich"]).epoch(self.killed[0]))
+            except NoNodeError:
+                return
+            record = EpochRecord.decode(raw)
+            if record.state is EpochState.COMMITTED:
+                self.killed_settled = record
+
     def report_killed_epoch(self) -> None:
         """Say how the epoch the driver SIGKILL interrupted was settled: which run's transactions were committed."""
         epoch, killed_run = self.killed
-        record = EpochRecord.decode(self.zk.get(query_paths(self.zk, QUERIES["enrich"]).epoch(epoch))[0])
+        self.keep_killed_epoch()
+        record = self.killed_settled
+        if record is None:  # committed and dropped between two looks (run 2 committed 10 more epochs in 0.25 s)
+            self.display.event(f"the interrupted enrich epoch {epoch} is committed (its record already dropped)")
+            return
         source = ("the killed run's pre-commits, recovered" if record.run == killed_run
                   else "the restarted run's re-run; the killed run's pre-commits were aborted")
         self.display.event(f"the interrupted enrich epoch {epoch} is {record.state.value}: committed from {source}")

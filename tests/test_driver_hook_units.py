@@ -163,9 +163,7 @@ def test_a_halt_reaches_runs_published_after_it(zk, zk_root):
         publisher.close()
 
 
-def test_a_refused_run_is_halted_with_its_reason_at_once_and_gets_no_barrier(zk, zk_root):
-    """At once: before the run's first pre-commit would tell whether it writes through the app, so that its
-    first micro-batch's tasks already fail to open."""
+def test_a_refused_run_is_halted_with_its_reason_once_it_wrote_through_the_app_and_gets_no_barrier(zk, zk_root):
     paths = AppPaths(zk_root, "app")
     qp = paths.query("q")
     publisher = ProgressPublisher(zk, paths, "driver")
@@ -173,10 +171,13 @@ def test_a_refused_run_is_halted_with_its_reason_at_once_and_gets_no_barrier(zk,
     try:
         publisher.update({"q": refused})
         publisher.publish()
+        assert not zk.exists(qp.base)  # a query of another sink, maybe: nothing of it is made
+        publisher.woken.clear()
+        zk.ensure_path(qp.run("r1"))  # its first task's open (PrecommitRegistry.ensure_run)
+        assert publisher.woken.wait(60), "the query's node did not wake the publisher"
+        publisher.publish()
         assert zk.get(qp.halted("r1"))[0] == refused.refused.encode()
         assert publisher.halted is None  # the app's other runs go on
-        publisher.update({"q": refused})
-        publisher.publish()
         assert not zk.exists(qp.barrier)
     finally:
         publisher.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from twophase.spark import queries
 from twophase.spark.queries import QueryWatcher
 
 
@@ -94,6 +95,21 @@ def test_a_commit_log_is_listed_once_then_only_the_next_batches_are_looked_up():
     assert (log.listings, log.lookups) == (1, 4)  # 4, 5, and 6: not yet
 
 
+def test_a_run_whose_next_batch_was_purged_between_polls_is_listed_again(monkeypatch):
+    """Spark purges entries below minBatchesToRetain as batches start: after a long pause between polls the
+    next batch's entry may be gone while later ones exist."""
+    log = CommitLog(0, 1, 2, 3)
+    spark = Spark()
+    spark.active = [Query("q", "r1", Execution("MicroBatchExecution", log))]
+    watcher = QueryWatcher(spark)
+    assert watcher.poll().active["q"].last_batch == 3
+    log.batches = set(range(200, 301))
+    assert watcher.poll().active["q"].last_batch == 3  # the lookup of 4 misses: listed again a few seconds on
+    monkeypatch.setattr(queries, "RELIST_AFTER", 0.0)
+    assert watcher.poll().active["q"].last_batch == 300
+    assert log.listings == 2
+
+
 def test_a_run_without_batches_is_listed_until_its_first_one_and_an_ended_run_a_last_time():
     log = CommitLog()
     spark = Spark()
@@ -117,6 +133,8 @@ def test_a_run_with_async_progress_tracking_is_refused_and_its_log_never_read():
     snap = watcher.poll().active["q"]
     assert snap.last_batch is None
     assert "async progress tracking" in snap.refused and "asyncProgressTrackingEnabled" in snap.refused
+    unknown = Query("q2", "r1", Execution("SomeFutureExecution", log))
+    assert "SomeFutureExecution" in QueryWatcher.snapshot_of(unknown).refused
     spark.active = []
     (final,) = watcher.poll().ended
     assert final.last_batch is None and final.refused == snap.refused

@@ -182,6 +182,7 @@ class DriverHook:
     def _close(self) -> None:
         jobs = [self._publisher_job] + ([self.host.supervisor] if self.host is not None else [])
         self._publisher_job.request_stop()
+        self.publisher.woken.set()  # its loop waits on this, not on the stop
         if self.client.connected:
             self._publisher_job.join(10)
         if self.failure is None and self._still_running():
@@ -232,6 +233,7 @@ class DriverHook:
     def _publish_loop(self, stop: threading.Event) -> None:
         zookeeper_away = False
         while not stop.is_set():
+            self.publisher.woken.clear()  # what happens from here on wakes the next pass
             seen = self.watcher.poll()
             self.publisher.update(seen.active, seen.ended)
             try:
@@ -249,7 +251,7 @@ class DriverHook:
                 zookeeper_away = False
                 if seen.spark_stopped:
                     return
-            stop.wait(POLL_INTERVAL)
+            self.publisher.woken.wait(POLL_INTERVAL)
 
     def _give_up(self, job: str, error: BaseException) -> None:
         self.failure = HookFailed(f"app {self.config.app}: {job} failed for good, phase two stopped "

@@ -171,7 +171,8 @@ class TwoPhaseBatchSink:
             log.error("app %s: cannot halt run %s after its write failed: %r", self.app, run, halt_error)
 
     def await_committed(self, query: StreamingQuery, timeout: float = 60.0) -> int | None:
-        """Block until every micro-batch Spark completed for ``query`` is committed in this app."""
+        """Block until every micro-batch Spark completed for ``query`` is committed in this app (ValueError for
+        a query twophase refuses: Spark's async progress tracking)."""
         if self._hook is None:
             raise RuntimeError("this TwoPhaseBatchSink is closed")
         return self._hook.await_committed(query, timeout)

@@ -47,7 +47,7 @@ class PublishedRun:
     barrier: int = -1
     ended: float | None = None
     halted: bool = False  # its halted node is written
-    refused: str | None = None  # why twophase cannot run it (QuerySnapshot.refused): halted at once
+    refused: str | None = None  # why twophase cannot run it (QuerySnapshot.refused): halted once published
 
 
 class ProgressPublisher:
@@ -67,6 +67,9 @@ class ProgressPublisher:
         # Per query with no node yet, whether its exists watch fired since the publisher last asked: a query of
         # the session that never writes through the app costs one watched exists, not one per poll.
         self._unwritten: dict[str, bool] = {}
+        # Set when such a node appears (a run's first task opened): the publisher's loop publishes at once, so that
+        # a run to halt is halted before its first micro-batch ends, not up to a poll later.
+        self.woken = threading.Event()
         self._lock = threading.RLock()
         self._session_lost = False
         client.add_listener(self._on_state)
@@ -113,10 +116,6 @@ class ProgressPublisher:
                     run.published = False
             for key, run in list(self.runs.items()):
                 qp = self.paths.query(run.query_id)
-                if run.refused is not None and run.ended is None and not run.halted:
-                    # At once, whether or not it wrote through the app yet: before its first micro-batch, in practice
-                    # (only this app's tasks read the node; for a query of another sink it is just a node).
-                    self._halt_run(run)
                 if not run.published:
                     if not self._written(run.query_id):  # no pre-commit through this app yet
                         if run.ended and time.time() - run.ended > FORGET_AFTER:
@@ -125,7 +124,7 @@ class ProgressPublisher:
                                 self._unwritten.pop(run.query_id, None)
                         continue
                     self._publish_run(run)
-                if self.halted is not None and run.ended is None and not run.halted:
+                if (self.halted is not None or run.refused is not None) and run.ended is None and not run.halted:
                     self._halt_run(run)
                 if run.barrier > self._barriers.get(run.query_id, -1):
                     put_data(self.client, qp.barrier, dump({"epoch": run.barrier, "run": run.run_id}), retry=False)
@@ -142,6 +141,7 @@ class ProgressPublisher:
         def fired(_event: object) -> None:
             if query_id in self._unwritten:  # not once found (a data watch on the node then)
                 self._unwritten[query_id] = True
+                self.woken.set()
 
         self._unwritten[query_id] = False  # before asking, so that a creation right after the answer counts
         try:

@@ -9,8 +9,9 @@ Python into the JVM do not go through that server, so the watcher asks instead.
 The barrier comes from the query's commit log (``commits/N``, read by Spark itself, so any
 checkpoint file system works), not from ``lastProgress``: an idle trigger reports the
 *next* batch id there, which has not run. A run's log is listed once; after that each poll
-looks for the next batch's entry only (Spark writes them in order): a listing costs the JVM
-3 ms of CPU at 10 entries and 7 ms at the 100 Spark keeps, four times a second. A run that
+looks for the next batch's entry only (Spark writes them in order), and lists again only when
+none came for a few seconds: a listing costs the JVM 3 ms of CPU at 10 entries and 7 ms at the
+100 Spark keeps, four times a second. A run that
 left the active queries since the last poll is read once more, so the batch it completed
 just before it stopped is not missed.
 
@@ -33,7 +34,9 @@ Usage::
 from __future__ import annotations
 
 import logging
+import math
 import threading
+import time
 from dataclasses import dataclass, field
 
 from pyspark.sql import SparkSession
@@ -44,9 +47,15 @@ log = logging.getLogger("twophase.driver")
 # Executions whose commit log gets each batch's commits/N in order, written before Spark moves on. Any other
 # (AsyncProgressTrackingMicroBatchExecution, or one Spark adds later) is refused rather than trusted.
 IN_ORDER_EXECUTIONS = ("MicroBatchExecution", "ContinuousExecution")
-ASYNC_REFUSED = ("Spark runs this query with async progress tracking ({execution}): it records micro-batches "
-                 "as done before its checkpoint holds them, so a restart could run them again differently after "
-                 "twophase committed them. twophase refuses it: drop the asyncProgressTrackingEnabled option")
+ASYNC_EXECUTION = "AsyncProgressTrackingMicroBatchExecution"
+ASYNC_REFUSED = ("Spark runs this query with async progress tracking: it records micro-batches as done before its "
+                 "checkpoint holds them, so a restart could run them again differently after twophase committed "
+                 "them. twophase refuses it: drop the asyncProgressTrackingEnabled option")
+UNKNOWN_REFUSED = ("Spark runs this query with a {execution}, which twophase does not know to record each micro-batch "
+                   "in its checkpoint before the next one starts: twophase refuses it")
+# A lookup that finds no next batch lists the log again after this many seconds: Spark purges entries older than
+# minBatchesToRetain, so after a long enough pause between polls the next one may be gone while later ones exist.
+RELIST_AFTER = 5.0
 
 
 @dataclass(frozen=True)
@@ -68,23 +77,31 @@ class _Run:
     checkpoint: str
     refused: str | None
     last_batch: int | None = None
+    listed_at: float = -math.inf  # monotonic time of the last listing
 
     @classmethod
     def of(cls, execution) -> _Run:
         kind = str(execution.getClass().getSimpleName())
-        refused = None if kind in IN_ORDER_EXECUTIONS else ASYNC_REFUSED.format(execution=kind)
+        refused = (None if kind in IN_ORDER_EXECUTIONS else
+                   ASYNC_REFUSED if kind == ASYNC_EXECUTION else UNKNOWN_REFUSED.format(execution=kind))
         return cls(execution.commitLog(), str(execution.resolvedCheckpointRoot()), refused)
 
     def advance(self) -> int | None:
-        """The last batch in the commit log: listed at first, then by looking for the next batch's entry
-        (``get`` reads Spark's in-memory copy of an entry it wrote, else the file)."""
+        """The last batch in the commit log: listed at first and every :data:`RELIST_AFTER` seconds while no
+        batch follows, else found by looking up the next batch's entry (``get`` reads Spark's in-memory copy
+        of an entry it wrote, else the file)."""
         if self.refused is not None:
             return None
-        if self.last_batch is None:  # the first look, or none yet: listed (a run may begin past an emptied log)
-            self.last_batch = _latest_batch(self.commit_log)
-            return self.last_batch
-        while self.commit_log.get(self.last_batch + 1).isDefined():
-            self.last_batch += 1
+        if self.last_batch is not None:
+            found = False
+            while self.commit_log.get(self.last_batch + 1).isDefined():
+                self.last_batch, found = self.last_batch + 1, True
+            if found or time.monotonic() - self.listed_at < RELIST_AFTER:
+                return self.last_batch
+        # The first look, none yet (a run may begin past an emptied log), or a purge may have skipped entries.
+        latest, self.listed_at = _latest_batch(self.commit_log), time.monotonic()
+        if latest is not None and (self.last_batch is None or latest > self.last_batch):
+            self.last_batch = latest
         return self.last_batch
 
 

@@ -114,9 +114,12 @@ def await_committed(query: StreamingQuery, timeout: float = 60.0) -> int | None:
     """Block until every epoch Spark completed for a batch-path ``query`` is committed; return it.
 
     None if the query completed no epoch. TimeoutError after ``timeout``; HookFailed at once if the
-    app's driver hook stopped for good.
+    app's driver hook stopped for good; ValueError for a query twophase refuses (async progress tracking).
     """
-    last = QueryWatcher.snapshot_of(query._jsq).last_batch
+    snapshot = QueryWatcher.snapshot_of(query._jsq)
+    if snapshot.refused is not None:
+        raise ValueError(snapshot.refused)
+    last = snapshot.last_batch
     if last is None:
         return None
     planned = write_options(query._jsq)

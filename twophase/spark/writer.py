@@ -95,7 +95,8 @@ class TwoPhaseSink:
     def await_committed(self, query: StreamingQuery, timeout: float = 60.0) -> int | None:
         """Block until every epoch Spark completed for `query` is committed; return the watermark.
 
-        Raises HookFailed if the driver hook stopped for good (the cause is chained).
+        Raises HookFailed if the driver hook stopped for good (the cause is chained), ValueError for a
+        query twophase refuses (Spark's async progress tracking).
         """
         if self._hook is None:
             raise RuntimeError("this TwoPhaseSink is closed")
