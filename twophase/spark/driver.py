@@ -272,9 +272,7 @@ class DriverHook:
         """
         if self.failure is not None:
             raise self.failure
-        snapshot = QueryWatcher.snapshot_of(query._jsq)
-        if snapshot.refused is not None:
-            raise ValueError(snapshot.refused)
+        snapshot = QueryWatcher.snapshot_of(query._jsq).accepted()
         if not query.isActive:
             self.publisher.update_ended(snapshot)
         if snapshot.last_batch is None:

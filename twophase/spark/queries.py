@@ -11,9 +11,8 @@ checkpoint file system works), not from ``lastProgress``: an idle trigger report
 *next* batch id there, which has not run. A run's log is listed once; after that each poll
 looks for the next batch's entry only (Spark writes them in order), and lists again only when
 none came for a few seconds: a listing costs the JVM 3 ms of CPU at 10 entries and 7 ms at the
-100 Spark keeps, four times a second. A run that
-left the active queries since the last poll is read once more, so the batch it completed
-just before it stopped is not missed.
+100 Spark keeps, four times a second. A run that left the active queries since the last poll
+is read once more, so the batch it completed just before it stopped is not missed.
 
 A run with async progress tracking (``asyncProgressTrackingEnabled``, which Spark allows with
 ``foreach`` sinks) is marked refused. It records batches in its log's memory first and writes
@@ -67,6 +66,12 @@ class QuerySnapshot:
     checkpoint: str | None
     last_batch: int | None  # the last batch with commits/N in the checkpoint, None before the first
     refused: str | None = None  # why twophase cannot run it (last_batch is then None)
+
+    def accepted(self) -> QuerySnapshot:
+        """This snapshot; ValueError with the reason if twophase refuses the run (for ``await_committed``)."""
+        if self.refused is not None:
+            raise ValueError(self.refused)
+        return self
 
 
 @dataclass

@@ -116,10 +116,7 @@ def await_committed(query: StreamingQuery, timeout: float = 60.0) -> int | None:
     None if the query completed no epoch. TimeoutError after ``timeout``; HookFailed at once if the
     app's driver hook stopped for good; ValueError for a query twophase refuses (async progress tracking).
     """
-    snapshot = QueryWatcher.snapshot_of(query._jsq)
-    if snapshot.refused is not None:
-        raise ValueError(snapshot.refused)
-    last = snapshot.last_batch
+    last = QueryWatcher.snapshot_of(query._jsq).accepted().last_batch
     if last is None:
         return None
     planned = write_options(query._jsq)
