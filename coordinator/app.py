@@ -3,8 +3,9 @@
 An epoch N is complete once Spark has durably finished micro-batch N. Any one
 of these proves it, and each alone can be lost, so all are consulted:
 
-- the barrier the driver's listener publishes (onQueryProgress, fast);
-- a registration for a later epoch (batch N+1 starts only after commits/N);
+- the barrier the driver hook publishes from the query's commit log (fast);
+- epoch N+1 begun by a run the driver hook recorded as in order (such a run starts batch N+1
+  only after commits/N; ``coordinator/runs.py``);
 - ``commits/N`` in the query's checkpoint directory.
 
 The run that completed N is the most recently started run that registered for
@@ -44,6 +45,7 @@ from coordinator.layout import AppPaths, QueryPaths
 from coordinator.precommits import Attempt, PrecommitRegistry
 from coordinator.report import (AbortReason, AttemptAborted, AttemptCleanedUp, EpochBlocked, EpochCommitted,
                                 EpochSkipped, Operation, OperationFailed, PassReport, Record, SkipReason)
+from coordinator.runs import InOrderRuns
 from coordinator.slots import Slot, read_slots, releasable
 from coordinator.state import EpochRecord, EpochState
 from coordinator.zk import RecordError, children, dump, epoch_numbers, parse_object, read_epoch, read_object
@@ -242,6 +244,7 @@ class AppCoordinator:
         # watermark (only the owner writes it), its checkpoint and replay mark (as the last pass read them).
         # A pass woken by a watch uses them (_recall); cleared on taking ownership.
         self._known: dict[str, dict[str, Any]] = {}
+        self._in_order = InOrderRuns(client)  # runs whose next epoch may prove the one before complete
         self._ready_lock = threading.Lock()
         self._closed = False                         # close()d: its watches stop at their next event
 
@@ -520,8 +523,9 @@ class AppCoordinator:
             log.error("app %s query %s: %s; phase two waits", self.app, qp.query_id, reason)
             this_pass.records.append(EpochBlocked(qp.query_id, pending[0], reason))
             return
-        for epoch in pending:
-            complete = epoch < epochs[-1] or epoch <= barrier or epoch in in_checkpoint
+        for index, epoch in enumerate(pending):
+            complete = (epoch <= barrier or epoch in in_checkpoint
+                        or (index + 1 < len(pending) and self._begun_in_order(qp, registry, pending[index + 1])))
             if not complete and this_pass.changed_only:
                 # What a visit of an incomplete epoch does (abort superseded runs' pre-commits) is left to the
                 # full passes: a pass woken by a watch comes to commit, and Spark has just begun the epoch.
@@ -556,6 +560,12 @@ class AppCoordinator:
                 return
             if not self._phase_two(work, this_pass):
                 return
+
+    def _begun_in_order(self, qp: QueryPaths, registry: PrecommitRegistry, epoch: int) -> bool:
+        """Whether a run the driver hook recorded as in order began ``epoch``: Spark then wrote ``commits/N`` of
+        the epoch before it, and no restart runs that one again. A run the hook has not recorded (yet), or
+        refused (async progress tracking starts N + 1 with ``commits/N`` in memory only), proves nothing."""
+        return self._in_order.any_of(qp, registry.runs_begun(epoch))
 
     def _load(self, qp: QueryPaths, registry: PrecommitRegistry, epoch: int) -> EpochWork | None:
         """The epoch's record and attempts; None if its record is gone (collected)."""

@@ -321,6 +321,19 @@ class PrecommitRegistry:
         return [self._context(name, slot_of_intent(raw, intents[name]))
                 for name, raw, _ in read_many(self._client, intents)]  # an intent dropped meanwhile is cleaned up
 
+    def runs_begun(self, epoch: int) -> set[str]:
+        """The runs that began ``epoch``: with an intent, a winner or a failed write of it there."""
+        # Children named <run>.<epoch>.<partition>.<attempt>, <run>.<partition> and <run>: a run id may hold dots.
+        listings = [(self._client.get_children_async(path), dots) for path, dots in (
+            (self._paths.intents(epoch), 3), (self._paths.winners(epoch), 1), (self._paths.failed_writes(epoch), 0))]
+        runs = set()
+        for listing, dots in listings:
+            try:
+                runs.update(name.rsplit(".", dots)[0] for name in listing.get())
+            except NoNodeError:
+                pass
+        return runs
+
     def drop_intent(self, ctx: TxnContext) -> None:
         """Drop an attempt's intent: it cleaned up its transaction itself, or the coordinator did."""
         try:

@@ -26,6 +26,7 @@ from kazoo.exceptions import NoNodeError
 from coordinator.app import verify_stored_sink
 from coordinator.layout import AppPaths, QueryPaths
 from coordinator.precommits import PrecommitRegistry
+from coordinator.runs import RunRecord
 from coordinator.slots import read_slots
 from coordinator.state import EpochRecord, EpochState
 from coordinator.zk import RecordError, children, epoch_numbers, read_epoch, read_object
@@ -185,10 +186,8 @@ def _query_status(client: KazooClient, qp: QueryPaths, signer: Signer) -> QueryS
 
 
 def _started(client: KazooClient, path: str) -> float | None:
-    started = read_object(client, path, {}).get("started")
-    if started is not None and (isinstance(started, bool) or not isinstance(started, (int, float))):
-        raise RecordError(f"znode {path}: \"started\" {started!r:.40} is not a timestamp")
-    return started
+    record = RunRecord.read(client, path)
+    return None if record is None else record.started
 
 
 def _failure(client: KazooClient, qp: QueryPaths, epoch: int, attempt: str) -> FailureStatus:

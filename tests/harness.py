@@ -10,6 +10,7 @@ import threading
 from coordinator.app import AppCoordinator, CommitPolicy, publish_app
 from coordinator.layout import AppPaths
 from coordinator.precommits import PrecommitRegistry
+from coordinator.runs import RunRecord
 from coordinator.state import EpochRecord
 from coordinator.zk import dump, put_data, read_json
 from sinks.files import FileSink, read_committed_rows
@@ -31,13 +32,17 @@ class SlotFileSink(FileSink):
 class Pipeline:
     """Plays the part of Spark tasks and the driver hook for one app."""
 
-    def __init__(self, zk, root, sink, mode="embedded"):
+    def __init__(self, zk, root, sink, mode="embedded", records_runs=True):
         self.zk = zk
         self.sink = sink
         self.paths = AppPaths(root, "app")
         self.qp = self.paths.query(QUERY)
         self.registry = PrecommitRegistry(zk, self.qp, SIGNER)
         self.coordinators: list[AppCoordinator] = []
+        # Whether the hook records each run as in order once its first task opened (its next epoch then proves
+        # the one before complete); False plays a run the hook has not recorded.
+        self.records_runs = records_runs
+        self._recorded: set[str] = set()
         publish_app(zk, self.paths, SIGNER, sink, mode)
 
     def task(self, run, epoch, partition, ids, attempt=0):
@@ -48,7 +53,15 @@ class Pipeline:
     def begin(self, run, epoch, partition, attempt=0):
         """Open a task attempt (TwoPhaseSink.open); None if it finds a winner and skips its rows."""
         task = TaskAttempt(self.sink, self.registry, TxnContext("app", QUERY, run, epoch, partition, attempt))
-        return task if task.open() else None
+        opened = task.open()
+        if self.records_runs and run not in self._recorded:
+            self.record_run(run)
+        return task if opened else None
+
+    def record_run(self, run, in_order=True):
+        """What the driver hook writes of a run once it wrote through the app."""
+        put_data(self.zk, self.qp.run(run), RunRecord(0.0, "driver", in_order).encode())
+        self._recorded.add(run)
 
     def finish(self, task, ids):
         """Write rows into an open attempt, pre-commit and register it; True if it won."""

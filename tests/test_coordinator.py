@@ -21,7 +21,7 @@ from coordinator.report import (
     SkipReason,
 )
 from coordinator.state import EpochRecord, EpochState
-from coordinator.zk import dump, read_json
+from coordinator.zk import RecordError, dump, read_json
 from sinks.files import FileSink
 from tests.harness import QUERY, Pipeline, ids_out, stage
 from twophase.signing import SignatureError
@@ -57,6 +57,32 @@ def test_a_later_epoch_proves_the_earlier_one_complete(pipe):
     pipe.task("r1", 1, 0, range(10, 20))
     pipe.coordinator().reconcile()
     assert count_rows(range(10), ids_out(pipe)).exact and pipe.watermark() == 0
+
+
+def test_a_later_epoch_proves_nothing_until_the_driver_recorded_its_run_as_in_order(zk, zk_root, tmp_path):
+    """A run with Spark's async progress tracking begins N + 1 while commits/N may be in Spark's memory only: only a
+    run the hook recorded as in order vouches for the epoch before the one it began."""
+    with Pipeline(zk, zk_root, FileSink(str(tmp_path / "out")), records_runs=False) as pipe:
+        pipe.task("r1", 0, 0, range(10))
+        pipe.task("r1", 1, 0, range(10, 20))
+        app = pipe.coordinator()
+        assert app.reconcile().records == (EpochSkipped(QUERY, 0, SkipReason.INCOMPLETE),)  # not recorded yet
+        pipe.record_run("r1", in_order=False)  # refused: async progress tracking
+        assert app.reconcile().records == (EpochSkipped(QUERY, 0, SkipReason.INCOMPLETE),)
+        assert ids_out(pipe) == [] and pipe.watermark() == -1
+        pipe.record_run("r1", in_order=True)
+        assert records_of(app.reconcile(), EpochCommitted) == [EpochCommitted(QUERY, 0, "r1", ("r1.0.0.0",))]
+        assert count_rows(range(10), ids_out(pipe)).exact
+
+
+def test_a_malformed_run_record_is_named_and_nothing_commits(zk, zk_root, tmp_path):
+    with Pipeline(zk, zk_root, FileSink(str(tmp_path / "out")), records_runs=False) as pipe:
+        pipe.task("r1", 0, 0, range(10))
+        pipe.task("r1", 1, 0, range(10, 20))
+        zk.set(pipe.qp.run("r1"), dump({"started": 1.0, "driver": "d", "in_order": "yes"}))
+        with pytest.raises(RecordError, match=f"{pipe.qp.run('r1')}.*in_order"):
+            pipe.coordinator().reconcile()
+        assert ids_out(pipe) == [] and pipe.watermark() == -1
 
 
 def test_a_retry_after_a_registered_attempt_skips_its_rows(pipe):

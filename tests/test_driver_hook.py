@@ -8,12 +8,14 @@ import resource
 import pytest
 from pyspark.errors import StreamingQueryException
 
+from coordinator.app import AppCoordinator
 from coordinator.zk import read_json
 from examples.file_sink_query import FaultyFileSink, start_query, write_input
 from sinks.files import FileSink, read_committed_rows
 from tests.waiting import wait_until
 from twophase.spark import TwoPhaseSink
 from twophase.spark.driver import HookFailed
+from twophase.signing import Signer, load_secret
 from twophase.spark.publisher import ProgressPublisher
 from twophase.supervisor import Supervision
 from twophase.verify import count_rows
@@ -144,3 +146,39 @@ def test_a_query_with_async_progress_tracking_is_refused_before_spark_could_run_
     # Nothing, or batch 0 once Spark's checkpoint held it (commits/0 on disk: a restart does not run it again).
     visible = {r["id"] for r in read_committed_rows(str(tmp_path / "out"))}
     assert visible == set() or (visible == set(range(10)) and (tmp_path / "ck" / "commits" / "0").exists())
+
+
+def test_a_later_epoch_of_an_async_run_proves_nothing_even_if_the_halt_came_too_late(
+        spark, zk, zk_server, zk_root, tmp_path, monkeypatch):
+    """The halt above needs the run's first task to have opened: until then a second micro-batch of an async run
+    could begin. Its epoch must not prove the first complete, as it would for a run that writes ``commits/N``
+    before the next batch starts: the coordinator takes a later epoch as proof only from a run the driver hook
+    vetted. Here the hook never halts (its halt is disabled), so the async run writes six batches."""
+    monkeypatch.setattr(ProgressPublisher, "_halt_run", lambda self, run: None)
+    for batch in range(6):
+        write_input(str(tmp_path / "in"), batch, range(batch * 10, batch * 10 + 10))
+    with TwoPhaseSink(FileSink(str(tmp_path / "out")), app="late", zk=zk_server.hosts, root=zk_root,
+                      coordinator="daemon", spark=spark) as writer:
+        query = (spark.readStream.schema("id LONG, batch LONG, payload STRING").option("maxFilesPerTrigger", 1)
+                 .json(str(tmp_path / "in"))
+                 .writeStream.foreach(writer).option("checkpointLocation", str(tmp_path / "ck"))
+                 .option("asyncProgressTrackingEnabled", "true")
+                 .option("asyncProgressTrackingCheckpointIntervalMs", "600000")
+                 .trigger(processingTime="100 milliseconds").start())
+        try:
+            qp = writer.paths.query(str(query.id))
+            wait_until(lambda: zk.exists(qp.epoch(5)), timeout=120, what="the async run to begin batch 5")
+            wait_until(lambda: read_json(zk, qp.run(str(query.runId)), {}).get("driver"), timeout=60,
+                       what="the hook to record the run")
+            app = AppCoordinator(zk, zk_root, "late", Signer(load_secret()), "test")
+            try:
+                app.acquire()
+                app.reconcile()
+            finally:
+                app.close()
+            on_disk = {int(name) for name in os.listdir(tmp_path / "ck" / "commits") if name.isdigit()}
+            committed = read_json(zk, qp.watermark, {"epoch": -1})["epoch"]
+            assert max(on_disk) < 4  # the async log kept batches 4 and 5 in memory only
+            assert all(epoch in on_disk for epoch in range(committed + 1))
+        finally:
+            query.stop()

@@ -8,6 +8,7 @@ import pytest
 from kazoo.exceptions import ConnectionLoss
 
 from coordinator.layout import AppPaths
+from coordinator.runs import RunRecord
 from coordinator.zk import read_json
 from sinks.files import FileSink
 from twophase.spark.driver import DriverHook, HookConfig
@@ -179,6 +180,7 @@ def test_a_refused_run_is_halted_with_its_reason_once_it_wrote_through_the_app_a
         assert zk.get(qp.halted("r1"))[0] == refused.refused.encode()
         assert publisher.halted is None  # the app's other runs go on
         assert not zk.exists(qp.barrier)
+        assert RunRecord.read(zk, qp.run("r1")).in_order is False  # its next epoch proves nothing
     finally:
         publisher.close()
 
@@ -198,6 +200,7 @@ def test_a_query_that_never_wrote_through_the_app_costs_one_watched_exists_not_o
         zk.ensure_path(qp.base)  # its first pre-commit through the app: the watch fires
         wait_until(lambda: (publisher.publish(), publisher.live_runs())[1], what="the run to be published")
         assert read_json(zk, qp.barrier, {}) == {"epoch": 0, "run": "r1"}
+        assert RunRecord.read(zk, qp.run("r1")).in_order is True
         assert asked.count(qp.base) >= 2
     finally:
         del zk.exists

@@ -1,8 +1,9 @@
 """The driver hook's ZooKeeper side: what Spark did, published where every coordinator reads it.
 
 For each run of a query of the app that has written through it (its query node exists
-after the first pre-commit) the publisher records the checkpoint location, the run with an
-ephemeral ``alive`` child while it lasts, and the barrier: the last epoch Spark completed.
+after the first pre-commit) the publisher records the checkpoint location, the run (whether it
+runs in order, :class:`~coordinator.runs.RunRecord`) with an ephemeral ``alive`` child while it
+lasts, and the barrier: the last epoch Spark completed.
 It talks to ZooKeeper only; what Spark did comes in as
 :class:`~twophase.spark.queries.QuerySnapshot` values from the query watcher.
 
@@ -26,6 +27,7 @@ from kazoo.client import KazooClient, KazooState
 from kazoo.exceptions import NodeExistsError, NoNodeError
 
 from coordinator.layout import AppPaths
+from coordinator.runs import RunRecord
 from coordinator.zk import dump, put_data
 from twophase.spark.queries import QuerySnapshot
 
@@ -158,7 +160,10 @@ class ProgressPublisher:
         if run.checkpoint:
             self.client.set(qp.base, dump({"checkpoint": run.checkpoint}))
         self.client.ensure_path(qp.run(run.run_id))
-        self.client.set(qp.run(run.run_id), dump({"started": time.time(), "driver": self.owner}))
+        # in_order: Spark writes this run's commits/N before batch N + 1 starts, so the coordinator may take the
+        # run's next epoch as proof that N is complete; a refused run's may prove nothing (coordinator/runs.py).
+        record = RunRecord(time.time(), self.owner, in_order=run.refused is None)
+        self.client.set(qp.run(run.run_id), record.encode())
         if run.ended is None:
             try:
                 self.client.create(f"{qp.run(run.run_id)}/alive", ephemeral=True)
