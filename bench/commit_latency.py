@@ -57,6 +57,7 @@ from kazoo.client import KazooClient  # noqa: E402
 from coordinator.app import AppCoordinator, CommitPolicy  # noqa: E402
 from coordinator.layout import AppPaths  # noqa: E402
 from coordinator.precommits import PrecommitRegistry  # noqa: E402
+from coordinator.runs import RunRecord  # noqa: E402
 from coordinator.zk import dump, read_json  # noqa: E402
 from sinks.files import FileSink, read_committed_rows  # noqa: E402
 from twophase.signing import Signer, load_secret  # noqa: E402
@@ -184,7 +185,7 @@ def bench_size(server: ZooKeeperServer, packets: Packets, workdir: Path, partiti
     d.set(paths.sink, signer.dumps(FileSink(str(out)), paths.sink))
     d.ensure_path(qp.barrier)
     d.ensure_path(qp.run(run_id))
-    d.set(qp.run(run_id), dump({"started": time.time(), "driver": "bench"}))
+    d.set(qp.run(run_id), RunRecord(time.time(), "bench", in_order=True).encode())
 
     coordinator = AppCoordinator(coord.client, root, app, signer, owner="bench", policy=policy)
     coordinator.acquire()

@@ -49,7 +49,7 @@ from coordinator.runs import InOrderRuns
 from coordinator.slots import Slot, read_slots, releasable
 from coordinator.state import EpochRecord, EpochState
 from coordinator.zk import RecordError, children, dump, epoch_numbers, parse_object, read_epoch, read_object
-from twophase.checkpoint import completed_epochs, is_completed
+from twophase.checkpoint import highest_commit, is_completed
 from twophase.cli_args import check_positive_seconds
 from twophase.signing import Signer
 from twophase.sink import AbortFailed, CommitFailed, CommitOutcomeUnknown, TwoPhaseCommitSink, release
@@ -310,8 +310,8 @@ class AppCoordinator:
     def _on_epochs(self, query_id: str, names: list[str]) -> bool | None:
         if self._closed:
             return False
-        # An epoch N + 1 appearing proves N complete, unless this coordinator committed N already (the
-        # barrier came first); one disappearing (garbage collection, replay discarding) makes nothing due.
+        # An epoch N + 1 appearing may prove N complete (if a run recorded in order began it), unless this
+        # coordinator committed N already (the barrier came first); one disappearing (garbage collection, replay discarding) makes nothing due.
         seen, self._epochs_seen[query_id] = self._epochs_seen.get(query_id), set(names)
         known = self._known.setdefault(query_id, {})
         if all(n.isdigit() for n in names):
@@ -513,19 +513,29 @@ class AppCoordinator:
             self._checkpoints[qp.query_id] = checkpoint
         else:  # not recorded yet (the driver's publisher polls): a hint then asks a pass to read it again
             self._checkpoints.pop(qp.query_id, None)
-        in_checkpoint = self._checkpoint_epochs(checkpoint)
+        checkpointed = self._checkpointed(checkpoint)
         hint = self._ready.get(qp.query_id)
-        if hint is not None and (hint[0] <= barrier or hint[0] in in_checkpoint):
+        if hint is not None and hint[0] <= max(barrier, -1 if checkpointed is None else checkpointed):
             self._drop_hint(qp.query_id, hint)  # Spark recorded it: the usual passes and retries take over
         replaying = self._recall(qp, this_pass, "replaying", lambda: read_epoch(self.client, qp.replay))
         if replaying >= 0:
             reason = f"`twophase replay` of epoch {replaying} is unfinished: run it again"
             log.error("app %s query %s: %s; phase two waits", self.app, qp.query_id, reason)
-            this_pass.records.append(EpochBlocked(qp.query_id, pending[0], reason))
+            this_pass.records.append(EpochBlocked(qp.query_id, pending[0], reason, failed=False))
             return
         for index, epoch in enumerate(pending):
-            complete = (epoch <= barrier or epoch in in_checkpoint
-                        or (index + 1 < len(pending) and self._begun_in_order(qp, registry, pending[index + 1])))
+            later = index + 1 < len(pending)
+            complete = (epoch <= barrier or (checkpointed is not None and epoch <= checkpointed)
+                        or (later and self._begun_in_order(qp, registry, pending[index + 1])))
+            if not complete and later and checkpointed is None and options.abort_incomplete:
+                # A run the hook never recorded began the next epoch (a query of another session, an older hook):
+                # Spark may have completed this one, and only its checkpoint can tell. Aborting could lose it.
+                reason = (f"epoch {pending[index + 1]} was begun by a run the driver hook did not record as in "
+                          f"order and the checkpoint is {'unreadable' if checkpoint else 'unknown'}: cannot tell "
+                          f"whether Spark completed epoch {epoch}; run `twophase recover --checkpoint DIR`")
+                log.error("app %s query %s: %s", self.app, qp.query_id, reason)
+                this_pass.records.append(EpochBlocked(qp.query_id, epoch, reason, failed=False))
+                return
             if not complete and this_pass.changed_only:
                 # What a visit of an incomplete epoch does (abort superseded runs' pre-commits) is left to the
                 # full passes: a pass woken by a watch comes to commit, and Spark has just begun the epoch.
@@ -576,14 +586,19 @@ class AppCoordinator:
         record = EpochRecord.decode(raw, qp.epoch(epoch))
         return EpochWork(qp, epoch, record, stat.version, tuple(registry.load(epoch)), registry)
 
-    def _checkpoint_epochs(self, checkpoint: str | None) -> set[int]:
+    def _checkpointed(self, checkpoint: str | None) -> int | None:
+        """The highest N with ``commits/N`` in the checkpoint (-1: none yet); None if it cannot be read here.
+
+        Every epoch up to it is complete: a restart resumes after the highest ``commits/N`` and runs nothing
+        below it again, even where Spark wrote no file of its own (async progress tracking writes one an
+        interval)."""
         if not checkpoint:
-            return set()
+            return None
         try:
-            return set(completed_epochs(checkpoint))
+            return highest_commit(checkpoint)
         except (OSError, ValueError) as e:
             log.warning("app %s: cannot read checkpoint %s: %s", self.app, checkpoint, e)
-            return set()
+            return None
 
     def _abort_incomplete(self, work: EpochWork, this_pass: _Pass) -> bool:
         """Pre-commits of an epoch that Spark will re-run are never reused.

@@ -62,6 +62,11 @@ def winner_name(ctx: TxnContext) -> str:
     return f"{ctx.run_id}.{ctx.partition}"
 
 
+def run_of_winner(name: str) -> str:
+    """The run of a :func:`winner_name` (a run id may itself hold dots)."""
+    return name.rsplit(".", 1)[0]
+
+
 @dataclass(frozen=True)
 class Attempt:
     """A registered pre-commit, as the coordinator reads it back."""
@@ -323,13 +328,14 @@ class PrecommitRegistry:
 
     def runs_begun(self, epoch: int) -> set[str]:
         """The runs that began ``epoch``: with an intent, a winner or a failed write of it there."""
-        # Children named <run>.<epoch>.<partition>.<attempt>, <run>.<partition> and <run>: a run id may hold dots.
-        listings = [(self._client.get_children_async(path), dots) for path, dots in (
-            (self._paths.intents(epoch), 3), (self._paths.winners(epoch), 1), (self._paths.failed_writes(epoch), 0))]
+        listings = [(self._client.get_children_async(path), run_of) for path, run_of in (
+            (self._paths.intents(epoch), lambda name: self._context(name).run_id),
+            (self._paths.winners(epoch), run_of_winner),
+            (self._paths.failed_writes(epoch), str))]  # one round trip; named by run
         runs = set()
-        for listing, dots in listings:
+        for listing, run_of in listings:
             try:
-                runs.update(name.rsplit(".", dots)[0] for name in listing.get())
+                runs.update(run_of(name) for name in listing.get())
             except NoNodeError:
                 pass
         return runs

@@ -150,8 +150,9 @@ class OperationFailed(_Record):
 
 @dataclass(frozen=True)
 class EpochBlocked(_Record):
-    """The epoch is FAILED: it and every later epoch of the query wait for an operator. ``replay``: the
-    epoch's write failed, so only ``twophase replay`` (not a retry) can bring its rows.
+    """The epoch waits for an operator, and every later epoch of the query with it. ``failed``: it is FAILED
+    (else undecided: an unfinished replay, a checkpoint to read; ``error`` says what to run). ``replay``:
+    the epoch's write failed, so only ``twophase replay`` (not a retry) can bring its rows.
 
     ::
 
@@ -163,6 +164,7 @@ class EpochBlocked(_Record):
     epoch: int
     error: str | None
     replay: bool = False
+    failed: bool = True
 
 
 @dataclass(frozen=True)

@@ -61,8 +61,8 @@ class RunRecord:
 class InOrderRuns:
     """Tells whether any of some runs is one the driver hook recorded as in order, reading each run once.
 
-    A run found in order stays so (the hook writes its record once); one not recorded yet, or
-    refused, is read again when asked again.
+    A run found in order stays so (the hook never changes a record's ``in_order``); one not recorded
+    yet, or refused, is read again when asked again.
     """
 
     def __init__(self, client: KazooClient) -> None:

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import os
+import re
 import threading
+from dataclasses import replace
 
 import pytest
 
 from coordinator.app import PassOptions
 from coordinator.fence import Fenced
+from coordinator.precommits import PrecommitRegistry
 from coordinator.report import (
     AbortReason,
     AttemptAborted,
@@ -24,6 +27,7 @@ from coordinator.state import EpochRecord, EpochState
 from coordinator.zk import RecordError, dump, read_json
 from sinks.files import FileSink
 from tests.harness import QUERY, Pipeline, ids_out, stage
+from tests.test_cli import fake_checkpoint
 from twophase.signing import SignatureError
 from twophase.sink import AbortFailed, CommitFailed, TxnContext
 from twophase.states import IllegalTransition
@@ -75,12 +79,62 @@ def test_a_later_epoch_proves_nothing_until_the_driver_recorded_its_run_as_in_or
         assert count_rows(range(10), ids_out(pipe)).exact
 
 
+def test_recovery_leaves_an_epoch_undecided_when_only_an_unrecorded_run_began_the_next_and_no_checkpoint_tells(
+        zk, zk_root, tmp_path):
+    """A query of another SparkSession is never recorded by the hook: its next epoch proves nothing, and Spark
+    may have completed the epoch anyway (it never runs it again then). Only its checkpoint can tell, so recovery
+    without one must not abort it."""
+    with Pipeline(zk, zk_root, FileSink(str(tmp_path / "out")), records_runs=False) as pipe:
+        pipe.task("r1", 0, 0, range(10))
+        pipe.task("r1", 1, 0, range(10, 20))
+        recovering = PassOptions(recovering=True, abort_incomplete=True)
+        report = pipe.coordinator().reconcile(recovering)
+        [blocked] = report.records
+        assert isinstance(blocked, EpochBlocked) and blocked.epoch == 0 and not blocked.failed and not report.ok
+        assert "twophase recover --checkpoint" in blocked.error
+        assert len(pipe.registry.load(0)) == 1 and ids_out(pipe) == []  # nothing aborted, nothing visible
+        checkpoint = fake_checkpoint(tmp_path / "ck", completed=[0])
+        report = pipe.coordinator("c2").reconcile(replace(recovering, checkpoint=checkpoint))
+        assert records_of(report, EpochCommitted) == [EpochCommitted(QUERY, 0, "r1", ("r1.0.0.0",))]
+        assert count_rows(range(10), ids_out(pipe)).exact
+
+
+def test_every_epoch_up_to_the_highest_commit_in_the_checkpoint_is_complete(zk, zk_root, tmp_path):
+    """Async progress tracking writes commits/N once an interval, and a restart resumes after the highest one:
+    epochs 1 and 2 below commits/3 are never run again, though their own files were never written."""
+    with Pipeline(zk, zk_root, FileSink(str(tmp_path / "out")), records_runs=False) as pipe:
+        for epoch in range(5):
+            pipe.task("r1", epoch, 0, range(epoch * 10, epoch * 10 + 10))
+        checkpoint = fake_checkpoint(tmp_path / "ck", completed=[0, 3])
+        report = pipe.coordinator().reconcile(PassOptions(checkpoint=checkpoint))
+        assert [r.epoch for r in records_of(report, EpochCommitted)] == [0, 1, 2, 3]
+        assert records_of(report, EpochSkipped) == [EpochSkipped(QUERY, 4, SkipReason.INCOMPLETE)]
+        assert count_rows(range(40), ids_out(pipe)).exact
+
+
+def test_a_checkpoint_that_proves_an_epoch_spares_the_look_at_the_next_ones_runs(pipe, tmp_path, monkeypatch):
+    """A healthy query's commits/N is on disk before epoch N + 1 begins: its passes read no runs."""
+    pipe.task("r1", 0, 0, range(10))
+    pipe.task("r1", 1, 0, range(10, 20))
+    monkeypatch.setattr(PrecommitRegistry, "runs_begun", lambda self, epoch: pytest.fail("runs of the next epoch read"))
+    report = pipe.coordinator().reconcile(PassOptions(checkpoint=fake_checkpoint(tmp_path / "ck", completed=[0])))
+    assert [r.epoch for r in records_of(report, EpochCommitted)] == [0]
+
+
+def test_the_runs_that_began_an_epoch_are_read_from_its_intents_winners_and_failed_writes(pipe):
+    assert pipe.begin("run.with.dots", 0, 0) is not None  # an intent only
+    pipe.task("r2", 0, 1, range(10))  # a winner (its intent stays until phase two)
+    pipe.registry.record_failed_write("r3.x", 0, "the write of micro-batch 0 failed")
+    assert pipe.registry.runs_begun(0) == {"run.with.dots", "r2", "r3.x"}
+    assert pipe.registry.runs_begun(1) == set()
+
+
 def test_a_malformed_run_record_is_named_and_nothing_commits(zk, zk_root, tmp_path):
     with Pipeline(zk, zk_root, FileSink(str(tmp_path / "out")), records_runs=False) as pipe:
         pipe.task("r1", 0, 0, range(10))
         pipe.task("r1", 1, 0, range(10, 20))
         zk.set(pipe.qp.run("r1"), dump({"started": 1.0, "driver": "d", "in_order": "yes"}))
-        with pytest.raises(RecordError, match=f"{pipe.qp.run('r1')}.*in_order"):
+        with pytest.raises(RecordError, match=re.escape(pipe.qp.run("r1")) + ".*in_order"):
             pipe.coordinator().reconcile()
         assert ids_out(pipe) == [] and pipe.watermark() == -1
 

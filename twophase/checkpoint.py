@@ -50,6 +50,15 @@ def is_completed(checkpoint: str, epoch: int) -> bool:
     return False
 
 
+def highest_commit(checkpoint: str) -> int:
+    """The highest batch id with commits/N, -1 before the first. FileNotFoundError if ``commits`` is no
+    directory here (Spark makes it when the query starts: a checkpoint on another host): no look could tell."""
+    commits = os.path.join(local_path(checkpoint), "commits")
+    if not os.path.isdir(commits):
+        raise FileNotFoundError(f"no directory {commits}")
+    return max(_batch_ids(commits), default=-1)
+
+
 def last_completed_epoch(checkpoint: str) -> int | None:
     """The highest batch id with commits/N, or None before the first batch completes."""
     done = completed_epochs(checkpoint)

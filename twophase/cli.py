@@ -166,6 +166,8 @@ def describe(record: Record) -> str:
         return (f"{where}: {record.operation.value} of {subject} failed "
                 f"({record.tries} {'try' if record.tries == 1 else 'tries'}): {record.error}; {then}")
     if isinstance(record, EpochBlocked):
+        if not record.failed:  # undecided: the error says what to run
+            return f"{where}: waits ({record.error}); every later epoch waits too"
         if record.replay:  # the error says to replay it
             return f"{where}: FAILED ({record.error}); every later epoch waits"
         return (f"{where}: FAILED ({record.error}); it and every later epoch wait: "

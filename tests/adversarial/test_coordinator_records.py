@@ -1,6 +1,6 @@
 """Hostile or damaged ZooKeeper records against ``twophase status`` / ``recover`` and the coordinator.
 
-Attacks: malformed JSON in the watermark, the barrier, an epoch record; another app's validly signed
+Attacks: malformed JSON in the watermark, the barrier, an epoch record, a run record; another app's validly signed
 sink (or pre-commit) copied into this app; a bare malicious pickle in the sink node; a blob in the
 old signature format. Safe outcome: a message naming the znode and what is wrong, exit code 2, no
 traceback, nothing unpickled that does not verify, and ``recover`` changes nothing (the fence and
@@ -84,6 +84,21 @@ def test_a_malformed_record_is_named_and_recover_changes_nothing(pipe, zk, zk_se
     assert code == 2
     assert path in err and complaint in err and "Traceback" not in err
     assert tree(zk, pipe.paths.base) == before  # the fence included: ownership did not change hands
+
+
+@pytest.mark.parametrize("command", ["status", "recover", "recover --dry-run"])
+def test_a_malformed_run_record_is_named_and_recover_changes_nothing(zk, zk_server, zk_root, tmp_path, capsys, command):
+    """Epoch 0 here is proven only by run r1 having begun epoch 1, which needs r1's record: a damaged one is
+    named, never taken as in order."""
+    with Pipeline(zk, zk_root, FileSink(str(tmp_path / "out")), records_runs=False) as pipe:
+        pipe.task("r1", 0, 0, range(3))
+        pipe.task("r1", 1, 0, range(3, 6))
+        zk.set(pipe.qp.run("r1"), b'{"started": 1.0, "driver": "d", "in_order": "yes"}')
+        before = tree(zk, pipe.paths.base)
+        code, _, err = run(capsys, zk_server, zk_root, *command.split())
+        assert code == 2
+        assert pipe.qp.run("r1") in err and '"in_order"' in err and "Traceback" not in err
+        assert tree(zk, pipe.paths.base) == before
 
 
 def test_the_daemon_skips_an_app_whose_record_is_damaged_and_serves_the_others(pipe, zk, zk_root, caplog):
