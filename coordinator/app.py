@@ -240,6 +240,7 @@ class AppCoordinator:
         self._ready: dict[str, tuple[int, float, int | None]] = {}
         self._passes = 0  # passes made, so a hint knows whether the pass it asked for has run
         self._checkpoints: dict[str, str] = {}  # per query, its checkpoint as a pass last read it
+        self._unreadable: set[str] = set()  # checkpoints found unreadable here (warned about once)
         # Per query, what this owner knows of it without asking: its epochs and barrier (from their watches), its
         # watermark (only the owner writes it), its checkpoint and replay mark (as the last pass read them).
         # A pass woken by a watch uses them (_recall); cleared on taking ownership.
@@ -595,10 +596,14 @@ class AppCoordinator:
         if not checkpoint:
             return None
         try:
-            return highest_commit(checkpoint)
+            highest = highest_commit(checkpoint)
         except (OSError, ValueError) as e:
-            log.warning("app %s: cannot read checkpoint %s: %s", self.app, checkpoint, e)
+            if checkpoint not in self._unreadable:  # once: a daemon on another host than Spark's never reads it
+                self._unreadable.add(checkpoint)
+                log.warning("app %s: cannot read checkpoint %s: %s", self.app, checkpoint, e)
             return None
+        self._unreadable.discard(checkpoint)
+        return highest
 
     def _abort_incomplete(self, work: EpochWork, this_pass: _Pass) -> bool:
         """Pre-commits of an epoch that Spark will re-run are never reused.

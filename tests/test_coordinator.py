@@ -121,6 +121,16 @@ def test_a_checkpoint_that_proves_an_epoch_spares_the_look_at_the_next_ones_runs
     assert [r.epoch for r in records_of(report, EpochCommitted)] == [0]
 
 
+def test_a_checkpoint_this_host_cannot_read_proves_nothing_and_is_warned_about_once(pipe, tmp_path, caplog):
+    pipe.task("r1", 0, 0, range(10))
+    elsewhere = PassOptions(checkpoint=str(tmp_path / "on-another-host"))  # no commits/ here
+    app = pipe.coordinator()
+    for _ in range(3):
+        assert app.reconcile(elsewhere).records == (EpochSkipped(QUERY, 0, SkipReason.INCOMPLETE),)
+    assert [r.getMessage() for r in caplog.records].count(
+        f"app app: cannot read checkpoint {elsewhere.checkpoint}: no directory {elsewhere.checkpoint}/commits") == 1
+
+
 def test_the_runs_that_began_an_epoch_are_read_from_its_intents_winners_and_failed_writes(pipe):
     assert pipe.begin("run.with.dots", 0, 0) is not None  # an intent only
     pipe.task("r2", 0, 1, range(10))  # a winner (its intent stays until phase two)
