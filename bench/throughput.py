@@ -45,7 +45,7 @@ os.environ.setdefault("PYSPARK_SUBMIT_ARGS", "--conf spark.ui.showConsoleProgres
 from cpu import CpuMeter  # noqa: E402
 from examples.file_sink_query import build_spark, start_query, write_input  # noqa: E402
 from sinks.files import FileSink, _encode, read_committed_rows  # noqa: E402
-from twophase.checkpoint import last_completed_epoch  # noqa: E402
+from twophase.checkpoint import highest_commit  # noqa: E402
 from twophase.verify import count_rows  # noqa: E402
 from twophase.zkserver import ZooKeeperServer  # noqa: E402
 
@@ -117,7 +117,7 @@ class Bench:
         query = start_query(self.spark, writer, input_dir, ck, self.partitions)
         query.awaitTermination()
         ended = time.perf_counter()
-        last = last_completed_epoch(ck)
+        last = highest_commit(ck)
         if writer.await_committed(query, timeout=300) != last:
             self.await_fallbacks += 1
             self._wait_watermark(str(query.id), last)

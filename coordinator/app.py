@@ -6,7 +6,8 @@ of these proves it, and each alone can be lost, so all are consulted:
 - the barrier the driver hook publishes from the query's commit log (fast);
 - epoch N+1 begun by a run the driver hook recorded as in order (such a run starts batch N+1
   only after commits/N; ``coordinator/runs.py``);
-- ``commits/N`` in the query's checkpoint directory.
+- ``commits/N``, or any later ``commits/M``, in the query's own checkpoint directory (its ``metadata``
+  names the query): a restart runs nothing at or below the highest again.
 
 The run that completed N is the most recently started run that registered for
 N: once commits/N exists no later run re-runs N. Its winners are committed; every other
@@ -49,7 +50,7 @@ from coordinator.runs import InOrderRuns
 from coordinator.slots import Slot, read_slots, releasable
 from coordinator.state import EpochRecord, EpochState
 from coordinator.zk import RecordError, children, dump, epoch_numbers, parse_object, read_epoch, read_object
-from twophase.checkpoint import highest_commit, is_completed
+from twophase.checkpoint import belongs_to, checkpoint_query_id, highest_commit, is_completed
 from twophase.cli_args import check_positive_seconds
 from twophase.signing import Signer
 from twophase.sink import AbortFailed, CommitFailed, CommitOutcomeUnknown, TwoPhaseCommitSink, release
@@ -508,13 +509,15 @@ class AppCoordinator:
             this_pass.settled.add(qp.query_id)
             return
         barrier = self._recall(qp, this_pass, "barrier", lambda: read_epoch(self.client, qp.barrier), watched=True)
-        checkpoint = options.checkpoint or self._recall(
+        checkpoint = self._recall(
             qp, this_pass, "checkpoint", lambda: read_object(self.client, qp.base, {}).get("checkpoint"))
+        if options.checkpoint and belongs_to(options.checkpoint, qp.query_id):
+            checkpoint = options.checkpoint  # the operator's (recover --checkpoint) for its own query only
         if checkpoint:
             self._checkpoints[qp.query_id] = checkpoint
         else:  # not recorded yet (the driver's publisher polls): a hint then asks a pass to read it again
             self._checkpoints.pop(qp.query_id, None)
-        checkpointed = self._checkpointed(checkpoint)
+        checkpointed = self._checkpointed(checkpoint, qp.query_id)
         hint = self._ready.get(qp.query_id)
         if hint is not None and hint[0] <= max(barrier, -1 if checkpointed is None else checkpointed):
             self._drop_hint(qp.query_id, hint)  # Spark recorded it: the usual passes and retries take over
@@ -528,15 +531,6 @@ class AppCoordinator:
             later = index + 1 < len(pending)
             complete = (epoch <= barrier or (checkpointed is not None and epoch <= checkpointed)
                         or (later and self._begun_in_order(qp, registry, pending[index + 1])))
-            if not complete and later and checkpointed is None and options.abort_incomplete:
-                # A run the hook never recorded began the next epoch (a query of another session, an older hook):
-                # Spark may have completed this one, and only its checkpoint can tell. Aborting could lose it.
-                reason = (f"epoch {pending[index + 1]} was begun by a run the driver hook did not record as in "
-                          f"order and the checkpoint is {'unreadable' if checkpoint else 'unknown'}: cannot tell "
-                          f"whether Spark completed epoch {epoch}; run `twophase recover --checkpoint DIR`")
-                log.error("app %s query %s: %s", self.app, qp.query_id, reason)
-                this_pass.records.append(EpochBlocked(qp.query_id, epoch, reason, failed=False))
-                return
             if not complete and this_pass.changed_only:
                 # What a visit of an incomplete epoch does (abort superseded runs' pre-commits) is left to the
                 # full passes: a pass woken by a watch comes to commit, and Spark has just begun the epoch.
@@ -563,6 +557,17 @@ class AppCoordinator:
                 work = self._decide(work, work.record.transition(EpochState.COMMITTING, error=None), this_pass)
                 if work is None:
                     return
+            # A decided epoch (COMMITTING, or FAILED and retried) had its proof when it was decided.
+            complete = complete or work.record.state is not EpochState.OPEN
+            if not complete and later and checkpointed is None and options.abort_incomplete:
+                # Only runs the hook did not record in order (a query of another session, an older hook, an async
+                # run) began the next epoch: Spark may have completed this one, and only its checkpoint can tell.
+                reason = (f"epoch {pending[index + 1]} was begun by no run the driver hook recorded as in order, "
+                          f"and the checkpoint is {'unreadable here' if checkpoint else 'unknown'}: cannot tell "
+                          f"whether Spark completed epoch {epoch}; run `twophase recover --checkpoint DIR`")
+                log.error("app %s query %s: %s", self.app, qp.query_id, reason)
+                this_pass.records.append(EpochBlocked(qp.query_id, epoch, reason, failed=False))
+                return
             if not complete:
                 recorded = len(this_pass.records)
                 if self._abort_incomplete(work, this_pass) and len(this_pass.records) == recorded:
@@ -587,8 +592,9 @@ class AppCoordinator:
         record = EpochRecord.decode(raw, qp.epoch(epoch))
         return EpochWork(qp, epoch, record, stat.version, tuple(registry.load(epoch)), registry)
 
-    def _checkpointed(self, checkpoint: str | None) -> int | None:
-        """The highest N with ``commits/N`` in the checkpoint (-1: none yet); None if it cannot be read here.
+    def _checkpointed(self, checkpoint: str | None, query_id: str) -> int | None:
+        """The highest N with ``commits/N`` in the query's checkpoint (-1: none yet); None if it cannot be read
+        here, or belongs to another query (a fresh query started at the recorded path).
 
         Every epoch up to it is complete: a restart resumes after the highest ``commits/N`` and runs nothing
         below it again, even where Spark wrote no file of its own (async progress tracking writes one an
@@ -596,6 +602,9 @@ class AppCoordinator:
         if not checkpoint:
             return None
         try:
+            owner = checkpoint_query_id(checkpoint)
+            if owner != query_id:
+                raise ValueError(f"it belongs to query {owner}")
             highest = highest_commit(checkpoint)
         except (OSError, ValueError) as e:
             if checkpoint not in self._unreadable:  # once: a daemon on another host than Spark's never reads it

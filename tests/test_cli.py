@@ -171,3 +171,23 @@ def test_recover_rejects_a_checkpoint_of_another_query(pipe, zk_server, zk_root,
     result = twophase("recover", "--zk", zk_server.hosts, "--root", zk_root, "--app", "app",
                       "--checkpoint", str(checkpoint))
     assert result.returncode == 2 and "belongs to query someone-else" in result.stderr
+
+
+def test_recover_leaves_an_epoch_it_cannot_tell_about_undecided_and_says_what_to_run(zk, zk_server, zk_root, tmp_path):
+    """Epoch 1 was begun by a run no driver hook recorded in order, and the query's checkpoint is on another host:
+    whether Spark completed epoch 0 is unknown here, so recovery neither commits nor aborts it."""
+    pipe = Pipeline(zk, zk_root, FileSink(str(tmp_path / "out")), records_runs=False)
+    pipe.task("r1", 0, 0, range(10))
+    pipe.task("r1", 1, 0, range(10, 20))
+    zk.set(pipe.qp.base, json.dumps({"checkpoint": str(tmp_path / "elsewhere")}).encode())
+    args = ("--zk", zk_server.hosts, "--root", zk_root, "--app", "app")
+    result = twophase("recover", *args)
+    assert result.returncode == 1
+    assert "epoch 0: waits (" in result.stdout and "checkpoint is unreadable here" in result.stdout
+    assert "twophase recover --checkpoint DIR" in result.stdout
+    [record] = json.loads(twophase("recover", *args, "--json").stdout)["records"]
+    assert (record["kind"], record["epoch"], record["failed"]) == ("epoch_blocked", 0, False)
+    assert [len(pipe.registry.load(n)) for n in (0, 1)] == [1, 1] and ids_out(pipe) == []
+    done = twophase("recover", *args, "--checkpoint", fake_checkpoint(tmp_path / "ck", completed=[0]))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert count_rows(range(10), ids_out(pipe)).exact

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import threading
 from dataclasses import replace
 
@@ -121,21 +122,65 @@ def test_a_checkpoint_that_proves_an_epoch_spares_the_look_at_the_next_ones_runs
     assert [r.epoch for r in records_of(report, EpochCommitted)] == [0]
 
 
-def test_a_checkpoint_this_host_cannot_read_proves_nothing_and_is_warned_about_once(pipe, tmp_path, caplog):
-    pipe.task("r1", 0, 0, range(10))
-    elsewhere = PassOptions(checkpoint=str(tmp_path / "on-another-host"))  # no commits/ here
-    app = pipe.coordinator()
-    for _ in range(3):
-        assert app.reconcile(elsewhere).records == (EpochSkipped(QUERY, 0, SkipReason.INCOMPLETE),)
-    assert [r.getMessage() for r in caplog.records].count(
-        f"app app: cannot read checkpoint {elsewhere.checkpoint}: no directory {elsewhere.checkpoint}/commits") == 1
+def unrecorded_epochs(pipe, count):
+    """``count`` epochs of run r1, which no hook recorded: none proves the one before it complete."""
+    for epoch in range(count):
+        pipe.task("r1", epoch, 0, range(epoch * 10, epoch * 10 + 10))
+
+
+def test_a_checkpoint_this_host_cannot_read_proves_nothing_and_is_warned_about_once(zk, zk_root, tmp_path, caplog):
+    with Pipeline(zk, zk_root, FileSink(str(tmp_path / "out")), records_runs=False) as pipe:
+        unrecorded_epochs(pipe, 2)
+        elsewhere = fake_checkpoint(tmp_path / "on-another-host", completed=[0, 1])
+        shutil.rmtree(os.path.join(elsewhere, "commits"))  # what a host without the checkpoint's files sees
+        app = pipe.coordinator()
+        for _ in range(3):
+            assert app.reconcile(PassOptions(checkpoint=elsewhere)).records == (
+                EpochSkipped(QUERY, 0, SkipReason.INCOMPLETE),)
+        assert [r.getMessage() for r in caplog.records].count(
+            f"app app: cannot read checkpoint {elsewhere}: no directory {elsewhere}/commits") == 1
+        assert ids_out(pipe) == []
+
+
+def test_a_checkpoint_of_another_query_proves_nothing_for_this_one(zk, zk_root, tmp_path):
+    """A fresh query started at the recorded path (a new id), or an operator's --checkpoint of another query of
+    the app: its commits say nothing of this query's epochs, and recovery must not abort by them."""
+    with Pipeline(zk, zk_root, FileSink(str(tmp_path / "out")), records_runs=False) as pipe:
+        unrecorded_epochs(pipe, 3)
+        other = fake_checkpoint(tmp_path / "other", completed=[])
+        (tmp_path / "other" / "metadata").write_text('{"id": "another-query"}\n')
+        zk.set(pipe.qp.base, dump({"checkpoint": other}))  # as recorded by the publisher
+        recovering = PassOptions(recovering=True, abort_incomplete=True)
+        for options in (recovering, replace(recovering, checkpoint=other)):
+            report = pipe.coordinator().reconcile(options)
+            assert [(type(r), r.epoch) for r in report.records] == [(EpochBlocked, 0)]
+            assert [len(pipe.registry.load(n)) for n in range(3)] == [1, 1, 1]  # nothing aborted
+        mine = fake_checkpoint(tmp_path / "mine", completed=[0, 1])
+        report = pipe.coordinator().reconcile(replace(recovering, checkpoint=mine))
+        assert [r.epoch for r in records_of(report, EpochCommitted)] == [0, 1]
+        assert count_rows(range(20), ids_out(pipe)).exact
+
+
+def test_recovery_resumes_a_decided_epoch_whatever_proves_it_now(zk, zk_root, tmp_path):
+    """The decision (COMMITTING) was made on a proof; a pass that no longer sees it finishes the epoch, never
+    aborts what is left of it."""
+    with Pipeline(zk, zk_root, FlakyCommitSink(str(tmp_path / "out"), failures=1), records_runs=False) as pipe:
+        unrecorded_epochs(pipe, 2)
+        app = pipe.coordinator(attempts=1, max_backoff=0.01)
+        report = app.reconcile(PassOptions(checkpoint=fake_checkpoint(tmp_path / "ck", completed=[0])))
+        assert not report.ok and pipe.record(0).state is EpochState.COMMITTING
+        recovery = pipe.coordinator("c2", attempts=2, max_backoff=0.01)  # its sink's first commit fails too
+        report = recovery.reconcile(PassOptions(recovering=True, abort_incomplete=True))
+        assert [r.epoch for r in records_of(report, EpochCommitted)] == [0]
+        assert count_rows(range(10), ids_out(pipe)).exact
 
 
 def test_the_runs_that_began_an_epoch_are_read_from_its_intents_winners_and_failed_writes(pipe):
     assert pipe.begin("run.with.dots", 0, 0) is not None  # an intent only
-    pipe.task("r2", 0, 1, range(10))  # a winner (its intent stays until phase two)
+    pipe.task("r2.b", 0, 1, range(10))  # a winner; its intent dropped, as phase two would
+    pipe.registry.drop_intent(TxnContext("app", QUERY, "r2.b", 0, 1, 0))
     pipe.registry.record_failed_write("r3.x", 0, "the write of micro-batch 0 failed")
-    assert pipe.registry.runs_begun(0) == {"run.with.dots", "r2", "r3.x"}
+    assert pipe.registry.runs_begun(0) == {"run.with.dots", "r2.b", "r3.x"}
     assert pipe.registry.runs_begun(1) == set()
 
 

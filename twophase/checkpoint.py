@@ -8,6 +8,7 @@ Only local paths (or ``file:`` URIs) are read here.
 
 from __future__ import annotations
 
+import json
 import os
 from urllib.parse import urlparse
 
@@ -18,6 +19,24 @@ def local_path(checkpoint: str) -> str:
     if parsed.scheme in ("", "file"):
         return parsed.path if parsed.scheme else checkpoint
     raise ValueError(f"checkpoint {checkpoint!r}: only local paths and file: URIs are supported")
+
+
+def checkpoint_query_id(checkpoint: str) -> str:
+    """The id of the query whose checkpoint this is (its ``metadata``, written when the query first started).
+    OSError or ValueError if it names none."""
+    with open(os.path.join(local_path(checkpoint), "metadata")) as f:
+        data = json.loads(f.readline())
+    if not isinstance(data, dict) or not isinstance(data.get("id"), str):
+        raise ValueError(f"{checkpoint}/metadata names no query id")
+    return data["id"]
+
+
+def belongs_to(checkpoint: str, query_id: str) -> bool:
+    """Whether ``checkpoint`` is query ``query_id``'s (False if it cannot be read here)."""
+    try:
+        return checkpoint_query_id(checkpoint) == query_id
+    except (OSError, ValueError):
+        return False
 
 
 def _batch_ids(directory: str) -> list[int]:
@@ -57,12 +76,6 @@ def highest_commit(checkpoint: str) -> int:
     if not os.path.isdir(commits):
         raise FileNotFoundError(f"no directory {commits}")
     return max(_batch_ids(commits), default=-1)
-
-
-def last_completed_epoch(checkpoint: str) -> int | None:
-    """The highest batch id with commits/N, or None before the first batch completes."""
-    done = completed_epochs(checkpoint)
-    return done[-1] if done else None
 
 
 # Spark's state store files per version: HDFS-backed (<v>.delta, <v>.snapshot), RocksDB (<v>.changelog, <v>.zip).

@@ -44,6 +44,7 @@ from coordinator.report import (AbortReason, AttemptAborted, AttemptCleanedUp, E
 from coordinator.status import AppStatus, read_status
 from coordinator.zk import RecordError, children, connect, read_epoch
 from twophase.broker.cli import add_broker_parser, add_users_parser
+from twophase.checkpoint import checkpoint_query_id
 from twophase.cli_args import app_name, int_from, positive_int, positive_seconds
 from twophase.client.cli import add_txns_parser
 from twophase.signing import SignatureError, Signer, load_secret
@@ -66,9 +67,8 @@ def _require_app(client: KazooClient, paths: AppPaths) -> None:
 
 def _checkpoint_query_id(checkpoint: str) -> str:
     try:
-        with open(os.path.join(checkpoint, "metadata")) as f:
-            return json.loads(f.readline())["id"]
-    except (OSError, ValueError, KeyError) as e:
+        return checkpoint_query_id(checkpoint)
+    except (OSError, ValueError) as e:
         raise CliError(f"{checkpoint} is not a Spark streaming checkpoint: {e}") from e
 
 
@@ -178,7 +178,8 @@ def describe(record: Record) -> str:
 
 
 def cmd_recover(args: argparse.Namespace, client: KazooClient, signer: Signer) -> int:
-    """``twophase recover``: one recovery pass; exit code 1 if an epoch is FAILED or a sink call failed."""
+    """``twophase recover``: one recovery pass; exit code 1 if an epoch is FAILED or undecided, or a sink call
+    failed."""
     paths = AppPaths(args.root, args.app)
     _require_app(client, paths)
     queries = children(client, paths.queries)

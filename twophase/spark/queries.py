@@ -44,8 +44,9 @@ log = logging.getLogger("twophase.driver")
 
 
 # Executions whose commit log gets each batch's commits/N in order, written before Spark moves on. Any other
-# (AsyncProgressTrackingMicroBatchExecution, or one Spark adds later) is refused rather than trusted.
-IN_ORDER_EXECUTIONS = ("MicroBatchExecution", "ContinuousExecution")
+# (AsyncProgressTrackingMicroBatchExecution, or one Spark adds later) is refused rather than trusted; continuous
+# processing's epochs overlap, and its tasks refuse to open anyway (twophase/spark/task_context.py).
+IN_ORDER_EXECUTIONS = ("MicroBatchExecution",)
 ASYNC_EXECUTION = "AsyncProgressTrackingMicroBatchExecution"
 ASYNC_REFUSED = ("Spark runs this query with async progress tracking: it records micro-batches as done before its "
                  "checkpoint holds them, so a restart could run them again differently after twophase committed "
