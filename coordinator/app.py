@@ -241,7 +241,7 @@ class AppCoordinator:
         self._ready: dict[str, tuple[int, float, int | None]] = {}
         self._passes = 0  # passes made, so a hint knows whether the pass it asked for has run
         self._checkpoints: dict[str, str] = {}  # per query, its checkpoint as a pass last read it
-        self._unreadable: set[str] = set()  # checkpoints found unreadable here (warned about once)
+        self._unreadable: set[tuple[str, str]] = set()  # (query, checkpoint) found unreadable here: warned once
         # Per query, what this owner knows of it without asking: its epochs and barrier (from their watches), its
         # watermark (only the owner writes it), its checkpoint and replay mark (as the last pass read them).
         # A pass woken by a watch uses them (_recall); cleared on taking ownership.
@@ -513,11 +513,11 @@ class AppCoordinator:
             qp, this_pass, "checkpoint", lambda: read_object(self.client, qp.base, {}).get("checkpoint"))
         if options.checkpoint and belongs_to(options.checkpoint, qp.query_id):
             checkpoint = options.checkpoint  # the operator's (recover --checkpoint) for its own query only
-        if checkpoint:
-            self._checkpoints[qp.query_id] = checkpoint
-        else:  # not recorded yet (the driver's publisher polls): a hint then asks a pass to read it again
-            self._checkpoints.pop(qp.query_id, None)
         checkpointed = self._checkpointed(checkpoint, qp.query_id)
+        if checkpointed is not None:
+            self._checkpoints[qp.query_id] = checkpoint
+        else:  # not recorded yet (the driver's publisher polls), or not this query's here: a hint asks a pass
+            self._checkpoints.pop(qp.query_id, None)
         hint = self._ready.get(qp.query_id)
         if hint is not None and hint[0] <= max(barrier, -1 if checkpointed is None else checkpointed):
             self._drop_hint(qp.query_id, hint)  # Spark recorded it: the usual passes and retries take over
@@ -607,11 +607,12 @@ class AppCoordinator:
                 raise ValueError(f"it belongs to query {owner}")
             highest = highest_commit(checkpoint)
         except (OSError, ValueError) as e:
-            if checkpoint not in self._unreadable:  # once: a daemon on another host than Spark's never reads it
-                self._unreadable.add(checkpoint)
-                log.warning("app %s: cannot read checkpoint %s: %s", self.app, checkpoint, e)
+            if (query_id, checkpoint) not in self._unreadable:  # once: a daemon on another host never reads it
+                self._unreadable.add((query_id, checkpoint))
+                log.warning("app %s query %s: cannot read checkpoint %s: %s; it proves nothing", self.app, query_id,
+                            checkpoint, e)
             return None
-        self._unreadable.discard(checkpoint)
+        self._unreadable.discard((query_id, checkpoint))
         return highest
 
     def _abort_incomplete(self, work: EpochWork, this_pass: _Pass) -> bool:

@@ -138,25 +138,40 @@ def test_a_checkpoint_this_host_cannot_read_proves_nothing_and_is_warned_about_o
             assert app.reconcile(PassOptions(checkpoint=elsewhere)).records == (
                 EpochSkipped(QUERY, 0, SkipReason.INCOMPLETE),)
         assert [r.getMessage() for r in caplog.records].count(
-            f"app app: cannot read checkpoint {elsewhere}: no directory {elsewhere}/commits") == 1
+            f"app app query {QUERY}: cannot read checkpoint {elsewhere}: no directory {elsewhere}/commits; "
+            "it proves nothing") == 1
         assert ids_out(pipe) == []
 
 
-def test_a_checkpoint_of_another_query_proves_nothing_for_this_one(zk, zk_root, tmp_path):
+@pytest.mark.parametrize("its_commits", [[], [0, 1, 2]], ids=["fewer", "more"])
+def test_a_checkpoint_of_another_query_proves_nothing_for_this_one(zk, zk_root, tmp_path, its_commits):
     """A fresh query started at the recorded path (a new id), or an operator's --checkpoint of another query of
-    the app: its commits say nothing of this query's epochs, and recovery must not abort by them."""
+    the app: its commits say nothing of this query's epochs, neither to abort them nor to commit them."""
     with Pipeline(zk, zk_root, FileSink(str(tmp_path / "out")), records_runs=False) as pipe:
         unrecorded_epochs(pipe, 3)
-        other = fake_checkpoint(tmp_path / "other", completed=[])
+        other = fake_checkpoint(tmp_path / "other", completed=its_commits)
         (tmp_path / "other" / "metadata").write_text('{"id": "another-query"}\n')
         zk.set(pipe.qp.base, dump({"checkpoint": other}))  # as recorded by the publisher
         recovering = PassOptions(recovering=True, abort_incomplete=True)
         for options in (recovering, replace(recovering, checkpoint=other)):
             report = pipe.coordinator().reconcile(options)
             assert [(type(r), r.epoch) for r in report.records] == [(EpochBlocked, 0)]
-            assert [len(pipe.registry.load(n)) for n in range(3)] == [1, 1, 1]  # nothing aborted
+            assert [len(pipe.registry.load(n)) for n in range(3)] == [1, 1, 1]  # nothing aborted, nothing committed
         mine = fake_checkpoint(tmp_path / "mine", completed=[0, 1])
         report = pipe.coordinator().reconcile(replace(recovering, checkpoint=mine))
+        assert [r.epoch for r in records_of(report, EpochCommitted)] == [0, 1]
+        assert count_rows(range(20), ids_out(pipe)).exact
+
+
+def test_an_operators_checkpoint_of_another_query_leaves_this_ones_recorded_checkpoint_in_force(
+        zk, zk_root, tmp_path):
+    """recover --checkpoint names one query's checkpoint; the app's other queries keep the ones the hook recorded."""
+    with Pipeline(zk, zk_root, FileSink(str(tmp_path / "out")), records_runs=False) as pipe:
+        unrecorded_epochs(pipe, 3)
+        zk.set(pipe.qp.base, dump({"checkpoint": fake_checkpoint(tmp_path / "mine", completed=[0, 1])}))
+        other = fake_checkpoint(tmp_path / "other", completed=[])
+        (tmp_path / "other" / "metadata").write_text('{"id": "another-query"}\n')
+        report = pipe.coordinator().reconcile(PassOptions(recovering=True, abort_incomplete=True, checkpoint=other))
         assert [r.epoch for r in records_of(report, EpochCommitted)] == [0, 1]
         assert count_rows(range(20), ids_out(pipe)).exact
 
