@@ -513,11 +513,11 @@ class AppCoordinator:
             qp, this_pass, "checkpoint", lambda: read_object(self.client, qp.base, {}).get("checkpoint"))
         if options.checkpoint and belongs_to(options.checkpoint, qp.query_id):
             checkpoint = options.checkpoint  # the operator's (recover --checkpoint) for its own query only
-        checkpointed = self._checkpointed(checkpoint, qp.query_id)
-        if checkpointed is not None:
+        if checkpoint:
             self._checkpoints[qp.query_id] = checkpoint
-        else:  # not recorded yet (the driver's publisher polls), or not this query's here: a hint asks a pass
+        else:  # not recorded yet (the driver's publisher polls): a hint then asks a pass to read it again
             self._checkpoints.pop(qp.query_id, None)
+        checkpointed = self._checkpointed(checkpoint, qp.query_id)
         hint = self._ready.get(qp.query_id)
         if hint is not None and hint[0] <= max(barrier, -1 if checkpointed is None else checkpointed):
             self._drop_hint(qp.query_id, hint)  # Spark recorded it: the usual passes and retries take over

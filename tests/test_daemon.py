@@ -17,6 +17,7 @@ from coordinator.zk import dump
 from sinks.files import FileSink, read_committed_rows
 from tests.harness import SIGNER, CallCounter, Pipeline, ids_out
 from tests.slow_sinks import SlowCommitFileSink
+from tests.test_cli import fake_checkpoint
 from tests.waiting import wait_until
 from twophase.verify import count_rows
 
@@ -146,7 +147,7 @@ def test_a_ready_hint_has_the_daemon_watch_the_checkpoint_until_spark_records_th
     monkeypatch.setattr(AppCoordinator, "ready_wait", looks.wrap(AppCoordinator.ready_wait))
     pipe = Pipeline(zk, zk_root, FileSink(str(tmp_path / "out")), mode="daemon")
     checkpoint = tmp_path / "ck"
-    (checkpoint / "commits").mkdir(parents=True)
+    fake_checkpoint(checkpoint, completed=[])  # Spark's metadata (the query's id) and an empty commits/
     assert pipe.task("r1", 0, 0, [1, 2]) and pipe.task("r1", 0, 1, [3])
     zk.set(pipe.qp.base, dump({"checkpoint": str(checkpoint)}))
     stop = threading.Event()

@@ -12,6 +12,7 @@ from coordinator import zk as zk_module
 from coordinator.zk import dump, parse_object, shared_client
 from sinks.files import FileSink
 from tests.harness import SIGNER, CallCounter, Pipeline, ids_out
+from tests.test_cli import fake_checkpoint
 from tests.waiting import wait_until
 from twophase.spark.host import CoordinatorHost
 from twophase.spark.waiter import await_watermark
@@ -81,7 +82,7 @@ def test_a_ready_hint_has_the_coordinator_watch_the_checkpoint_until_spark_recor
     While it waits it only looks at the checkpoint: no pass, so no ZooKeeper request, per look."""
     pipe = Pipeline(zk, zk_root, FileSink(str(tmp_path / "out")))
     checkpoint = tmp_path / "ck"
-    (checkpoint / "commits").mkdir(parents=True)
+    fake_checkpoint(checkpoint, completed=[])  # Spark's metadata (the query's id) and an empty commits/
     assert pipe.task("r1", 0, 0, [1, 2]) and pipe.task("r1", 0, 1, [3])
     zk.set(pipe.qp.base, dump({"checkpoint": str(checkpoint)}))
     coordinator, host, (passes, looks) = counted_host(zk, zk_root, "c1", "reconcile", "ready_wait")
@@ -129,7 +130,7 @@ def test_a_hint_looks_at_a_checkpoint_recorded_after_a_pass_found_none(zk, zk_ro
     coordinator.acquire()
     coordinator.reconcile()  # no checkpoint recorded yet
     checkpoint = tmp_path / "ck"
-    (checkpoint / "commits").mkdir(parents=True)
+    fake_checkpoint(checkpoint, completed=[])  # Spark's metadata (the query's id) and an empty commits/
     zk.set(pipe.qp.base, dump({"checkpoint": str(checkpoint)}))
     coordinator._on_ready(pipe.qp.query_id, dump({"epoch": 0, "run": "r1"}))
     assert coordinator.ready_wait() == READY_POLL  # asks a pass to read where the checkpoint is
