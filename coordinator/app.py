@@ -313,7 +313,8 @@ class AppCoordinator:
         if self._closed:
             return False
         # An epoch N + 1 appearing may prove N complete (if a run recorded in order began it), unless this
-        # coordinator committed N already (the barrier came first); one disappearing (garbage collection, replay discarding) makes nothing due.
+        # coordinator committed N already (the barrier came first); one disappearing (garbage collection,
+        # replay discarding) makes nothing due.
         seen, self._epochs_seen[query_id] = self._epochs_seen.get(query_id), set(names)
         known = self._known.setdefault(query_id, {})
         if all(n.isdigit() for n in names):

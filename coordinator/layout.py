@@ -6,7 +6,7 @@
     <root>/apps/<app>/sink                       the sink, signed cloudpickle
     <root>/apps/<app>/fence                      its version is the current owner's token
     <root>/apps/<app>/queries/<query>            {"checkpoint": path}
-    <root>/apps/<app>/queries/<query>/runs/<run>     {"started": ts, "driver": d, "in_order": b}; child "alive" is ephemeral
+    <root>/apps/<app>/queries/<query>/runs/<run>     {"started", "driver", "in_order"}; child "alive" ephemeral
     <root>/apps/<app>/queries/<query>/runs/<run>/halted  reason the driver stopped phase two; tasks refuse
     <root>/apps/<app>/queries/<query>/barrier    {"epoch": N, "run": R}  Spark reported N done
     <root>/apps/<app>/queries/<query>/watermark  {"epoch": N}  every epoch <= N is committed
