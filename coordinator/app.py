@@ -103,6 +103,8 @@ class PassOptions:
     recovering: bool = False        # use recover_and_commit / recover_and_abort
     dry_run: bool = False           # report, change nothing
     abort_incomplete: bool = False  # no query runs: abort every pre-commit of incomplete epochs
+    abort_unproven: bool = False    # with abort_incomplete: also where no checkpoint can tell (Spark may have
+                                    # completed the epoch: for a query that will never run again)
     retry_failed: bool = False      # put FAILED epochs back to COMMITTING
     checkpoint: str | None = None   # read commits/N here instead of the recorded location
 
@@ -560,12 +562,15 @@ class AppCoordinator:
                     return
             # A decided epoch (COMMITTING, or FAILED and retried) had its proof when it was decided.
             complete = complete or work.record.state is not EpochState.OPEN
-            if not complete and later and checkpointed is None and options.abort_incomplete:
-                # Only runs the hook did not record in order (a query of another session, an older hook, an async
-                # run) began the next epoch: Spark may have completed this one, and only its checkpoint can tell.
-                reason = (f"epoch {pending[index + 1]} was begun by no run the driver hook recorded as in order, "
-                          f"and the checkpoint is {'unreadable here' if checkpoint else 'unknown'}: cannot tell "
-                          f"whether Spark completed epoch {epoch}; run `twophase recover --checkpoint DIR`")
+            if (not complete and work.attempts and checkpointed is None and options.abort_incomplete
+                    and not options.abort_unproven):
+                # Spark may have completed the epoch (commits/N where this host cannot see) just as the driver
+                # died: aborting would lose its rows. Only the query's checkpoint can tell.
+                why = (f"epoch {pending[index + 1]} was begun by no run the driver hook recorded as in order"
+                       if later else "no barrier or later epoch proves it complete")
+                reason = (f"{why}, and the checkpoint is {'unreadable here' if checkpoint else 'unknown'}: cannot "
+                          f"tell whether Spark completed epoch {epoch}; run `twophase recover --checkpoint DIR`, "
+                          "or `--abort-unproven` if the query will never run again")
                 log.error("app %s query %s: %s", self.app, qp.query_id, reason)
                 this_pass.records.append(EpochBlocked(qp.query_id, epoch, reason, failed=False))
                 return

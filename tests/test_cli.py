@@ -191,3 +191,17 @@ def test_recover_leaves_an_epoch_it_cannot_tell_about_undecided_and_says_what_to
     done = twophase("recover", *args, "--checkpoint", fake_checkpoint(tmp_path / "ck", completed=[0]))
     assert done.returncode == 0, done.stdout + done.stderr
     assert count_rows(range(10), ids_out(pipe)).exact
+
+
+def test_recover_aborts_a_last_epoch_nothing_proves_only_when_told(pipe, zk_server, zk_root):
+    """The driver may have died right after Spark wrote commits/0 on a checkpoint this host cannot read: recover
+    waits for `--checkpoint`, or for `--abort-unproven` from an operator who knows the query never runs again."""
+    pipe.task("r1", 0, 0, range(10))
+    args = ("--zk", zk_server.hosts, "--root", zk_root, "--app", "app")
+    waits = twophase("recover", *args)
+    assert waits.returncode == 1, waits.stdout + waits.stderr
+    assert "epoch 0: waits (no barrier or later epoch proves it complete" in waits.stdout
+    assert "--abort-unproven" in waits.stdout and len(pipe.registry.load(0)) == 1
+    aborted = twophase("recover", *args, "--abort-unproven")
+    assert aborted.returncode == 0, aborted.stdout + aborted.stderr
+    assert "r1.0.0.0" in aborted.stdout and pipe.registry.load(0) == [] and ids_out(pipe) == []

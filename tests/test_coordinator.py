@@ -591,12 +591,42 @@ def test_a_pass_reports_what_it_aborted_and_why(pipe):
     assert count_rows(range(10), ids_out(pipe)).exact and pending_files(pipe) == []
 
 
-def test_recovery_aborts_every_pre_commit_of_an_epoch_spark_never_completed(pipe):
+@pytest.mark.parametrize("told", ["checkpoint", "abort-unproven"])
+def test_recovery_aborts_every_pre_commit_of_an_epoch_spark_never_completed(pipe, tmp_path, told):
+    """Told by the query's checkpoint (no commits/0), or by the operator (--abort-unproven)."""
     pipe.task("r1", 0, 0, range(10))
-    report = pipe.coordinator().reconcile(PassOptions(recovering=True, abort_incomplete=True))
+    options = (PassOptions(recovering=True, abort_incomplete=True, checkpoint=fake_checkpoint(tmp_path / "ck", []))
+               if told == "checkpoint" else PassOptions(recovering=True, abort_incomplete=True, abort_unproven=True))
+    report = pipe.coordinator().reconcile(options)
     assert report.records == (AttemptAborted(QUERY, 0, "r1.0.0.0", AbortReason.INCOMPLETE),
                               EpochSkipped(QUERY, 0, SkipReason.INCOMPLETE))
     assert pipe.registry.load(0) == [] and pending_files(pipe) == []
+
+
+@pytest.mark.parametrize("recorded", ["no checkpoint", "one on another host"])
+def test_recovery_leaves_a_last_epoch_nothing_proves_either_way_undecided(pipe, tmp_path, recorded):
+    """No barrier, no later epoch, no checkpoint readable here: Spark may have written commits/0 just as the driver
+    died, and aborting would lose the epoch's rows for good (a restart never runs it again)."""
+    pipe.task("r1", 0, 0, range(10))
+    pipe.task("r1", 0, 1, [])  # a registered empty pre-commit of the same epoch
+    if recorded != "no checkpoint":
+        pipe.zk.set(pipe.qp.base, dump({"checkpoint": str(tmp_path / "elsewhere")}))
+    report = pipe.coordinator().reconcile(PassOptions(recovering=True, abort_incomplete=True))
+    [blocked] = report.records
+    assert (type(blocked), blocked.epoch, blocked.failed) == (EpochBlocked, 0, False) and not report.ok
+    assert "--checkpoint DIR" in blocked.error and "--abort-unproven" in blocked.error
+    assert len(pipe.registry.load(0)) == 2 and len(pending_files(pipe)) == 1  # nothing aborted
+    pipe.barrier(0, "r1")  # what the driver would have published had it lived a poll longer
+    pipe.coordinator().reconcile(PassOptions(recovering=True, abort_incomplete=True))
+    assert count_rows(range(10), ids_out(pipe)).exact
+
+
+def test_recovery_aborts_what_was_begun_but_never_pre_committed_without_asking(pipe):
+    """An epoch with intents only (tasks killed before registering) holds nothing Spark could count as written."""
+    assert pipe.begin("r1", 0, 0) is not None
+    report = pipe.coordinator().reconcile(PassOptions(recovering=True, abort_incomplete=True))
+    assert [type(r) for r in report.records] == [AttemptCleanedUp, EpochSkipped] and report.ok
+    assert pipe.zk.get_children(pipe.qp.intents(0)) == []
 
 
 def test_attempt_and_intent_nodes_are_named_by_the_txn_context():

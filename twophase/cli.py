@@ -1,7 +1,7 @@
 """The `twophase` command: status, recovery and the HA coordinator daemon.
 
     twophase status --zk HOSTS --app NAME [--root /twophase] [--json]
-    twophase recover --zk HOSTS --app NAME [--checkpoint DIR] [--dry-run] [--retry-failed] [--json]
+    twophase recover --zk HOSTS --app NAME [--checkpoint DIR] [--abort-unproven] [--dry-run] [--retry-failed] [--json]
     twophase replay --zk HOSTS --app NAME --checkpoint DIR --epoch N [--dry-run]
     twophase coordinator --zk HOSTS [--root /twophase]
     twophase broker --data-dir DIR [--port 9092] [--security-protocol SASL_SSL ...]
@@ -192,7 +192,8 @@ def cmd_recover(args: argparse.Namespace, client: KazooClient, signer: Signer) -
     if live:
         raise CliError(f"runs still alive ({', '.join(live)}); recover while no query runs, or pass --force")
     options = PassOptions(recovering=True, dry_run=args.dry_run, abort_incomplete=True,
-                          retry_failed=args.retry_failed, checkpoint=args.checkpoint)
+                          abort_unproven=args.abort_unproven, retry_failed=args.retry_failed,
+                          checkpoint=args.checkpoint)
     owner = f"recover {socket.gethostname()}:{os.getpid()}"
     with contextlib.closing(AppCoordinator(client, args.root, args.app, signer, owner,
                                            CommitPolicy(attempts=args.attempts))) as app:
@@ -283,6 +284,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("recover", help="commit pre-commits of completed epochs, abort the rest")
     common(p)
     p.add_argument("--checkpoint", help="the query's Spark checkpoint directory (default: the recorded one)")
+    p.add_argument("--abort-unproven", action="store_true",
+                   help="also abort the pre-commits of epochs nothing proves complete (no barrier, no later "
+                        "epoch, no checkpoint of the query readable here): only when Spark will never restart "
+                        "the query, since it may have completed them")
     p.add_argument("--dry-run", action="store_true", help="print what would be done, change nothing")
     p.add_argument("--retry-failed", action="store_true", help="retry epochs marked FAILED")
     p.add_argument("--force", action="store_true", help="run even though a query run looks alive")
