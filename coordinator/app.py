@@ -103,8 +103,8 @@ class PassOptions:
     recovering: bool = False        # use recover_and_commit / recover_and_abort
     dry_run: bool = False           # report, change nothing
     abort_incomplete: bool = False  # no query runs: abort every pre-commit of incomplete epochs
-    abort_unproven: bool = False    # with abort_incomplete: also where no checkpoint can tell (Spark may have
-                                    # completed the epoch: for a query that will never run again)
+    abort_unproven: frozenset[str] = frozenset()  # with abort_incomplete: these queries' epochs too where no
+                                    # checkpoint can tell (Spark may have completed them: queries never to run again)
     retry_failed: bool = False      # put FAILED epochs back to COMMITTING
     checkpoint: str | None = None   # read commits/N here instead of the recorded location
 
@@ -187,6 +187,24 @@ def verify_stored_sink(client: KazooClient, paths: AppPaths, signer: Signer) -> 
     except NoNodeError:
         return
     signer.verify(raw, paths.sink, what=f"sink of app {paths.app!r}")
+
+
+def _stale_copy(given: str | None, given_highest: int | None, recorded: str | None, query_id: str) -> str | None:
+    """Why the operator's checkpoint (recover --checkpoint) cannot decide, where the recorded one is readable here too
+    and they disagree on the highest commits/N: a copy made before the query's last run ended would abort epochs
+    Spark completed since."""
+    if given_highest is None or not recorded or given == recorded:
+        return None
+    try:
+        if checkpoint_query_id(recorded) != query_id:
+            return None
+        highest = highest_commit(recorded)
+    except (OSError, ValueError):
+        return None  # not readable here: what --checkpoint is for
+    if highest == given_highest:
+        return None
+    return (f"--checkpoint {given} has commits up to batch {given_highest}, the recorded checkpoint {recorded} up to "
+            f"{highest}: a copy must be made after the query stopped; run `twophase recover` without --checkpoint")
 
 
 class AppCoordinator:
@@ -512,8 +530,9 @@ class AppCoordinator:
             this_pass.settled.add(qp.query_id)
             return
         barrier = self._recall(qp, this_pass, "barrier", lambda: read_epoch(self.client, qp.barrier), watched=True)
-        checkpoint = self._recall(
+        recorded = self._recall(
             qp, this_pass, "checkpoint", lambda: read_object(self.client, qp.base, {}).get("checkpoint"))
+        checkpoint = recorded
         if options.checkpoint and belongs_to(options.checkpoint, qp.query_id):
             checkpoint = options.checkpoint  # the operator's (recover --checkpoint) for its own query only
         if checkpoint:
@@ -529,6 +548,11 @@ class AppCoordinator:
             reason = f"`twophase replay` of epoch {replaying} is unfinished: run it again"
             log.error("app %s query %s: %s; phase two waits", self.app, qp.query_id, reason)
             this_pass.records.append(EpochBlocked(qp.query_id, pending[0], reason, failed=False))
+            return
+        stale_copy = _stale_copy(checkpoint, checkpointed, recorded, qp.query_id)
+        if stale_copy is not None:
+            log.error("app %s query %s: %s", self.app, qp.query_id, stale_copy)
+            this_pass.records.append(EpochBlocked(qp.query_id, pending[0], stale_copy, failed=False))
             return
         for index, epoch in enumerate(pending):
             later = index + 1 < len(pending)
@@ -562,23 +586,32 @@ class AppCoordinator:
                     return
             # A decided epoch (COMMITTING, or FAILED and retried) had its proof when it was decided.
             complete = complete or work.record.state is not EpochState.OPEN
-            if (not complete and work.attempts and checkpointed is None and options.abort_incomplete
-                    and not options.abort_unproven):
-                # Spark may have completed the epoch (commits/N where this host cannot see) just as the driver
-                # died: aborting would lose its rows. Only the query's checkpoint can tell.
-                why = (f"epoch {pending[index + 1]} was begun by no run the driver hook recorded as in order"
-                       if later else "no barrier or later epoch proves it complete")
-                reason = (f"{why}, and the checkpoint is {'unreadable here' if checkpoint else 'unknown'}: cannot "
-                          f"tell whether Spark completed epoch {epoch}; run `twophase recover --checkpoint DIR`, "
-                          "or `--abort-unproven` if the query will never run again")
-                log.error("app %s query %s: %s", self.app, qp.query_id, reason)
-                this_pass.records.append(EpochBlocked(qp.query_id, epoch, reason, failed=False))
-                return
             if not complete:
+                # Recovery (no query runs) aborts what Spark never completed and goes on to the later epochs, none of
+                # which can be complete if this one is not. Without a checkpoint of the query's own readable here,
+                # nothing tells whether Spark completed it (commits/N may be where this host cannot see, written
+                # just as the driver died): only superseded runs' pre-commits go, unless the operator vouches for
+                # the query (recover --abort-unproven QUERY: it will never run again).
+                unproven = options.abort_incomplete and checkpointed is None
+                vouched = qp.query_id in options.abort_unproven
                 recorded = len(this_pass.records)
-                if self._abort_incomplete(work, this_pass) and len(this_pass.records) == recorded:
+                done, kept = self._abort_incomplete(work, this_pass, keep_latest=unproven and not vouched,
+                                                    reason=AbortReason.UNPROVEN if unproven else AbortReason.INCOMPLETE)
+                if unproven and kept:
+                    why = (f"epoch {pending[index + 1]} was begun by no run the driver hook recorded as in order"
+                           if later else "no barrier or later epoch proves it complete")
+                    where = "unknown" if not checkpoint else "not the query's own or unreadable here"
+                    reason = (f"{why}, and the checkpoint is {where}: cannot tell whether Spark completed epoch "
+                              f"{epoch}; run `twophase recover --checkpoint DIR` (a copy made after the query "
+                              f"stopped), or `--abort-unproven {qp.query_id}` if the query will never run again")
+                    log.error("app %s query %s: %s", self.app, qp.query_id, reason)
+                    this_pass.records.append(EpochBlocked(qp.query_id, epoch, reason, failed=False))
+                    return
+                if done and len(this_pass.records) == recorded:
                     this_pass.waiting.add(qp.query_id)  # nothing done: a zombie's late registration gets a visit
                 this_pass.records.append(EpochSkipped(qp.query_id, epoch, SkipReason.INCOMPLETE))
+                if options.abort_incomplete:
+                    continue
                 return
             if not self._phase_two(work, this_pass):
                 return
@@ -621,23 +654,27 @@ class AppCoordinator:
         self._unreadable.discard((query_id, checkpoint))
         return highest
 
-    def _abort_incomplete(self, work: EpochWork, this_pass: _Pass) -> bool:
+    def _abort_incomplete(self, work: EpochWork, this_pass: _Pass, keep_latest: bool = False,
+                          reason: AbortReason = AbortReason.INCOMPLETE) -> tuple[bool, list[Attempt]]:
         """Pre-commits of an epoch that Spark will re-run are never reused.
 
         Those of runs older than the latest one (the newest run that began the epoch) are aborted at
         once, and so are the transactions their dead attempts began without registering: one of those
         may hold what the latest run's attempts write (a PostgreSQL row lock on a key), and the epoch
         could never complete while it does. A zombie of such an attempt that registers later finds its
-        intent gone and aborts itself. With abort_incomplete (recovery while no query runs) all of them are.
-        False if a sink call failed (retried on the next pass).
+        intent gone and aborts itself. In recovery (no query runs) all of them are, the latest run's
+        pre-commits for ``reason`` unless ``keep_latest``. Returns whether every sink call succeeded (else
+        it is retried on the next pass) and the latest run's pre-commits it kept.
         """
-        everything = this_pass.options.abort_incomplete
+        recovering = this_pass.options.abort_incomplete
         unregistered = work.registry.unregistered(work.epoch, work.attempts)
         latest_run = work.registry.latest_run(work.attempts, {ctx.run_id for ctx in unregistered})
-        stale = [_Verdict(a, AbortReason.INCOMPLETE if a.run == latest_run else AbortReason.SUPERSEDED)
-                 for a in work.attempts if a.run != latest_run or everything]
+        keep = not recovering or keep_latest
+        kept = [a for a in work.attempts if keep and a.run == latest_run]
+        stale = [_Verdict(a, reason if a.run == latest_run else AbortReason.SUPERSEDED)
+                 for a in work.attempts if not (keep and a.run == latest_run)]
         return (self._finish_all(work, stale, recovering=True, this_pass=this_pass)
-                and self._abort_unregistered(work, this_pass, None if everything else latest_run))
+                and self._abort_unregistered(work, this_pass, None if recovering else latest_run)), kept
 
     def _decide(self, work: EpochWork, decided: EpochRecord, this_pass: _Pass) -> EpochWork | None:
         """Record the decision before acting on it; None if the record changed under us."""

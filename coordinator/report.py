@@ -29,6 +29,7 @@ class AbortReason(str, Enum):
     LOST = "lost"                  # another attempt of its run won its partition
     SUPERSEDED = "superseded"      # its run did not complete the epoch: a later run re-ran it
     INCOMPLETE = "incomplete"      # recovery: Spark never completed the epoch and will re-run it
+    UNPROVEN = "unproven"          # recovery: nothing proved the epoch complete; the operator vouched (--abort-unproven)
     LATE = "late"                  # registered after its epoch was committed (a zombie task)
     REPLAYED = "replayed"          # `twophase replay`: Spark re-runs the epoch from its recorded offsets
     WRITE_FAILED = "write_failed"  # the write of the run that completed the epoch failed: the epoch is FAILED

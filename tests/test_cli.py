@@ -10,9 +10,11 @@ import sys
 import pytest
 
 from sinks.files import FileSink
-from tests.harness import QUERY, Pipeline, ids_out
+from coordinator.precommits import PrecommitRegistry
+from tests.harness import QUERY, SIGNER, Pipeline, ids_out
 from twophase import cli
-from twophase.task import PhaseTwoHalted
+from twophase.sink import TxnContext
+from twophase.task import PhaseTwoHalted, TaskAttempt
 from twophase.verify import count_rows
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -183,7 +185,7 @@ def test_recover_leaves_an_epoch_it_cannot_tell_about_undecided_and_says_what_to
     args = ("--zk", zk_server.hosts, "--root", zk_root, "--app", "app")
     result = twophase("recover", *args)
     assert result.returncode == 1
-    assert "epoch 0: waits (" in result.stdout and "checkpoint is unreadable here" in result.stdout
+    assert "epoch 0: waits (" in result.stdout and "checkpoint is not the query's own or unreadable here" in result.stdout
     assert "twophase recover --checkpoint DIR" in result.stdout
     [record] = json.loads(twophase("recover", *args, "--json").stdout)["records"]
     assert (record["kind"], record["epoch"], record["failed"]) == ("epoch_blocked", 0, False)
@@ -193,15 +195,22 @@ def test_recover_leaves_an_epoch_it_cannot_tell_about_undecided_and_says_what_to
     assert count_rows(range(10), ids_out(pipe)).exact
 
 
-def test_recover_aborts_a_last_epoch_nothing_proves_only_when_told(pipe, zk_server, zk_root):
+def test_recover_aborts_a_last_epoch_nothing_proves_only_when_told(pipe, zk, zk_server, zk_root):
     """The driver may have died right after Spark wrote commits/0 on a checkpoint this host cannot read: recover
-    waits for `--checkpoint`, or for `--abort-unproven` from an operator who knows the query never runs again."""
+    waits for `--checkpoint`, or for `--abort-unproven QUERY` from an operator who knows that query never runs
+    again. Another query of the app, only stopped, keeps its pre-commits."""
     pipe.task("r1", 0, 0, range(10))
+    other = PrecommitRegistry(zk, pipe.paths.query("q-2"), SIGNER)
+    task = TaskAttempt(pipe.sink, other, TxnContext("app", "q-2", "s1", 0, 0, 0))
+    assert task.open() and pipe.finish(task, range(10, 20))
     args = ("--zk", zk_server.hosts, "--root", zk_root, "--app", "app")
     waits = twophase("recover", *args)
     assert waits.returncode == 1, waits.stdout + waits.stderr
     assert "epoch 0: waits (no barrier or later epoch proves it complete" in waits.stdout
-    assert "--abort-unproven" in waits.stdout and len(pipe.registry.load(0)) == 1
-    aborted = twophase("recover", *args, "--abort-unproven")
-    assert aborted.returncode == 0, aborted.stdout + aborted.stderr
-    assert "r1.0.0.0" in aborted.stdout and pipe.registry.load(0) == [] and ids_out(pipe) == []
+    assert f"--abort-unproven {QUERY}" in waits.stdout and len(pipe.registry.load(0)) == 1
+    unknown = twophase("recover", *args, "--abort-unproven", "q-404")
+    assert unknown.returncode == 2 and "no such query" in unknown.stderr
+    aborted = twophase("recover", *args, "--abort-unproven", QUERY)
+    assert aborted.returncode == 1, aborted.stdout + aborted.stderr  # q-2 still waits
+    assert f"query {QUERY} epoch 0: aborted r1.0.0.0 (nothing proved the epoch complete" in aborted.stdout
+    assert pipe.registry.load(0) == [] and ids_out(pipe) == [] and len(other.load(0)) == 1

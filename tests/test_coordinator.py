@@ -596,10 +596,11 @@ def test_recovery_aborts_every_pre_commit_of_an_epoch_spark_never_completed(pipe
     """Told by the query's checkpoint (no commits/0), or by the operator (--abort-unproven)."""
     pipe.task("r1", 0, 0, range(10))
     options = (PassOptions(recovering=True, abort_incomplete=True, checkpoint=fake_checkpoint(tmp_path / "ck", []))
-               if told == "checkpoint" else PassOptions(recovering=True, abort_incomplete=True, abort_unproven=True))
+               if told == "checkpoint" else
+               PassOptions(recovering=True, abort_incomplete=True, abort_unproven=frozenset({QUERY})))
     report = pipe.coordinator().reconcile(options)
-    assert report.records == (AttemptAborted(QUERY, 0, "r1.0.0.0", AbortReason.INCOMPLETE),
-                              EpochSkipped(QUERY, 0, SkipReason.INCOMPLETE))
+    reason = AbortReason.INCOMPLETE if told == "checkpoint" else AbortReason.UNPROVEN
+    assert report.records == (AttemptAborted(QUERY, 0, "r1.0.0.0", reason), EpochSkipped(QUERY, 0, SkipReason.INCOMPLETE))
     assert pipe.registry.load(0) == [] and pending_files(pipe) == []
 
 
@@ -619,6 +620,45 @@ def test_recovery_leaves_a_last_epoch_nothing_proves_either_way_undecided(pipe, 
     pipe.barrier(0, "r1")  # what the driver would have published had it lived a poll longer
     pipe.coordinator().reconcile(PassOptions(recovering=True, abort_incomplete=True))
     assert count_rows(range(10), ids_out(pipe)).exact
+
+
+@pytest.mark.parametrize("told", ["checkpoint", "abort-unproven"])
+def test_recovery_goes_on_past_an_epoch_spark_never_completed_to_the_later_ones(zk, zk_root, tmp_path, told):
+    """None of them can be complete if the first is not: every one is aborted in one pass, none left open."""
+    with Pipeline(zk, zk_root, FileSink(str(tmp_path / "out")), records_runs=False) as pipe:
+        for epoch in range(3):
+            pipe.task("r1", epoch, 0, range(epoch * 10, epoch * 10 + 10))
+        options = PassOptions(recovering=True, abort_incomplete=True)
+        options = (replace(options, checkpoint=fake_checkpoint(tmp_path / "ck", [])) if told == "checkpoint" else
+                   replace(options, abort_unproven=frozenset({QUERY})))
+        report = pipe.coordinator().reconcile(options)
+        assert [r.epoch for r in records_of(report, AttemptAborted)] == [0, 1, 2] and report.ok
+        assert [len(pipe.registry.load(n)) for n in range(3)] == [0, 0, 0] and pending_files(pipe) == []
+
+
+def test_recovery_aborts_superseded_pre_commits_before_it_waits_for_the_latest_runs(pipe):
+    """r2 began epoch 0 after r1 registered it: r1's pre-commit is superseded whatever Spark did, and goes; r2's
+    registered one is what may be complete, and waits."""
+    pipe.task("r1", 0, 0, range(10))
+    pipe.task("r2", 0, 0, range(10))
+    report = pipe.coordinator().reconcile(PassOptions(recovering=True, abort_incomplete=True))
+    assert records_of(report, AttemptAborted) == [AttemptAborted(QUERY, 0, "r1.0.0.0", AbortReason.SUPERSEDED)]
+    assert [type(r) for r in report.records][-1] is EpochBlocked and not report.ok
+    assert [a.name for a in pipe.registry.load(0)] == ["r2.0.0.0"]
+
+
+def test_recovery_refuses_a_checkpoint_copy_the_readable_recorded_checkpoint_contradicts(pipe, tmp_path):
+    """A copy taken before Spark wrote commits/0 would have epoch 0 aborted; the recorded checkpoint says it is
+    complete."""
+    pipe.task("r1", 0, 0, range(10))
+    pipe.zk.set(pipe.qp.base, dump({"checkpoint": fake_checkpoint(tmp_path / "recorded", [0])}))
+    stale = fake_checkpoint(tmp_path / "copy", [])
+    report = pipe.coordinator().reconcile(PassOptions(recovering=True, abort_incomplete=True, checkpoint=stale))
+    [blocked] = report.records
+    assert isinstance(blocked, EpochBlocked) and "copy must be made after the query stopped" in blocked.error
+    assert len(pipe.registry.load(0)) == 1
+    report = pipe.coordinator().reconcile(PassOptions(recovering=True, abort_incomplete=True))
+    assert [r.epoch for r in records_of(report, EpochCommitted)] == [0] and count_rows(range(10), ids_out(pipe)).exact
 
 
 def test_recovery_aborts_what_was_begun_but_never_pre_committed_without_asking(pipe):

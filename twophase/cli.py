@@ -1,7 +1,8 @@
 """The `twophase` command: status, recovery and the HA coordinator daemon.
 
     twophase status --zk HOSTS --app NAME [--root /twophase] [--json]
-    twophase recover --zk HOSTS --app NAME [--checkpoint DIR] [--abort-unproven] [--dry-run] [--retry-failed] [--json]
+    twophase recover --zk HOSTS --app NAME [--checkpoint DIR] [--abort-unproven QUERY_ID] [--dry-run] [--retry-failed]
+                     [--json]
     twophase replay --zk HOSTS --app NAME --checkpoint DIR --epoch N [--dry-run]
     twophase coordinator --zk HOSTS [--root /twophase]
     twophase broker --data-dir DIR [--port 9092] [--security-protocol SASL_SSL ...]
@@ -132,6 +133,7 @@ _ABORTED_BECAUSE = {
     AbortReason.LOST: "another attempt of its run won the partition",
     AbortReason.SUPERSEDED: "its run did not complete the epoch",
     AbortReason.INCOMPLETE: "Spark never completed the epoch and will re-run it",
+    AbortReason.UNPROVEN: "nothing proved the epoch complete, and --abort-unproven named the query",
     AbortReason.LATE: "registered after the epoch was committed",
     AbortReason.REPLAYED: "the epoch is replayed: Spark re-runs it",
     AbortReason.WRITE_FAILED: "the epoch's write failed: the epoch is FAILED",
@@ -187,12 +189,16 @@ def cmd_recover(args: argparse.Namespace, client: KazooClient, signer: Signer) -
         qid = _checkpoint_query_id(args.checkpoint)
         if qid not in queries:
             raise CliError(f"checkpoint {args.checkpoint} belongs to query {qid}, which has no state in app {args.app}")
+    for qid in args.abort_unproven:
+        if qid not in queries:
+            raise CliError(f"--abort-unproven {qid}: app {args.app} has no such query (its queries: "
+                           f"{', '.join(sorted(queries)) or 'none'})")
     live = [f"{q}/{r}" for q in queries for r in children(client, paths.query(q).runs)
             if client.exists(f"{paths.query(q).run(r)}/alive")] if not args.force else []
     if live:
         raise CliError(f"runs still alive ({', '.join(live)}); recover while no query runs, or pass --force")
     options = PassOptions(recovering=True, dry_run=args.dry_run, abort_incomplete=True,
-                          abort_unproven=args.abort_unproven, retry_failed=args.retry_failed,
+                          abort_unproven=frozenset(args.abort_unproven), retry_failed=args.retry_failed,
                           checkpoint=args.checkpoint)
     owner = f"recover {socket.gethostname()}:{os.getpid()}"
     with contextlib.closing(AppCoordinator(client, args.root, args.app, signer, owner,
@@ -281,13 +287,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="do not load the sink nor ask its target for prepared transactions")
     p.set_defaults(func=cmd_status)
 
-    p = sub.add_parser("recover", help="commit pre-commits of completed epochs, abort the rest")
+    p = sub.add_parser("recover", help="commit the pre-commits of epochs Spark completed, abort those of epochs it "
+                                            "did not; an epoch nothing tells about waits")
     common(p)
     p.add_argument("--checkpoint", help="the query's Spark checkpoint directory (default: the recorded one)")
-    p.add_argument("--abort-unproven", action="store_true",
-                   help="also abort the pre-commits of epochs nothing proves complete (no barrier, no later "
-                        "epoch, no checkpoint of the query readable here): only when Spark will never restart "
-                        "the query, since it may have completed them")
+    p.add_argument("--abort-unproven", metavar="QUERY_ID", action="append", default=[],
+                   help="also abort this query's pre-commits that nothing proves complete or not (no barrier, no "
+                        "later epoch, no checkpoint of the query readable here): only for a query Spark will never "
+                        "run again, since it may have completed them (repeatable)")
     p.add_argument("--dry-run", action="store_true", help="print what would be done, change nothing")
     p.add_argument("--retry-failed", action="store_true", help="retry epochs marked FAILED")
     p.add_argument("--force", action="store_true", help="run even though a query run looks alive")
