@@ -189,22 +189,34 @@ def verify_stored_sink(client: KazooClient, paths: AppPaths, signer: Signer) -> 
     signer.verify(raw, paths.sink, what=f"sink of app {paths.app!r}")
 
 
-def _stale_copy(given: str | None, given_highest: int | None, recorded: str | None, query_id: str) -> str | None:
-    """Why the operator's checkpoint (recover --checkpoint) cannot decide, where the recorded one is readable here too
-    and they disagree on the highest commits/N: a copy made before the query's last run ended would abort epochs
-    Spark completed since."""
-    if given_highest is None or not recorded or given == recorded:
+def _stale_copy(given: str | None, given_highest: int | None, recorded: str | None, query_id: str,
+                known_complete: int) -> str | None:
+    """Why the operator's checkpoint (recover --checkpoint) cannot decide: it has fewer commits than epochs other
+    proofs show Spark completed (``known_complete``: the barrier, the watermark, a later epoch begun in order), or
+    the recorded checkpoint is readable here too and disagrees. A copy made before the query's last run ended
+    would abort epochs Spark completed since."""
+    if given_highest is None or given == recorded:
         return None
+    if given_highest < known_complete:
+        return (f"--checkpoint {given} has commits up to batch {given_highest}, but Spark completed batch "
+                f"{known_complete} (the barrier, the watermark or a later epoch says so): a copy must be made after "
+                "the query stopped")
     try:
-        if checkpoint_query_id(recorded) != query_id:
+        if not recorded or checkpoint_query_id(recorded) != query_id:
             return None
         highest = highest_commit(recorded)
     except (OSError, ValueError):
         return None  # not readable here: what --checkpoint is for
-    if highest == given_highest:
-        return None
-    return (f"--checkpoint {given} has commits up to batch {given_highest}, the recorded checkpoint {recorded} up to "
-            f"{highest}: a copy must be made after the query stopped; run `twophase recover` without --checkpoint")
+    if highest > given_highest:
+        return (f"--checkpoint {given} has commits up to batch {given_highest}, the recorded checkpoint {recorded} up "
+                f"to {highest}: a copy must be made after the query stopped; run `twophase recover` without "
+                "--checkpoint")
+    if highest < given_highest:
+        return (f"--checkpoint {given} has commits up to batch {given_highest}, the recorded checkpoint {recorded}, "
+                f"readable here, only up to {highest}: one of them is not the query's checkpoint as it is now (a copy "
+                "made before `twophase replay` rewound it, or another directory at the recorded path on this host); "
+                "recover where only the current one is readable")
+    return None
 
 
 class AppCoordinator:
@@ -549,15 +561,20 @@ class AppCoordinator:
             log.error("app %s query %s: %s; phase two waits", self.app, qp.query_id, reason)
             this_pass.records.append(EpochBlocked(qp.query_id, pending[0], reason, failed=False))
             return
-        stale_copy = _stale_copy(checkpoint, checkpointed, recorded, qp.query_id)
+        # Recovery (only) takes any later epoch begun in order as proof of every one below it: a pass of the
+        # coordinator's loop stops at the first incomplete epoch, and a look per pending epoch would be a round trip
+        # each at every pass of a query whose epochs wait.
+        proven = self._proven_by_later_epochs(qp, registry, pending) if options.abort_incomplete else -1
+        stale_copy = _stale_copy(checkpoint, checkpointed, recorded, qp.query_id, max(barrier, watermark, proven))
         if stale_copy is not None:
             log.error("app %s query %s: %s", self.app, qp.query_id, stale_copy)
             this_pass.records.append(EpochBlocked(qp.query_id, pending[0], stale_copy, failed=False))
             return
         for index, epoch in enumerate(pending):
             later = index + 1 < len(pending)
-            complete = (epoch <= barrier or (checkpointed is not None and epoch <= checkpointed)
-                        or (later and self._begun_in_order(qp, registry, pending[index + 1])))
+            complete = (epoch <= max(barrier, proven) or (checkpointed is not None and epoch <= checkpointed)
+                        or (later and not options.abort_incomplete
+                            and self._begun_in_order(qp, registry, pending[index + 1])))
             if not complete and this_pass.changed_only:
                 # What a visit of an incomplete epoch does (abort superseded runs' pre-commits) is left to the
                 # full passes: a pass woken by a watch comes to commit, and Spark has just begun the epoch.
@@ -594,7 +611,7 @@ class AppCoordinator:
                 # the query (recover --abort-unproven QUERY: it will never run again).
                 unproven = options.abort_incomplete and checkpointed is None
                 vouched = qp.query_id in options.abort_unproven
-                recorded = len(this_pass.records)
+                before = len(this_pass.records)
                 done, kept = self._abort_incomplete(work, this_pass, keep_latest=unproven and not vouched,
                                                     reason=AbortReason.UNPROVEN if unproven else AbortReason.INCOMPLETE)
                 if unproven and kept:
@@ -607,14 +624,23 @@ class AppCoordinator:
                     log.error("app %s query %s: %s", self.app, qp.query_id, reason)
                     this_pass.records.append(EpochBlocked(qp.query_id, epoch, reason, failed=False))
                     return
-                if done and len(this_pass.records) == recorded:
+                if done and len(this_pass.records) == before:
                     this_pass.waiting.add(qp.query_id)  # nothing done: a zombie's late registration gets a visit
-                this_pass.records.append(EpochSkipped(qp.query_id, epoch, SkipReason.INCOMPLETE))
+                skipped = SkipReason.UNPROVEN if unproven else SkipReason.INCOMPLETE
+                this_pass.records.append(EpochSkipped(qp.query_id, epoch, skipped))
                 if options.abort_incomplete:
                     continue
                 return
             if not self._phase_two(work, this_pass):
                 return
+
+    def _proven_by_later_epochs(self, qp: QueryPaths, registry: PrecommitRegistry, pending: list[int]) -> int:
+        """The highest epoch that a later pending one begun by a run recorded in order proves complete, -1 if none:
+        Spark had written commits/M - 1 when M began, and a restart resumes after the highest commit."""
+        for epoch in reversed(pending[1:]):
+            if self._begun_in_order(qp, registry, epoch):
+                return epoch - 1
+        return -1
 
     def _begun_in_order(self, qp: QueryPaths, registry: PrecommitRegistry, epoch: int) -> bool:
         """Whether a run the driver hook recorded as in order began ``epoch``: Spark then wrote ``commits/N`` of

@@ -36,9 +36,10 @@ class AbortReason(str, Enum):
 
 
 class SkipReason(str, Enum):
-    """Why a pass left an epoch (and every later epoch of its query) for later."""
+    """Why a pass left an epoch (and, but in recovery, every later epoch of its query) for later."""
 
     INCOMPLETE = "incomplete"      # Spark has not completed the epoch yet
+    UNPROVEN = "unproven"          # recovery: nothing proves it complete or not; aborted on the operator's word
     CHANGED = "changed"            # its record changed during the pass; the next pass re-reads it
 
 

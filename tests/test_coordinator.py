@@ -599,8 +599,9 @@ def test_recovery_aborts_every_pre_commit_of_an_epoch_spark_never_completed(pipe
                if told == "checkpoint" else
                PassOptions(recovering=True, abort_incomplete=True, abort_unproven=frozenset({QUERY})))
     report = pipe.coordinator().reconcile(options)
-    reason = AbortReason.INCOMPLETE if told == "checkpoint" else AbortReason.UNPROVEN
-    assert report.records == (AttemptAborted(QUERY, 0, "r1.0.0.0", reason), EpochSkipped(QUERY, 0, SkipReason.INCOMPLETE))
+    aborted, skipped = ((AbortReason.INCOMPLETE, SkipReason.INCOMPLETE) if told == "checkpoint" else
+                        (AbortReason.UNPROVEN, SkipReason.UNPROVEN))
+    assert report.records == (AttemptAborted(QUERY, 0, "r1.0.0.0", aborted), EpochSkipped(QUERY, 0, skipped))
     assert pipe.registry.load(0) == [] and pending_files(pipe) == []
 
 
@@ -659,6 +660,52 @@ def test_recovery_refuses_a_checkpoint_copy_the_readable_recorded_checkpoint_con
     assert len(pipe.registry.load(0)) == 1
     report = pipe.coordinator().reconcile(PassOptions(recovering=True, abort_incomplete=True))
     assert [r.epoch for r in records_of(report, EpochCommitted)] == [0] and count_rows(range(10), ids_out(pipe)).exact
+
+
+@pytest.mark.parametrize("vouched", [False, True], ids=["waits", "abort-unproven"])
+def test_in_recovery_any_later_epoch_begun_in_order_proves_every_one_below_it(zk, zk_root, tmp_path, vouched):
+    """r1 (not recorded in order) began epochs 0 and 1; r2, recorded in order, began 2: commits/1 was on disk, and
+    no restart runs 0 or 1 again. Only epoch 2 is unproven; --abort-unproven aborts it and nothing below it."""
+    with Pipeline(zk, zk_root, FileSink(str(tmp_path / "out")), records_runs=False) as pipe:
+        pipe.task("r1", 0, 0, range(10))
+        pipe.task("r1", 1, 0, range(10, 20))
+        pipe.record_run("r2", in_order=True)
+        pipe.task("r2", 2, 0, range(20, 30))
+        options = PassOptions(recovering=True, abort_incomplete=True,
+                              abort_unproven=frozenset({QUERY}) if vouched else frozenset())
+        report = pipe.coordinator().reconcile(options)
+        assert [r.epoch for r in records_of(report, EpochCommitted)] == [0, 1]
+        assert count_rows(range(20), ids_out(pipe)).exact
+        if vouched:
+            assert records_of(report, AttemptAborted) == [AttemptAborted(QUERY, 2, "r2.2.0.0", AbortReason.UNPROVEN)]
+        else:
+            assert [(type(r), r.epoch) for r in report.records][-1] == (EpochBlocked, 2)
+
+
+def test_recovery_refuses_a_checkpoint_copy_older_than_what_the_barrier_proves(pipe, tmp_path):
+    """The recorded checkpoint is on another host; the copy, made while the query still ran, lacks commits/1 that
+    the driver's barrier shows: it decides nothing, and the query waits, its pre-commits untouched."""
+    for epoch in range(3):
+        pipe.task("r1", epoch, 0, range(epoch * 10, epoch * 10 + 10))
+    pipe.zk.set(pipe.qp.base, dump({"checkpoint": "hdfs://nn/checkpoints/q-1"}))
+    pipe.barrier(1, "r1")
+    stale = fake_checkpoint(tmp_path / "copy", [0])
+    report = pipe.coordinator().reconcile(PassOptions(recovering=True, abort_incomplete=True, checkpoint=stale))
+    assert [(type(r), r.epoch) for r in report.records] == [(EpochBlocked, 0)]
+    assert "Spark completed batch 1" in report.records[0].error
+    assert [len(pipe.registry.load(n)) for n in range(3)] == [1, 1, 1]
+
+
+def test_recovery_refuses_a_checkpoint_copy_ahead_of_the_readable_recorded_one(pipe, tmp_path):
+    """One of the two is not the query's checkpoint as it is now: neither decides."""
+    pipe.task("r1", 0, 0, range(10))
+    pipe.task("r1", 1, 0, range(10, 20))
+    pipe.zk.set(pipe.qp.base, dump({"checkpoint": fake_checkpoint(tmp_path / "recorded", [])}))
+    ahead = fake_checkpoint(tmp_path / "copy", [0, 1])
+    report = pipe.coordinator().reconcile(PassOptions(recovering=True, abort_incomplete=True, checkpoint=ahead))
+    [blocked] = report.records
+    assert isinstance(blocked, EpochBlocked) and "one of them is not the query's checkpoint" in blocked.error
+    assert [len(pipe.registry.load(n)) for n in range(2)] == [1, 1] and ids_out(pipe) == []
 
 
 def test_recovery_aborts_what_was_begun_but_never_pre_committed_without_asking(pipe):

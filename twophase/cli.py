@@ -140,6 +140,7 @@ _ABORTED_BECAUSE = {
 }
 _SKIPPED_BECAUSE = {
     SkipReason.INCOMPLETE: "not completed by Spark; left open",
+    SkipReason.UNPROVEN: "nothing proves whether Spark completed it; left open",
     SkipReason.CHANGED: "changed during this pass; left for the next one",
 }
 
