@@ -189,6 +189,15 @@ def verify_stored_sink(client: KazooClient, paths: AppPaths, signer: Signer) -> 
     signer.verify(raw, paths.sink, what=f"sink of app {paths.app!r}")
 
 
+def _own_highest_commit(checkpoint: str, query_id: str) -> int:
+    """The highest N with ``commits/N`` in ``checkpoint``; OSError if it cannot be read here, ValueError if it is
+    malformed or its ``metadata`` names another query."""
+    owner = checkpoint_query_id(checkpoint)
+    if owner != query_id:
+        raise ValueError(f"it belongs to query {owner}")
+    return highest_commit(checkpoint)
+
+
 def _stale_copy(given: str | None, given_highest: int | None, recorded: str | None, query_id: str,
                 known_complete: int) -> str | None:
     """Why the operator's checkpoint (recover --checkpoint) cannot decide: it has fewer commits than epochs other
@@ -201,12 +210,12 @@ def _stale_copy(given: str | None, given_highest: int | None, recorded: str | No
         return (f"--checkpoint {given} has commits up to batch {given_highest}, but Spark completed batch "
                 f"{known_complete} (the barrier, the watermark or a later epoch says so): a copy must be made after "
                 "the query stopped")
+    if not recorded:
+        return None
     try:
-        if not recorded or checkpoint_query_id(recorded) != query_id:
-            return None
-        highest = highest_commit(recorded)
+        highest = _own_highest_commit(recorded, query_id)
     except (OSError, ValueError):
-        return None  # not readable here: what --checkpoint is for
+        return None  # not readable here, or another query's: what --checkpoint is for
     if highest > given_highest:
         return (f"--checkpoint {given} has commits up to batch {given_highest}, the recorded checkpoint {recorded} up "
                 f"to {highest}: a copy must be made after the query stopped; run `twophase recover` without "
@@ -667,10 +676,7 @@ class AppCoordinator:
         if not checkpoint:
             return None
         try:
-            owner = checkpoint_query_id(checkpoint)
-            if owner != query_id:
-                raise ValueError(f"it belongs to query {owner}")
-            highest = highest_commit(checkpoint)
+            highest = _own_highest_commit(checkpoint, query_id)
         except (OSError, ValueError) as e:
             if (query_id, checkpoint) not in self._unreadable:  # once: a daemon on another host never reads it
                 self._unreadable.add((query_id, checkpoint))
