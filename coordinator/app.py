@@ -160,6 +160,13 @@ class _Pass:
     revisit: set[str] = field(default_factory=set)  # never quiet after this pass: a late attempt, a failed cleanup
     watermarks: dict[str, int] = field(default_factory=dict)  # per query, its watermark as this pass left it
 
+    def block(self, record: EpochBlocked, message: str) -> None:
+        """An epoch waits for an operator: recorded, and logged unless this is a dry run, whose caller prints the
+        records (``twophase recover`` runs one before every real pass: the reason would be logged twice)."""
+        if not self.options.dry_run:
+            log.error("%s", message)
+        self.records.append(record)
+
 
 def await_work(wake: threading.Event, until: float, apps: Iterable[AppCoordinator]) -> None:
     """A coordinator loop's wait between passes: until ``wake`` is set (a watch, a stop, a ready hint's
@@ -567,8 +574,8 @@ class AppCoordinator:
         replaying = self._recall(qp, this_pass, "replaying", lambda: read_epoch(self.client, qp.replay))
         if replaying >= 0:
             reason = f"`twophase replay` of epoch {replaying} is unfinished: run it again"
-            log.error("app %s query %s: %s; phase two waits", self.app, qp.query_id, reason)
-            this_pass.records.append(EpochBlocked(qp.query_id, pending[0], reason, failed=False))
+            this_pass.block(EpochBlocked(qp.query_id, pending[0], reason, failed=False),
+                            f"app {self.app} query {qp.query_id}: {reason}; phase two waits")
             return
         # Recovery (only) takes any later epoch begun in order as proof of every one below it: a pass of the
         # coordinator's loop stops at the first incomplete epoch, and a look per pending epoch would be a round trip
@@ -576,8 +583,8 @@ class AppCoordinator:
         proven = self._proven_by_later_epochs(qp, registry, pending) if options.abort_incomplete else -1
         stale_copy = _stale_copy(checkpoint, checkpointed, recorded, qp.query_id, max(barrier, watermark, proven))
         if stale_copy is not None:
-            log.error("app %s query %s: %s", self.app, qp.query_id, stale_copy)
-            this_pass.records.append(EpochBlocked(qp.query_id, pending[0], stale_copy, failed=False))
+            this_pass.block(EpochBlocked(qp.query_id, pending[0], stale_copy, failed=False),
+                            f"app {self.app} query {qp.query_id}: {stale_copy}")
             return
         for index, epoch in enumerate(pending):
             later = index + 1 < len(pending)
@@ -603,9 +610,9 @@ class AppCoordinator:
                 # run it again.
                 replay = work.record.replay  # its run's write failed: only a replay brings its rows
                 if replay or not options.retry_failed:
-                    log.error("app %s epoch %d is FAILED (%s); later epochs wait: run `twophase %s`", self.app, epoch,
-                              work.record.error, "replay" if replay else "recover --retry-failed")
-                    this_pass.records.append(EpochBlocked(qp.query_id, epoch, work.record.error, replay))
+                    this_pass.block(EpochBlocked(qp.query_id, epoch, work.record.error, replay),
+                                    f"app {self.app} epoch {epoch} is FAILED ({work.record.error}); later epochs "
+                                    f"wait: run `twophase {'replay' if replay else 'recover --retry-failed'}`")
                     return
                 work = self._decide(work, work.record.transition(EpochState.COMMITTING, error=None), this_pass)
                 if work is None:
@@ -630,8 +637,8 @@ class AppCoordinator:
                     reason = (f"{why}, and the checkpoint is {where}: cannot tell whether Spark completed epoch "
                               f"{epoch}; run `twophase recover --checkpoint DIR` (a copy made after the query "
                               f"stopped), or `--abort-unproven {qp.query_id}` if the query will never run again")
-                    log.error("app %s query %s: %s", self.app, qp.query_id, reason)
-                    this_pass.records.append(EpochBlocked(qp.query_id, epoch, reason, failed=False))
+                    this_pass.block(EpochBlocked(qp.query_id, epoch, reason, failed=False),
+                                    f"app {self.app} query {qp.query_id}: {reason}")
                     return
                 if done and len(this_pass.records) == before:
                     this_pass.waiting.add(qp.query_id)  # nothing done: a zombie's late registration gets a visit
@@ -792,13 +799,13 @@ class AppCoordinator:
                               this_pass)
         if failed is None:
             return False
-        log.error("app %s query %s: epoch %d is FAILED: %s", self.app, work.query_id, work.epoch, error)
         aborts = [_Verdict(a, AbortReason.WRITE_FAILED) for a in work.attempts]
         # The failed partitions' attempts are over (their job failed): what they began goes now, not at the
         # replay, so that a log sink's open transactions do not hold back readers meanwhile.
         if self._finish_all(failed, aborts, recovering=True, this_pass=this_pass):
             self._abort_unregistered(failed, this_pass)
-        this_pass.records.append(EpochBlocked(work.query_id, work.epoch, error, replay=True))
+        this_pass.block(EpochBlocked(work.query_id, work.epoch, error, replay=True),
+                        f"app {self.app} query {work.query_id}: epoch {work.epoch} is FAILED: {error}")
         return False
 
     def _finish_all(self, work: EpochWork, verdicts: list[_Verdict], recovering: bool, this_pass: _Pass,

@@ -208,6 +208,8 @@ def test_recover_aborts_a_last_epoch_nothing_proves_only_when_told(pipe, zk, zk_
     assert waits.returncode == 1, waits.stdout + waits.stderr
     assert "epoch 0: waits (no barrier or later epoch proves it complete" in waits.stdout
     assert f"--abort-unproven {QUERY}" in waits.stdout and len(pipe.registry.load(0)) == 1
+    # Logged once: recover's dry pass before the real one only reports.
+    assert waits.stderr.count(f"app app query {QUERY}: no barrier or later epoch proves it complete") == 1
     unknown = twophase("recover", *args, "--abort-unproven", "q-404")
     assert unknown.returncode == 2 and "no such query" in unknown.stderr
     aborted = twophase("recover", *args, "--abort-unproven", QUERY)
