@@ -107,6 +107,44 @@ def test_a_schema_without_value_is_refused_like_sparks_kafka_sink(spark, zk_serv
         query.awaitTermination()
 
 
+
+def test_a_continuous_trigger_is_stopped_before_any_epoch_is_recorded(spark, zk_server, zk_root, tmp_path,
+                                                                     broker_factory, caplog):
+    """Under trigger(continuous=...) Spark's Python writer never sees a row and commits every epoch with no
+    message. The writer's commit refuses that, so Spark records no epoch done (it logs the error and goes on),
+    and the driver hook stops the query, saying why."""
+    register(spark)
+    broker = broker_factory()
+    broker.create_topic("out", 1)
+    df = (spark.readStream.format("rate").option("rowsPerSecond", "200").option("numPartitions", "2").load()
+          .selectExpr("CAST(value AS STRING) AS value"))
+    query = kafka_writer(df, broker.bootstrap, zk_server.hosts, zk_root, tmp_path, topic="out").trigger(
+        continuous="1 second").start()
+    try:
+        assert query.awaitTermination(120), "the continuous query was not stopped"
+    finally:
+        query.stop()
+    assert f"query {query.id} run {query.runId}: twophase needs micro-batch epochs" in caplog.text
+    assert not list((tmp_path / "ck" / "commits").glob("[0-9]*"))  # nothing for a restart to skip
+    assert read_topic(broker.bootstrap, "out", isolation="read_uncommitted") == []
+
+
+def test_a_secret_set_in_the_driver_after_the_session_started_fails_the_query_before_a_row_is_written(
+        spark, zk_server, zk_root, tmp_path, broker_factory, monkeypatch):
+    """A notebook sets TWOPHASE_SECRET once the session runs: the driver hook signs with it, while the writer,
+    built in a Python worker started with the JVM's environment, has the old one. Its tasks refuse to write
+    instead of pre-committing what the coordinator could never verify."""
+    monkeypatch.setenv("TWOPHASE_SECRET", "set-in-the-driver-after-the-session-started")
+    register(spark)
+    broker = broker_factory()
+    broker.create_topic("out", 1)
+    df = stream(spark, tmp_path, batches=1, rows=5).selectExpr("to_json(struct(*)) AS value")
+    query = kafka_writer(df, broker.bootstrap, zk_server.hosts, zk_root, tmp_path, topic="out",
+                         **{"twophase.app": "secret-mismatch"}).start()
+    with pytest.raises(StreamingQueryException, match="set TWOPHASE_SECRET .* before the SparkSession starts"):
+        query.awaitTermination()
+    assert read_topic(broker.bootstrap, "out", isolation="read_uncommitted") == []
+
 # -- chaos: the driver SIGKILLed (examples/kafka_sink_query.py as its own process) ----------------------
 
 

@@ -18,8 +18,9 @@ from twophase.spark.host import CoordinatorHost
 from twophase.spark.waiter import await_watermark
 from twophase.supervisor import Supervision
 from twophase.spark.sink_options import ExactlyOnce, WriterOptionError, exactly_once
-from twophase.spark.stream_sink import (SINK_DIGEST, AttemptReport, DriverHookMissing, SinkFormat, TwoPhaseStreamWriter,
-                                        await_watched, sink_digest)
+from twophase.spark.stream_sink import (SINK_DIGEST, AttemptReport, DriverHookMissing, SecretMismatch, SinkFormat,
+                                        TwoPhaseStreamWriter, await_watched, check_secret, sink_digest)
+from twophase.spark.task_context import ContinuousProcessingNotSupported
 from twophase.task import PhaseTwoHalted
 
 
@@ -45,6 +46,21 @@ def test_a_halted_run_fails_with_its_reason(zk, zk_root):
     with pytest.raises(PhaseTwoHalted, match="failed for good"):
         await_watched(zk, query, "run-1", "app", timeout=30)
 
+
+
+def test_a_writer_waits_for_its_apps_sink_then_checks_its_secret_verifies_it(zk, zk_server, zk_root, tmp_path):
+    where = ExactlyOnce(zk_server.hosts, "secrets", zk_root)
+    with pytest.raises(DriverHookMissing, match=r"no twophase driver hook published app secrets.*register\(spark\)"):
+        check_secret(zk, where, b"twophase-test-secret-0123456789", timeout=0.2)
+    publishing = threading.Timer(0.2, publish_app, (zk, AppPaths(zk_root, "secrets"), SIGNER,
+                                                    FileSink(str(tmp_path / "out")), "embedded"))
+    publishing.start()
+    with pytest.raises(SecretMismatch, match="set TWOPHASE_SECRET .* before the SparkSession starts"):
+        check_secret(zk, where, b"a-secret-found-in-the-jvm-environment", timeout=30)
+    publishing.join()
+    check_secret(zk, where, b"twophase-test-secret-0123456789", timeout=0)
+    zk.delete(AppPaths(zk_root, "secrets").sink)
+    check_secret(zk, where, b"twophase-test-secret-0123456789", timeout=0)  # remembered: no second look
 
 @pytest.mark.parametrize("options, message", [
     ({"twophase.app": "a"}, "'twophase.zk' is required"),
@@ -183,8 +199,13 @@ def test_the_writers_commit_hints_each_batch_and_refuses_a_halted_run(zk, zk_ser
     query = AppPaths(zk_root, "app").query("q5")
     zk.create(f"{query.run('r1')}/alive", makepath=True)
     for batch in (0, 1):  # the first hint creates the znode, the next ones set it
-        writer.commit([AttemptReport("q5", "r1", batch, 0, 0, 3, True), None], batch)
+        writer.commit([AttemptReport("q5", "r1", batch, 0, 0, 3, True), AttemptReport("q5", "r1", batch, 1, 0, 0, True)],
+                      batch)
         assert parse_object(zk.get(query.ready)[0], query.ready) == {"epoch": batch, "run": "r1"}
+    # Only a continuous trigger's epochs come without a task's message: Spark dropped their rows.
+    with pytest.raises(ContinuousProcessingNotSupported, match="use a micro-batch trigger"):
+        writer.commit([AttemptReport("q5", "r1", 2, 0, 0, 3, True), None], 2)
+    assert parse_object(zk.get(query.ready)[0], query.ready) == {"epoch": 1, "run": "r1"}
     zk.create(query.halted("r1"), b"the embedded coordinator failed for good")
     with pytest.raises(PhaseTwoHalted, match="failed for good"):
         writer.commit([AttemptReport("q5", "r1", 2, 0, 0, 3, True)], 2)

@@ -32,6 +32,7 @@ from coordinator.zk import read_json
 from twophase.sink import TwoPhaseCommitSink
 from twophase.spark.driver import POLL_INTERVAL, DriverHook, HookConfig
 from twophase.spark.queries import QueryWatcher
+from twophase.spark.task_context import CONTINUOUS_REFUSED, ContinuousProcessingNotSupported
 from twophase.spark.sink_options import WriterOptionError, exactly_once, lowered
 from twophase.supervisor import Supervisor
 
@@ -54,6 +55,8 @@ def write_options(jsq) -> tuple[str, dict[str, str]] | None:
     # (ForeachBatchSink's and FileStreamSink's do in Spark 4.3: "should not be called").
     if not str(execution.sink().getClass().getName()).endswith(".PythonTable"):
         return "", {}
+    if str(execution.getClass().getSimpleName()) == "ContinuousExecution":
+        raise ContinuousProcessingNotSupported(CONTINUOUS_REFUSED)  # its plan has no write options to read
     logical = last.logical()
     converted = {}
     iterator = logical.writeOptions().iterator()  # a Scala Map: (key, value) tuples
@@ -142,7 +145,16 @@ class WriterDiscovery:
         self._settle(active)
 
     def _discover(self, key: tuple[str, str], jsq) -> None:
-        found = write_options(jsq)
+        try:
+            found = write_options(jsq)
+        except ContinuousProcessingNotSupported as e:
+            self._seen.add(key)
+            if str(jsq.streamingQuery().sink().name()) in self._factories:
+                # Spark's Python writer drops a continuous query's rows without a call to Python, and the writer's
+                # commit refusing each epoch does not fail the query (Spark logs and ignores it): stop it here.
+                log.error("query %s run %s: %s; twophase stops the query", *key, e)
+                jsq.stop()
+            return
         if found is None:
             return  # not planned yet: look again at the next poll
         name, options = found

@@ -27,7 +27,7 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import pyarrow as pa
@@ -42,14 +42,15 @@ from pyspark.sql.datasource import (
 from pyspark.sql.pandas.types import to_arrow_schema
 from pyspark.sql.types import StructType
 
+from coordinator.app import verify_stored_sink
 from coordinator.layout import AppPaths, QueryPaths
 from coordinator.precommits import PrecommitRegistry
 from coordinator.zk import dump, put_data, shared_client, watched_data
-from twophase.signing import Signer, load_secret
+from twophase.signing import SignatureError, Signer, load_secret
 from twophase.sink import TwoPhaseCommitSink
 from twophase.spark.sink_options import (EXACTLY_ONCE, SPARK_OWN, ExactlyOnce, WriterOptionError, exactly_once,
                                          lowered)
-from twophase.spark.task_context import task_context
+from twophase.spark.task_context import CONTINUOUS_REFUSED, ContinuousProcessingNotSupported, task_context
 from twophase.task import PhaseTwoHalted, TaskAttempt
 
 SINK_FORMAT = "twophase"
@@ -63,6 +64,11 @@ HOOK_WAIT = 60.0
 
 class DriverHookMissing(RuntimeError):
     """No twophase driver hook watches the run, so nothing would ever commit its pre-commits."""
+
+
+class SecretMismatch(RuntimeError):
+    """The writer's signing secret is not the one the app's driver hook signs with: the coordinator could
+    verify none of its pre-commits, so nothing it writes would ever be committed, or aborted."""
 
 
 @dataclass
@@ -95,7 +101,9 @@ class _AttemptWriter:
     def write(self, iterator: Iterator) -> AttemptReport:
         """In a task: open the attempt, write every batch, pre-commit and register (or abort on error)."""
         ctx = task_context(self.where.app)
-        registry = PrecommitRegistry(shared_client(self.where.zk), self._query(ctx.query_id), Signer(self._secret))
+        client = shared_client(self.where.zk)
+        check_secret(client, self.where, self._secret, HOOK_WAIT)
+        registry = PrecommitRegistry(client, self._query(ctx.query_id), Signer(self._secret))
         attempt = TaskAttempt(self.sink, registry, ctx)
         rows = 0
         if not attempt.open():
@@ -115,17 +123,23 @@ class _AttemptWriter:
     def _check_watched(self, messages: list[AttemptReport | None], batch_id: int | None) -> None:
         """Check a driver hook publishes the run, then hint the coordinator that ``commits/<batch_id>``
         is about to be written (QueryPaths.ready): it looks at the checkpoint at once instead of
-        waiting for the hook's next barrier. Still only commits/N, never this call, completes the epoch."""
-        reports = [m for m in messages if m is not None]
-        if not reports:
+        waiting for the hook's next barrier. Still only commits/N, never this call, completes the epoch.
+
+        Raises ContinuousProcessingNotSupported for a message that is missing: every task of a micro-batch
+        reports, an empty partition's too, while under trigger(continuous=...) Spark's Python writer drops
+        its rows without calling :meth:`write` and commits each epoch with no message at all."""
+        if any(m is None for m in messages):
+            raise ContinuousProcessingNotSupported(CONTINUOUS_REFUSED)
+        if not messages:
             return  # a batch without partitions pre-committed nothing
+        first = messages[0]
         client = shared_client(self.where.zk)
-        query = self._query(reports[0].query_id)
-        hint = dump({"epoch": batch_id, "run": reports[0].run_id})
+        query = self._query(first.query_id)
+        hint = dump({"epoch": batch_id, "run": first.run_id})
         # Sent first, answered while await_watched's read is in flight: one round trip for both. A hint for
         # a batch that then fails here costs the coordinator a few looks at the checkpoint, nothing more.
         hinting = None if batch_id is None else client.set_async(query.ready, hint)
-        await_watched(client, query, reports[0].run_id, self.where.app, HOOK_WAIT)
+        await_watched(client, query, first.run_id, self.where.app, HOOK_WAIT)
         if hinting is None:
             return  # foreachBatch: commits/N comes only after the whole function returned
         try:
@@ -146,7 +160,8 @@ class TwoPhaseStreamWriter(_AttemptWriter, DataSourceStreamArrowWriter):
         """On the driver host, before Spark records the batch: check a driver hook will commit it.
 
         Commits nothing (see the module doc). Raises DriverHookMissing if no hook published the run
-        within HOOK_WAIT, and PhaseTwoHalted if twophase halted it: the batch fails with the reason.
+        within HOOK_WAIT, PhaseTwoHalted if twophase halted it (the batch fails with the reason), and
+        ContinuousProcessingNotSupported under a continuous trigger.
         """
         self._check_watched(messages, batchId)
 
@@ -167,7 +182,47 @@ class TwoPhaseBatchWriter(_AttemptWriter, DataSourceArrowWriter):
         """Nothing to do: see TwoPhaseStreamWriter.abort."""
 
 
+_HOOK_HOWTO = ("Call twophase.spark.register(spark) in the driver before starting the query, or start it with "
+               "twophase.spark.write_stream(...)")
 _watched: set[tuple[str, str]] = set()  # (query znode, run) a hook was seen publishing, in this worker
+_verified: set[tuple[str, str, str, bytes]] = set()  # (zk, root, app, secret): its published sink verified
+
+
+def check_secret(client: KazooClient, where: ExactlyOnce, secret: bytes, timeout: float) -> None:
+    """Wait until a driver hook published the app's sink, then check that ``secret`` verifies its signature;
+    once per app and secret in a process.
+
+    A ``twophase-kafka`` writer finds its secret in a Python worker, whose environment is the JVM's: a
+    ``TWOPHASE_SECRET`` set in the driver after the session started reaches the hook but not the writer.
+    SecretMismatch then, before anything is written; DriverHookMissing after ``timeout`` without a hook.
+    """
+    key = (where.zk, where.root, where.app, secret)
+    if key in _verified:
+        return
+    paths = AppPaths(where.root, where.app)
+    _await_node(client, paths.sink, timeout, lambda: DriverHookMissing(
+        f"no twophase driver hook published app {where.app} within {timeout:.0f} s: nothing would commit its "
+        f"pre-commits. {_HOOK_HOWTO}"))
+    try:
+        verify_stored_sink(client, paths, Signer(secret))
+    except SignatureError:
+        raise SecretMismatch(
+            f"the twophase secret of this Spark Python worker is not the one app {where.app}'s driver hook signs "
+            "with. Spark's Python workers see the environment the JVM started with: set TWOPHASE_SECRET (or "
+            "TWOPHASE_SECRET_FILE) before the SparkSession starts, not later in os.environ") from None
+    _verified.add(key)
+
+
+def _await_node(client: KazooClient, path: str, timeout: float, missing: Callable[[], Exception]) -> None:
+    """Return once ``path`` exists; raise ``missing()`` after ``timeout`` seconds."""
+    appeared = threading.Event()
+    deadline = time.monotonic() + timeout
+    while client.retry(client.exists, path, watch=lambda _: appeared.set()) is None:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise missing()
+        appeared.wait(min(left, 1.0))
+        appeared.clear()
 
 
 def await_watched(client: KazooClient, query: QueryPaths, run_id: str, app: str, timeout: float) -> None:
@@ -182,18 +237,9 @@ def await_watched(client: KazooClient, query: QueryPaths, run_id: str, app: str,
         raise PhaseTwoHalted(f"twophase stopped run {run_id} of app {app}: {reason.decode()}")
     if (query.base, run_id) in _watched:
         return
-    alive = f"{query.run(run_id)}/alive"
-    published = threading.Event()
-    deadline = time.monotonic() + timeout
-    while client.retry(client.exists, alive, watch=lambda _: published.set()) is None:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise DriverHookMissing(
-                f"no twophase driver hook watches run {run_id} of query {query.base.rsplit('/', 1)[-1]} (app "
-                f"{app}): nothing would commit its pre-commits. Call twophase.spark.register(spark) in the "
-                f"driver before starting the query, or start it with twophase.spark.write_stream(...)")
-        published.wait(min(left, 1.0))
-        published.clear()
+    _await_node(client, f"{query.run(run_id)}/alive", timeout, lambda: DriverHookMissing(
+        f"no twophase driver hook watches run {run_id} of query {query.base.rsplit('/', 1)[-1]} (app {app}): "
+        f"nothing would commit its pre-commits. {_HOOK_HOWTO}"))
     _watched.add((query.base, run_id))
 
 

@@ -20,6 +20,10 @@ class ContinuousProcessingNotSupported(RuntimeError):
     """A twophase writer was used with trigger(continuous=...), which has no micro-batch barriers."""
 
 
+CONTINUOUS_REFUSED = ("twophase needs micro-batch epochs as commit barriers; "
+                      "use a micro-batch trigger instead of trigger(continuous=...)")
+
+
 class NotInStream(RuntimeError):
     """A twophase writer ran outside a streaming query's micro-batch: there is no epoch to commit on."""
 
@@ -32,9 +36,7 @@ def task_context(app: str, partition: int | None = None, epoch: int | None = Non
     """
     task = TaskContext.get()
     if task.getLocalProperty("__is_continuous_processing") == "true":
-        raise ContinuousProcessingNotSupported(
-            "twophase needs micro-batch epochs as commit barriers; "
-            "use a micro-batch trigger instead of trigger(continuous=...)")
+        raise ContinuousProcessingNotSupported(CONTINUOUS_REFUSED)
     if epoch is None and task.getLocalProperty("streaming.sql.batchId") is None:
         raise NotInStream("twophase writes the micro-batches of a streaming query: use writeStream, or write "
                           "from foreachBatch with TwoPhaseBatchSink, not a batch DataFrame's write")
