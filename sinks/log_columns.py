@@ -200,6 +200,8 @@ def _row_bytes(value: Any, name: str) -> bytes | None:
 def _headers(headers: Iterable[Any]) -> list[tuple[str, bytes | None]]:
     pairs = []
     for header in headers:
+        if header is None:
+            raise ValueError(f"a null header: headers must be a(n) {HEADERS_TYPE} without null elements")
         key, value = (header["key"], header["value"]) if isinstance(header, Mapping) else header
         if not isinstance(key, str):
             raise ValueError(f"header key {key!r}: headers must be a(n) {HEADERS_TYPE} with non-null keys")

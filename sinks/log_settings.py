@@ -25,7 +25,7 @@ from typing import Any
 
 from twophase.client import Producer
 from twophase.client.security import SETTINGS as SECURITY_SETTINGS
-from twophase.client.security import secrets_in
+from twophase.client.security import SECRET_SETTINGS, secrets_in
 from twophase.wire.compression import codec_id
 
 _MAX_INT32 = 2**31 - 1
@@ -66,6 +66,13 @@ def _idempotence(option: str, text: str) -> None:
                          "only true is accepted")
 
 
+def _retries(option: str, text: str) -> int:
+    number = _int(0)(option, text)
+    if number == 0:
+        raise ValueError(f"{option}=0: the sink's producer is idempotent, which needs retries (Kafka's refuses 0 too)")
+    return number
+
+
 def _text(option: str, text: str) -> str:
     if not text.strip():
         raise ValueError(f"{option} is empty")
@@ -80,16 +87,24 @@ _SETTINGS: dict[str, tuple[str, str | None, Callable[[str, str], Any]]] = {
     "batch.size": ("producer", "batch_size", _int(0, unit=_BYTES)),
     "compression.type": ("producer", "compression", _compression),
     "acks": ("producer", "acks", _acks),
-    "retries": ("producer", "retries", _int(0)),
+    "retries": ("producer", "retries", _retries),
     "delivery.timeout.ms": ("producer", "delivery_timeout_ms", _int(1, unit=_MS)),
     "request.timeout.ms": ("producer", "request_timeout_ms", _int(1, unit=_MS)),
     "client.id": ("producer", "client_id", _text),
     "buffer.memory": ("producer", "buffer_memory", _int(1, unit=_BYTES)),
     "max.block.ms": ("producer", "max_block_ms", _int(0, unit=_MS)),
-    "max.request.size": ("producer", None, _int(1, unit=_BYTES)),  # caps the batch size (below)
+    "max.request.size": ("producer", "max_request_size", _int(1, unit=_BYTES)),  # also caps the batch size (below)
     "max.in.flight.requests.per.connection": ("producer", "max_in_flight", _int(1, 5)),  # 5: idempotence's limit
     "enable.idempotence": ("producer", None, _idempotence),
     "transaction.timeout.ms": ("transaction_timeout_ms", None, _int(1, unit=_MS)),
+}
+# Java clients' security settings with no twophase name: what to give instead.
+_JAVA_SECURITY = {
+    "ssl.truststore": "the CA certificates as a PEM file: kafka.ssl.ca.location",
+    "ssl.keystore": "the client certificate and its key as PEM files: kafka.ssl.certificate.location and "
+                    "kafka.ssl.key.location",
+    "sasl.jaas.config": "kafka.sasl.username, and the password through the twophase.security option "
+                        "('file:PATH' or 'env:PREFIX')",
 }
 _REFUSED = {
     "transactional.id": "the sink owns its transactional ids, one per task slot "
@@ -110,7 +125,6 @@ def log_sink_args(props: Mapping[str, str], prefix: str = "kafka.") -> dict[str,
     args: dict[str, Any] = {}
     producer: dict[str, Any] = {}
     security: dict[str, str] = {}
-    max_request = None
     for name, raw in props.items():
         option = prefix + name
         if not isinstance(raw, str):
@@ -121,9 +135,11 @@ def log_sink_args(props: Mapping[str, str], prefix: str = "kafka.") -> dict[str,
             security[name] = raw
             continue
         if name.startswith(("ssl.", "sasl.")):
-            hint = (" (it holds a password)" if name == "sasl.jaas.config" else "")
+            java = next((instead for start, instead in _JAVA_SECURITY.items() if name.startswith(start)), None)
+            hint = f"; give {java}" if java else ""
             raise ValueError(f"{option} is not a security setting twophase supports{hint}; supported: "
-                             f"{', '.join(prefix + s for s in SECURITY_SETTINGS)} (docs/security.md)")
+                             f"{', '.join(prefix + s for s in SECURITY_SETTINGS if s not in SECRET_SETTINGS)}, and "
+                             "passwords through the twophase.security option (docs/security.md)")
         if name not in _SETTINGS:
             raise ValueError(f"{option} is not a producer setting twophase supports; supported: "
                              f"{', '.join(prefix + s for s in (*_SETTINGS, *SECURITY_SETTINGS))}")
@@ -133,10 +149,8 @@ def log_sink_args(props: Mapping[str, str], prefix: str = "kafka.") -> dict[str,
             args[target] = value
         elif keyword is not None:
             producer[keyword] = value
-        elif name == "max.request.size":
-            max_request = value
-    if max_request is not None:  # a Kafka batch never exceeds a request; nor does ours
-        producer["batch_size"] = min(producer.get("batch_size", _DEFAULTS["batch_size"]), max_request)
+    if "max_request_size" in producer:  # a Kafka batch never exceeds a request; nor does ours
+        producer["batch_size"] = min(producer.get("batch_size", _DEFAULTS["batch_size"]), producer["max_request_size"])
     if "delivery_timeout_ms" in producer:  # Kafka's own check: a batch may linger, then wait a whole request
         needed = sum(producer.get(k, _DEFAULTS[k]) for k in ("linger_ms", "request_timeout_ms"))
         if producer["delivery_timeout_ms"] < needed:

@@ -80,6 +80,7 @@ def test_per_row_topics_keys_and_headers_exactly_once(spark, zk_server, zk_root,
     ({"kafka.linger.ms": "soon"}, "kafka.linger.ms='soon' is not a whole number"),
     ({"kafka.sasl.password": "hunter2"}, "twophase.security"),
     ({"topic": None}, "topic"),
+    ({"kafka.retries": "0"}, "kafka.retries=0"),
 ])
 def test_bad_options_stop_the_query_before_any_row_is_written(spark, zk_server, zk_root, tmp_path, broker_factory,
                                                              options, message):
@@ -144,6 +145,30 @@ def test_a_secret_set_in_the_driver_after_the_session_started_fails_the_query_be
     with pytest.raises(StreamingQueryException, match="set TWOPHASE_SECRET .* before the SparkSession starts"):
         query.awaitTermination()
     assert read_topic(broker.bootstrap, "out", isolation="read_uncommitted") == []
+
+
+def test_a_batch_write_is_refused_naming_the_streaming_way(spark, zk_server, zk_root, tmp_path, broker_factory):
+    broker = broker_factory()
+    broker.create_topic("out", 1)
+    register(spark)
+    df = spark.range(3).selectExpr("CAST(id AS STRING) AS value")
+    with pytest.raises(Exception, match="twophase-kafka writes streaming queries"):
+        (df.write.format("twophase-kafka").mode("append").option("kafka.bootstrap.servers", broker.bootstrap)
+         .option("topic", "out").option("twophase.zk", zk_server.hosts).option("twophase.app", "kafka")
+         .option("twophase.root", zk_root).save())
+    assert read_topic(broker.bootstrap, "out", isolation="read_uncommitted") == []
+
+
+def test_the_topic_option_is_trimmed_as_sparks_is(spark, zk_server, zk_root, tmp_path, broker_factory):
+    register(spark)
+    broker = broker_factory()
+    broker.create_topic("out", 1)
+    df = stream(spark, tmp_path, batches=1, rows=5).selectExpr("CAST(id AS STRING) AS value")
+    query = kafka_writer(df, broker.bootstrap, zk_server.hosts, zk_root, tmp_path, topic=" out ").start()
+    query.awaitTermination()
+    await_committed(query, timeout=60)
+    assert count_rows(range(5), [int(m.value()) for m in read_topic(broker.bootstrap, "out")]).exact
+
 
 # -- chaos: the driver SIGKILLed (examples/kafka_sink_query.py as its own process) ----------------------
 

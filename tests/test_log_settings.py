@@ -27,8 +27,8 @@ from twophase.sink import TxnContext
     ({"client.id": "spark-orders"}, {"producer": {"client_id": "spark-orders"}}),
     ({"buffer.memory": "67108864", "max.block.ms": "5000"},
      {"producer": {"buffer_memory": 64 << 20, "max_block_ms": 5000}}),
-    ({"max.request.size": "1048576"}, {"producer": {"batch_size": 64 * 1024}}),   # the default fits
-    ({"max.request.size": "1000", "batch.size": "16384"}, {"producer": {"batch_size": 1000}}),
+    ({"max.request.size": "1048576"}, {"producer": {"max_request_size": 1 << 20, "batch_size": 64 * 1024}}),
+    ({"max.request.size": "1000", "batch.size": "16384"}, {"producer": {"max_request_size": 1000, "batch_size": 1000}}),
     ({"max.in.flight.requests.per.connection": "2"}, {"producer": {"max_in_flight": 2}}),  # at most 5 (idempotence)
     ({"enable.idempotence": "TRUE"}, {}),
     ({"transaction.timeout.ms": "900000"}, {"transaction_timeout_ms": 900000}),
@@ -52,6 +52,7 @@ def test_kafka_names_translate_to_log_sink_arguments(props, expected):
     ({"linger.ms": "soon"}, "kafka.linger.ms='soon' is not a whole number of ms"),
     ({"linger.ms": "-1"}, "kafka.linger.ms=-1 is out of range"),
     ({"retries": "1.5"}, "kafka.retries='1.5' is not a whole number"),
+    ({"retries": "0"}, "kafka.retries=0: the sink's producer is idempotent, which needs retries"),
     ({"request.timeout.ms": "0"}, "kafka.request.timeout.ms=0 is out of range: 1.."),
     ({"delivery.timeout.ms": "1000"}, "kafka.delivery.timeout.ms=1000 should be at least kafka.linger.ms + "
                                       "kafka.request.timeout.ms (30005)"),
@@ -62,8 +63,13 @@ def test_kafka_names_translate_to_log_sink_arguments(props, expected):
     ({"linger.ms": 5}, "kafka.linger.ms must be a string, not int"),
     ({"sasl.username": "u", "sasl.password": "secret"}, "kafka.sasl.password: a password in the query's options"),
     ({"ssl.key.password": "secret"}, "twophase.security option 'file:PATH' or 'env:PREFIX'"),
-    ({"sasl.jaas.config": "...password=..."}, "kafka.sasl.jaas.config is not a security setting twophase supports"),
-    ({"ssl.truststore.location": "x.jks"}, "kafka.ssl.truststore.location is not a security setting"),
+    ({"sasl.jaas.config": "...password=..."}, "kafka.sasl.jaas.config is not a security setting twophase supports; "
+                                              "give kafka.sasl.username, and the password through the twophase.security"),
+    ({"ssl.truststore.location": "x.jks"}, "kafka.ssl.truststore.location is not a security setting twophase supports; "
+                                           "give the CA certificates as a PEM file: kafka.ssl.ca.location"),
+    ({"ssl.keystore.type": "PKCS12"}, "give the client certificate and its key as PEM files"),
+    ({"ssl.cipher.suites": "x"}, "supported: kafka.security.protocol, kafka.sasl.mechanism, kafka.sasl.username, "
+                                 "kafka.ssl.ca.location"),
 ])
 def test_unsupported_or_bad_settings_are_refused_by_name(props, message):
     with pytest.raises(ValueError) as e:

@@ -264,6 +264,7 @@ def test_a_topic_column_is_type_checked_only_without_the_topic_option():
     ({"value": b"x", "timestamp": "2026-01-01"}, "timestamp attribute unsupported type str"),
     ({"value": b"x", "headers": [{"key": None, "value": b"v"}]}, "non-null keys"),
     ({"value": b"x", "headers": [{"key": "k", "value": "text"}]}, "headers must be a(n) array"),
+    ({"value": b"x", "headers": [{"key": "k", "value": b"v"}, None]}, "a null header: headers must be a(n) array"),
     ({"key": b"x"}, "Required attribute 'value' not found"),
 ])
 def test_bad_row_values_are_refused_on_the_foreach_path(row, message):

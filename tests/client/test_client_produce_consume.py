@@ -370,6 +370,20 @@ def test_a_send_that_finds_the_buffer_full_past_max_block_ms_raises_and_queues_n
         assert [m.value for m in drain(c, 10)] == values[:10]
 
 
+
+def test_a_record_larger_than_max_request_size_is_refused_and_the_others_go(broker, topic):
+    """Kafka's max.request.size as it bounds one record (RecordTooLargeException in Java's client)."""
+    with Producer(broker.bootstrap, max_request_size=2 * RECORD) as p:
+        with pytest.raises(ValueError, match=r"larger than max_request_size=248"):
+            p.send(topic, value=b"x" * (2 * RECORD), partition=0)
+        with pytest.raises(ValueError, match=r"larger than max_request_size=248"):
+            p.send_many([(topic, 0, None, b"x" * (2 * RECORD), None, None)])
+        p.send(topic, value=b"fits", partition=0)
+        p.flush()
+    with Consumer(broker.bootstrap) as c:
+        c.assign([(topic, 0)])
+        assert [m.value for m in drain(c, 1)] == [b"fits"]
+
 def test_a_send_many_that_times_out_half_queued_leaves_a_transaction_only_to_abort(broker, topic, monkeypatch):
     entered, gate = hold_produce_requests(monkeypatch)
     values = values_of(12)

@@ -97,7 +97,8 @@ class Producer:
     batches being sent): a send that would exceed it sends what is queued at once and waits for
     acknowledgements to free room (waiting sends get it in the order they came), for at most
     ``max_block_ms`` per call, then raises KafkaTimeout (a record larger than the whole buffer is a
-    ValueError). ``delivery_timeout_ms`` bounds how long a batch is retried (``retries``, if given, also
+    ValueError, and so is one larger than ``max_request_size``, if given: Kafka's ``max.request.size``
+    as it bounds a record). ``delivery_timeout_ms`` bounds how long a batch is retried (``retries``, if given, also
     caps the attempts); ``max_in_flight`` (1..5, Kafka's limit for idempotence) is how many Produce
     requests are sent to a broker before the first answer is read; ``transaction_timeout_ms`` is the
     broker-side timeout of a non-2PC transaction; ``enable_2pc`` registers the producer for
@@ -114,7 +115,7 @@ class Producer:
                  acks: str | int = "all", request_timeout_ms: int = 30_000, delivery_timeout_ms: int = 120_000,
                  retries: int | None = None, compression: str | None = None,
                  buffer_memory: int = 32 * 1024 * 1024, max_block_ms: int = 60_000, max_in_flight: int = 5,
-                 client_id: str = "twophase-producer",
+                 max_request_size: int | None = None, client_id: str = "twophase-producer",
                  security: SecuritySettings | Mapping[str, str] | str | None = None) -> None:
         if acks not in ("all", -1):
             raise ValueError(f"the producer is idempotent, which needs acks='all', not {acks!r}")
@@ -132,6 +133,7 @@ class Producer:
         if buffer_memory < 1:
             raise ValueError(f"buffer_memory must be at least 1 byte, not {buffer_memory}")
         self.buffer_memory = buffer_memory
+        self.max_request_size = max_request_size
         if not 1 <= max_in_flight <= MAX_IN_FLIGHT:
             raise ValueError(f"max_in_flight must be 1..{MAX_IN_FLIGHT} (the broker deduplicates a partition's "
                              f"last {MAX_IN_FLIGHT} batches), not {max_in_flight}")
@@ -260,6 +262,9 @@ class Producer:
         if size > self.buffer_memory:
             raise ValueError(f"a record of {size} bytes (key, value and headers) is larger than the producer's "
                              f"whole buffer, buffer_memory={self.buffer_memory}")
+        if self.max_request_size is not None and size > self.max_request_size:
+            raise ValueError(f"a record of {size} bytes (key, value and headers) is larger than "
+                             f"max_request_size={self.max_request_size}")
 
     def _wait_for_room(self, size: int, deadline: float) -> None:
         """Wait (the lock held) until ``size`` more bytes fit in the buffer; KafkaTimeout at ``deadline``.

@@ -33,7 +33,7 @@ from twophase.wire.security import sasl_mechanism, security_protocol, uses_sasl,
 SETTINGS = ("security.protocol", "sasl.mechanism", "sasl.username", "sasl.password", "ssl.ca.location",
             "ssl.certificate.location", "ssl.key.location", "ssl.key.password",
             "ssl.endpoint.identification.algorithm")
-_SECRETS = ("sasl.password", "ssl.key.password")
+SECRET_SETTINGS = ("sasl.password", "ssl.key.password")
 _ENDPOINT_IDENTIFICATION = {"https": True, "none": False, "": False}  # "" is how Java's clients say none
 _ssl_contexts_lock = threading.Lock()
 
@@ -146,7 +146,7 @@ class SecuritySettings:
         for name in SETTINGS[1:-1]:
             value = getattr(self, name.replace(".", "_"))
             if value is not None:
-                fields.append(f"{name}={'***' if name in _SECRETS else value}")
+                fields.append(f"{name}={'***' if name in SECRET_SETTINGS else value}")
         if self.tls and not self.check_hostname:
             fields.append("ssl.endpoint.identification.algorithm=none")
         if self.source:
@@ -183,7 +183,7 @@ def as_security(security: SecuritySettings | Mapping[str, str] | str | None) -> 
 
 def secrets_in(config: Mapping[str, str]) -> list[str]:
     """The secret settings (passwords) ``config`` holds: what must not be stored where others read it."""
-    return [name for name in _SECRETS if config.get(name)]
+    return [name for name in SECRET_SETTINGS if config.get(name)]
 
 
 def load_security(source: str) -> SecuritySettings:

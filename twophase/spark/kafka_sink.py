@@ -37,6 +37,10 @@ from twophase.spark.stream_sink import TwoPhaseStreamWriter
 # twophase.* options of this writer besides the exactly-once ones.
 KAFKA_TWOPHASE = ("twophase.security", "twophase.commitMode", "twophase.transactionalIdPrefix")
 _OWN = {name.lower() for name in ("topic", *SPARK_OWN, *EXACTLY_ONCE, *KAFKA_TWOPHASE)}
+BATCH_WRITE_REFUSED = ("twophase-kafka writes streaming queries, each micro-batch exactly once "
+                       "(df.writeStream.format('twophase-kafka')): a batch DataFrame has no micro-batch to commit on. "
+                       "Write it as a stream (spark.readStream ... .trigger(availableNow=True)), or with Spark's own "
+                       "kafka format, at least once")
 
 
 def kafka_log_sink(options: Mapping[str, str]) -> LogSink:
@@ -61,8 +65,9 @@ def kafka_log_sink(options: Mapping[str, str]) -> LogSink:
         args["commit_mode"] = given["twophase.commitmode"]
     if "twophase.transactionalidprefix" in given:
         args["transactional_id_prefix"] = given["twophase.transactionalidprefix"]
+    topic = given.get("topic")
     try:
-        return LogSink(topic=given.get("topic"), columns="kafka", **args)
+        return LogSink(topic=None if topic is None else topic.strip(), columns="kafka", **args)  # trimmed, as Spark
     except ValueError as e:
         raise WriterOptionError(str(e)) from None
 

@@ -33,6 +33,7 @@ from pyspark.sql.datasource import (
     DataSource,
     DataSourceReader,
     DataSourceStreamReader,
+    DataSourceWriter,
     InputPartition,
 )
 from pyspark.sql.pandas.types import to_arrow_schema
@@ -55,10 +56,11 @@ from pyspark.sql.types import (
 
 from twophase.client import EARLIEST, Consumer, Message, OffsetOutOfRange
 
-from .kafka_sink import kafka_stream_writer
+from .kafka_sink import BATCH_WRITE_REFUSED, kafka_stream_writer
 from .source_offsets import OffsetPlanner, Offsets, from_json, report_loss, to_json
 from .source_options import SourceOptions, parse_options
 from .stream_sink import TwoPhaseStreamWriter
+from .task_context import NotInStream
 
 log = logging.getLogger("twophase.spark.source")
 
@@ -279,4 +281,9 @@ class KafkaSource(DataSource):
     def streamWriter(self, schema: StructType, overwrite: bool) -> TwoPhaseStreamWriter:  # noqa: N802
         """Spark's Kafka sink, exactly once (twophase/spark/kafka_sink.py)."""
         return kafka_stream_writer(self.options, schema)
+
+    def writer(self, schema: StructType, overwrite: bool) -> DataSourceWriter:
+        """Refused: a batch DataFrame has no micro-batch epoch to commit on (Spark's own Kafka batch write is
+        at least once)."""
+        raise NotInStream(BATCH_WRITE_REFUSED)
 
