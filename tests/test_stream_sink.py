@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 
 import pytest
@@ -15,6 +16,7 @@ from tests.harness import SIGNER, CallCounter, Pipeline, ids_out
 from tests.test_cli import fake_checkpoint
 from tests.waiting import wait_until
 from twophase.spark.host import CoordinatorHost
+from twophase.spark.kafka_sink import KAFKA_TWOPHASE, kafka_log_sink
 from twophase.spark.waiter import await_watermark
 from twophase.supervisor import Supervision
 from twophase.spark.sink_options import ExactlyOnce, WriterOptionError, exactly_once
@@ -23,6 +25,17 @@ from twophase.spark.stream_sink import (SINK_DIGEST, AttemptReport, DriverHookMi
 from twophase.spark.task_context import ContinuousProcessingNotSupported
 from twophase.task import PhaseTwoHalted
 
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"twophase.commitMode": "eventually"}, "option twophase.commitMode must be one of auto, prepared, classic"),
+    ({"twophase.transactionalIdPrefix": "a b"}, "option twophase.transactionalIdPrefix 'a b'"),
+])
+def test_the_kafka_writers_own_options_are_named_as_the_query_gives_them(extra, message):
+    with pytest.raises(WriterOptionError, match=re.escape(message)):
+        kafka_log_sink({"kafka.bootstrap.servers": "h:9092", "topic": "t", **extra})
+    with pytest.raises(WriterOptionError, match="the writer's twophase options are .*'twophase.commitMode'"):
+        exactly_once({"twophase.zk": "h:1", "twophase.app": "a", "twophase.comitMode": "auto"}, also=KAFKA_TWOPHASE)
 
 def test_no_hook_publishing_the_run_fails_the_batch_naming_what_to_do(zk, zk_root):
     query = AppPaths(zk_root, "app").query("q1")

@@ -37,6 +37,7 @@ from twophase.spark.stream_sink import TwoPhaseStreamWriter
 # twophase.* options of this writer besides the exactly-once ones.
 KAFKA_TWOPHASE = ("twophase.security", "twophase.commitMode", "twophase.transactionalIdPrefix")
 _OWN = {name.lower() for name in ("topic", *SPARK_OWN, *EXACTLY_ONCE, *KAFKA_TWOPHASE)}
+_OPTION_OF = {"commit_mode": "twophase.commitMode", "transactional_id_prefix": "twophase.transactionalIdPrefix"}
 BATCH_WRITE_REFUSED = ("twophase-kafka writes streaming queries, each micro-batch exactly once "
                        "(df.writeStream.format('twophase-kafka')): a batch DataFrame has no micro-batch to commit on. "
                        "Write it as a stream (spark.readStream ... .trigger(availableNow=True)), or with Spark's own "
@@ -69,7 +70,10 @@ def kafka_log_sink(options: Mapping[str, str]) -> LogSink:
     try:
         return LogSink(topic=None if topic is None else topic.strip(), columns="kafka", **args)  # trimmed, as Spark
     except ValueError as e:
-        raise WriterOptionError(str(e)) from None
+        message = str(e)
+        for argument, option in _OPTION_OF.items():  # LogSink's argument, as the query's option
+            message = message.replace(argument, f"option {option}")
+        raise WriterOptionError(message) from None
 
 
 def kafka_hook(options: Mapping[str, str]) -> tuple[HookConfig, LogSink]:

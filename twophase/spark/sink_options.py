@@ -77,11 +77,12 @@ def lowered(options: Mapping[str, str]) -> dict[str, str]:
 def exactly_once(options: Mapping[str, str], also: Iterable[str] = ()) -> ExactlyOnce:
     """The ``twophase.*`` options; WriterOptionError naming a missing, malformed or unknown one (``also``:
     the writer's own ``twophase.*`` options, which it checks itself)."""
-    given = lowered(options)
+    given, also = lowered(options), tuple(also)
     known = {name.lower() for name in (*EXACTLY_ONCE, *also)}
     unknown = sorted(key for key in given if key.startswith("twophase.") and key not in known)
     if unknown:
-        raise WriterOptionError(f"unknown option(s) {unknown}; the exactly-once options are {list(EXACTLY_ONCE)}")
+        raise WriterOptionError(f"unknown option(s) {unknown}; the writer's twophase options are "
+                                f"{[*EXACTLY_ONCE, *also]}")
     for required in ("twophase.zk", "twophase.app"):
         if not given.get(required):
             raise WriterOptionError(f"option {required!r} is required: the exactly-once writers keep their "
