@@ -32,8 +32,8 @@ from coordinator.zk import read_json
 from twophase.sink import TwoPhaseCommitSink
 from twophase.spark.driver import POLL_INTERVAL, DriverHook, HookConfig
 from twophase.spark.queries import QueryWatcher
-from twophase.spark.task_context import CONTINUOUS_REFUSED, ContinuousProcessingNotSupported
 from twophase.spark.sink_options import WriterOptionError, exactly_once, lowered
+from twophase.spark.task_context import CONTINUOUS_REFUSED, ContinuousProcessingNotSupported
 from twophase.supervisor import Supervisor
 
 log = logging.getLogger("twophase.driver")
@@ -148,12 +148,12 @@ class WriterDiscovery:
         try:
             found = write_options(jsq)
         except ContinuousProcessingNotSupported as e:
-            self._seen.add(key)
             if str(jsq.streamingQuery().sink().name()) in self._factories:
                 # Spark's Python writer drops a continuous query's rows without a call to Python, and the writer's
                 # commit refusing each epoch does not fail the query (Spark logs and ignores it): stop it here.
                 log.error("query %s run %s: %s; twophase stops the query", *key, e)
                 jsq.stop()
+            self._seen.add(key)  # only now: a stop that failed is tried again at the next poll
             return
         if found is None:
             return  # not planned yet: look again at the next poll
