@@ -98,12 +98,12 @@ _SETTINGS: dict[str, tuple[str, str | None, Callable[[str, str], Any]]] = {
     "enable.idempotence": ("producer", None, _idempotence),
     "transaction.timeout.ms": ("transaction_timeout_ms", None, _int(1, unit=_MS)),
 }
-# Java clients' security settings with no twophase name: what to give instead.
+# Java clients' security settings with no twophase name: what to give instead ({p}: the caller's prefix).
 _JAVA_SECURITY = {
-    "ssl.truststore": "the CA certificates as a PEM file: kafka.ssl.ca.location",
-    "ssl.keystore": "the client certificate and its key as PEM files: kafka.ssl.certificate.location and "
-                    "kafka.ssl.key.location",
-    "sasl.jaas.config": "kafka.sasl.username, and the password through the twophase.security option "
+    "ssl.truststore": "the CA certificates as a PEM file: {p}ssl.ca.location",
+    "ssl.keystore": "the client certificate and its key as PEM files: {p}ssl.certificate.location and "
+                    "{p}ssl.key.location",
+    "sasl.jaas.config": "the security settings, password included, as a source: the twophase.security option "
                         "('file:PATH' or 'env:PREFIX')",
 }
 _REFUSED = {
@@ -136,7 +136,7 @@ def log_sink_args(props: Mapping[str, str], prefix: str = "kafka.") -> dict[str,
             continue
         if name.startswith(("ssl.", "sasl.")):
             java = next((instead for start, instead in _JAVA_SECURITY.items() if name.startswith(start)), None)
-            hint = f"; give {java}" if java else ""
+            hint = f"; give {java.format(p=prefix)}" if java else ""
             raise ValueError(f"{option} is not a security setting twophase supports{hint}; supported: "
                              f"{', '.join(prefix + s for s in SECURITY_SETTINGS if s not in SECRET_SETTINGS)}, and "
                              "passwords through the twophase.security option (docs/security.md)")

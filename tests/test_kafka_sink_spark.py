@@ -108,7 +108,6 @@ def test_a_schema_without_value_is_refused_like_sparks_kafka_sink(spark, zk_serv
         query.awaitTermination()
 
 
-
 def test_a_continuous_trigger_is_stopped_before_any_epoch_is_recorded(spark, zk_server, zk_root, tmp_path,
                                                                      broker_factory, caplog):
     """Under trigger(continuous=...) Spark's Python writer never sees a row and commits every epoch with no
@@ -126,7 +125,7 @@ def test_a_continuous_trigger_is_stopped_before_any_epoch_is_recorded(spark, zk_
     finally:
         query.stop()
     assert f"query {query.id} run {query.runId}: twophase needs micro-batch epochs" in caplog.text
-    assert not list((tmp_path / "ck" / "commits").glob("[0-9]*"))  # nothing for a restart to skip
+    assert not list((tmp_path / "ck" / "commits").glob("[0-9]*"))  # the refused commits recorded no epoch done
     assert read_topic(broker.bootstrap, "out", isolation="read_uncommitted") == []
 
 

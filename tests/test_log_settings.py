@@ -64,7 +64,7 @@ def test_kafka_names_translate_to_log_sink_arguments(props, expected):
     ({"sasl.username": "u", "sasl.password": "secret"}, "kafka.sasl.password: a password in the query's options"),
     ({"ssl.key.password": "secret"}, "twophase.security option 'file:PATH' or 'env:PREFIX'"),
     ({"sasl.jaas.config": "...password=..."}, "kafka.sasl.jaas.config is not a security setting twophase supports; "
-                                              "give kafka.sasl.username, and the password through the twophase.security"),
+                                              "give the security settings, password included, as a source"),
     ({"ssl.truststore.location": "x.jks"}, "kafka.ssl.truststore.location is not a security setting twophase supports; "
                                            "give the CA certificates as a PEM file: kafka.ssl.ca.location"),
     ({"ssl.keystore.type": "PKCS12"}, "give the client certificate and its key as PEM files"),

@@ -15,6 +15,7 @@ from sinks.files import FileSink
 from tests.harness import SIGNER, CallCounter, Pipeline, ids_out
 from tests.test_cli import fake_checkpoint
 from tests.waiting import wait_until
+from twophase.signing import Signer
 from twophase.spark.host import CoordinatorHost
 from twophase.spark.kafka_sink import KAFKA_TWOPHASE, kafka_log_sink
 from twophase.spark.waiter import await_watermark
@@ -26,7 +27,6 @@ from twophase.spark.task_context import ContinuousProcessingNotSupported
 from twophase.task import PhaseTwoHalted
 
 
-
 @pytest.mark.parametrize("extra, message", [
     ({"twophase.commitMode": "eventually"}, "option twophase.commitMode must be one of auto, prepared, classic"),
     ({"twophase.transactionalIdPrefix": "a b"}, "option twophase.transactionalIdPrefix 'a b'"),
@@ -36,6 +36,7 @@ def test_the_kafka_writers_own_options_are_named_as_the_query_gives_them(extra, 
         kafka_log_sink({"kafka.bootstrap.servers": "h:9092", "topic": "t", **extra})
     with pytest.raises(WriterOptionError, match="the writer's twophase options are .*'twophase.commitMode'"):
         exactly_once({"twophase.zk": "h:1", "twophase.app": "a", "twophase.comitMode": "auto"}, also=KAFKA_TWOPHASE)
+
 
 def test_no_hook_publishing_the_run_fails_the_batch_naming_what_to_do(zk, zk_root):
     query = AppPaths(zk_root, "app").query("q1")
@@ -60,20 +61,27 @@ def test_a_halted_run_fails_with_its_reason(zk, zk_root):
         await_watched(zk, query, "run-1", "app", timeout=30)
 
 
-
-def test_a_writer_waits_for_its_apps_sink_then_checks_its_secret_verifies_it(zk, zk_server, zk_root, tmp_path):
-    where = ExactlyOnce(zk_server.hosts, "secrets", zk_root)
+def test_a_writer_waits_for_its_apps_sink_until_its_secret_verifies_it(zk, zk_server, zk_root, tmp_path):
+    """A first publication in progress (an empty znode), or a restart's hook replacing the last session's sink
+    (signed with another secret): the task reads the sink again as it changes. A secret that never verifies
+    fails it, naming what to do."""
+    where, paths = ExactlyOnce(zk_server.hosts, "secrets", zk_root), AppPaths(zk_root, "secrets")
+    secret, other = b"twophase-test-secret-0123456789", Signer(b"the-last-sessions-secret-0123456789")
     with pytest.raises(DriverHookMissing, match=r"no twophase driver hook published app secrets.*register\(spark\)"):
-        check_secret(zk, where, b"twophase-test-secret-0123456789", timeout=0.2)
-    publishing = threading.Timer(0.2, publish_app, (zk, AppPaths(zk_root, "secrets"), SIGNER,
-                                                    FileSink(str(tmp_path / "out")), "embedded"))
+        check_secret(zk, where, secret, timeout=0.2)
+    zk.create(paths.sink, b"", makepath=True)
+    publishing = threading.Timer(0.2, zk.set, (paths.sink, other.dumps("sink", paths.sink)))
     publishing.start()
     with pytest.raises(SecretMismatch, match="set TWOPHASE_SECRET .* before the SparkSession starts"):
-        check_secret(zk, where, b"a-secret-found-in-the-jvm-environment", timeout=30)
+        check_secret(zk, where, secret, timeout=1.0)
     publishing.join()
-    check_secret(zk, where, b"twophase-test-secret-0123456789", timeout=0)
-    zk.delete(AppPaths(zk_root, "secrets").sink)
-    check_secret(zk, where, b"twophase-test-secret-0123456789", timeout=0)  # remembered: no second look
+    republishing = threading.Timer(0.2, publish_app, (zk, paths, SIGNER, FileSink(str(tmp_path / "out")), "embedded"))
+    republishing.start()
+    check_secret(zk, where, secret, timeout=30)
+    republishing.join()
+    zk.set(paths.sink, other.dumps("sink", paths.sink))
+    check_secret(zk, where, secret, timeout=0)  # remembered: no second look in this process
+
 
 @pytest.mark.parametrize("options, message", [
     ({"twophase.app": "a"}, "'twophase.zk' is required"),
@@ -208,12 +216,13 @@ def test_a_new_owner_drops_the_last_hint_of_a_query_whose_epochs_are_committed(z
 
 def test_the_writers_commit_hints_each_batch_and_refuses_a_halted_run(zk, zk_server, zk_root, tmp_path):
     writer = TwoPhaseStreamWriter(FileSink(str(tmp_path / "out")), ExactlyOnce(zk_server.hosts, "app", zk_root),
-                                  b"secret")
+                                  b"twophase-test-secret-0123456789")
+    publish_app(zk, AppPaths(zk_root, "app"), SIGNER, FileSink(str(tmp_path / "out")), "embedded")
     query = AppPaths(zk_root, "app").query("q5")
     zk.create(f"{query.run('r1')}/alive", makepath=True)
     for batch in (0, 1):  # the first hint creates the znode, the next ones set it
-        writer.commit([AttemptReport("q5", "r1", batch, 0, 0, 3, True), AttemptReport("q5", "r1", batch, 1, 0, 0, True)],
-                      batch)
+        reports = [AttemptReport("q5", "r1", batch, partition, 0, 3, True) for partition in (0, 1)]
+        writer.commit(reports, batch)
         assert parse_object(zk.get(query.ready)[0], query.ready) == {"epoch": batch, "run": "r1"}
     # Only a continuous trigger's epochs come without a task's message: Spark dropped their rows.
     with pytest.raises(ContinuousProcessingNotSupported, match="use a micro-batch trigger"):
@@ -222,6 +231,18 @@ def test_the_writers_commit_hints_each_batch_and_refuses_a_halted_run(zk, zk_ser
     zk.create(query.halted("r1"), b"the embedded coordinator failed for good")
     with pytest.raises(PhaseTwoHalted, match="failed for good"):
         writer.commit([AttemptReport("q5", "r1", 2, 0, 0, 3, True)], 2)
+
+
+def test_the_writers_commit_refuses_a_run_whose_hook_signs_with_another_secret(zk, zk_server, zk_root, tmp_path):
+    """The tasks may have verified the sink a hook was about to replace; the run's first commit checks the sink its
+    own hook published, before Spark records the batch."""
+    publish_app(zk, AppPaths(zk_root, "app"), SIGNER, FileSink(str(tmp_path / "out")), "embedded")
+    writer = TwoPhaseStreamWriter(FileSink(str(tmp_path / "out")), ExactlyOnce(zk_server.hosts, "app", zk_root),
+                                  b"a-secret-found-in-the-jvm-environment")
+    query = AppPaths(zk_root, "app").query("q6")
+    zk.create(f"{query.run('r1')}/alive", makepath=True)
+    with pytest.raises(SecretMismatch, match="before the SparkSession starts"):
+        writer.commit([AttemptReport("q6", "r1", 0, 0, 0, 3, True)], 0)
 
 
 def test_the_twophase_format_refuses_options_it_does_not_take(zk, zk_server, zk_root, tmp_path):

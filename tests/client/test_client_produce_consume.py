@@ -370,7 +370,6 @@ def test_a_send_that_finds_the_buffer_full_past_max_block_ms_raises_and_queues_n
         assert [m.value for m in drain(c, 10)] == values[:10]
 
 
-
 def test_a_record_larger_than_max_request_size_is_refused_and_the_others_go(broker, topic):
     """Kafka's max.request.size as it bounds one record (RecordTooLargeException in Java's client)."""
     with Producer(broker.bootstrap, max_request_size=2 * RECORD) as p:
@@ -383,6 +382,7 @@ def test_a_record_larger_than_max_request_size_is_refused_and_the_others_go(brok
     with Consumer(broker.bootstrap) as c:
         c.assign([(topic, 0)])
         assert [m.value for m in drain(c, 1)] == [b"fits"]
+
 
 def test_a_send_many_that_times_out_half_queued_leaves_a_transaction_only_to_abort(broker, topic, monkeypatch):
     entered, gate = hold_produce_requests(monkeypatch)

@@ -133,6 +133,8 @@ class Producer:
         if buffer_memory < 1:
             raise ValueError(f"buffer_memory must be at least 1 byte, not {buffer_memory}")
         self.buffer_memory = buffer_memory
+        if max_request_size is not None and max_request_size < 1:
+            raise ValueError(f"max_request_size must be at least 1 byte, not {max_request_size}")
         self.max_request_size = max_request_size
         if not 1 <= max_in_flight <= MAX_IN_FLIGHT:
             raise ValueError(f"max_in_flight must be 1..{MAX_IN_FLIGHT} (the broker deduplicates a partition's "

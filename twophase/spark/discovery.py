@@ -66,6 +66,14 @@ def write_options(jsq) -> tuple[str, dict[str, str]] | None:
     return str(execution.sink().name()), lowered(converted)
 
 
+
+def _stop(jsq, key: tuple[str, str]) -> None:
+    """Stop a query twophase refuses; a stop that fails is logged (the query goes on writing nothing)."""
+    try:
+        jsq.stop()
+    except Exception as e:  # noqa: BLE001 - a thread's last word: logged, not lost
+        log.error("query %s run %s: twophase could not stop it: %r", *key, e)
+
 @dataclass
 class _Held:
     """A hook the discovery holds, and the runs of its app it has seen."""
@@ -150,10 +158,13 @@ class WriterDiscovery:
         except ContinuousProcessingNotSupported as e:
             if str(jsq.streamingQuery().sink().name()) in self._factories:
                 # Spark's Python writer drops a continuous query's rows without a call to Python, and the writer's
-                # commit refusing each epoch does not fail the query (Spark logs and ignores it): stop it here.
-                log.error("query %s run %s: %s; twophase stops the query", *key, e)
-                jsq.stop()
-            self._seen.add(key)  # only now: a stop that failed is tried again at the next poll
+                # commit refusing each epoch does not fail the query (Spark logs and ignores it): stop it, from a
+                # thread of its own, as a stop waits for the query's thread and other queries wait for their hooks.
+                log.error("query %s run %s: %s; twophase stops the query. Its checkpoint records the continuous "
+                          "epochs' offsets as planned: run it with a micro-batch trigger on a new checkpoint, from "
+                          "where the continuous run started", *key, e)
+                threading.Thread(target=_stop, args=(jsq, key), name="twophase-stop-continuous", daemon=True).start()
+            self._seen.add(key)
             return
         if found is None:
             return  # not planned yet: look again at the next poll

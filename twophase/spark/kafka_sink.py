@@ -40,8 +40,8 @@ _OWN = {name.lower() for name in ("topic", *SPARK_OWN, *EXACTLY_ONCE, *KAFKA_TWO
 _OPTION_OF = {"commit_mode": "twophase.commitMode", "transactional_id_prefix": "twophase.transactionalIdPrefix"}
 BATCH_WRITE_REFUSED = ("twophase-kafka writes streaming queries, each micro-batch exactly once "
                        "(df.writeStream.format('twophase-kafka')): a batch DataFrame has no micro-batch to commit on. "
-                       "Write it as a stream (spark.readStream ... .trigger(availableNow=True)), or with Spark's own "
-                       "kafka format, at least once")
+                       "Write it as a stream (spark.readStream ... .trigger(availableNow=True)), from foreachBatch "
+                       "with twophase.spark.TwoPhaseBatchSink, or with Spark's own kafka format, at least once")
 
 
 def kafka_log_sink(options: Mapping[str, str]) -> LogSink:
@@ -71,8 +71,9 @@ def kafka_log_sink(options: Mapping[str, str]) -> LogSink:
         return LogSink(topic=None if topic is None else topic.strip(), columns="kafka", **args)  # trimmed, as Spark
     except ValueError as e:
         message = str(e)
-        for argument, option in _OPTION_OF.items():  # LogSink's argument, as the query's option
-            message = message.replace(argument, f"option {option}")
+        for argument, option in _OPTION_OF.items():  # LogSink's argument named first, as the query's option
+            if message.startswith(f"{argument} "):
+                message = f"option {option}{message[len(argument):]}"
         raise WriterOptionError(message) from None
 
 

@@ -286,4 +286,3 @@ class KafkaSource(DataSource):
         """Refused: a batch DataFrame has no micro-batch epoch to commit on (Spark's own Kafka batch write is
         at least once)."""
         raise NotInStream(BATCH_WRITE_REFUSED)
-

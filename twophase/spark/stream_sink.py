@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 from kazoo.client import KazooClient
-from kazoo.exceptions import KazooException
+from kazoo.exceptions import KazooException, NoNodeError
 from pyspark.sql.datasource import (
     DataSource,
     DataSourceArrowWriter,
@@ -42,7 +42,6 @@ from pyspark.sql.datasource import (
 from pyspark.sql.pandas.types import to_arrow_schema
 from pyspark.sql.types import StructType
 
-from coordinator.app import verify_stored_sink
 from coordinator.layout import AppPaths, QueryPaths
 from coordinator.precommits import PrecommitRegistry
 from coordinator.zk import dump, put_data, shared_client, watched_data
@@ -120,6 +119,16 @@ class _AttemptWriter:
         attempt.close(None)
         return AttemptReport(ctx.query_id, ctx.run_id, ctx.epoch, ctx.partition, ctx.attempt, rows, attempt.won)
 
+    def _check_published_secret(self, client: KazooClient) -> None:
+        """SecretMismatch unless the writer's secret verifies the sink the app's driver hook published."""
+        paths = AppPaths(self.where.root, self.where.app)
+        try:
+            stored = client.retry(client.get, paths.sink)[0]
+        except NoNodeError:
+            stored = None
+        if not _verifies(Signer(self._secret), stored, paths.sink):
+            raise SecretMismatch(_secret_mismatch(self.where.app))
+
     def _check_watched(self, messages: list[AttemptReport | None], batch_id: int | None) -> None:
         """Check a driver hook publishes the run, then hint the coordinator that ``commits/<batch_id>``
         is about to be written (QueryPaths.ready): it looks at the checkpoint at once instead of
@@ -127,7 +136,8 @@ class _AttemptWriter:
 
         Raises ContinuousProcessingNotSupported for a message that is missing: every task of a micro-batch
         reports, an empty partition's too, while under trigger(continuous=...) Spark's Python writer drops
-        its rows without calling :meth:`write` and commits each epoch with no message at all."""
+        its rows without calling :meth:`write` and commits each epoch with a None message per task. Raises
+        SecretMismatch, at a run's first batch, if the writer's secret does not verify the hook's sink."""
         if any(m is None for m in messages):
             raise ContinuousProcessingNotSupported(CONTINUOUS_REFUSED)
         if not messages:
@@ -139,7 +149,12 @@ class _AttemptWriter:
         # Sent first, answered while await_watched's read is in flight: one round trip for both. A hint for
         # a batch that then fails here costs the coordinator a few looks at the checkpoint, nothing more.
         hinting = None if batch_id is None else client.set_async(query.ready, hint)
+        first_look = (query.base, first.run_id) not in _watched
         await_watched(client, query, first.run_id, self.where.app, HOOK_WAIT)
+        if first_look:
+            # The run's hook stored its sink before it published the run: the tasks' secret must verify that one
+            # (they may have checked a sink the hook was about to replace).
+            self._check_published_secret(client)
         if hinting is None:
             return  # foreachBatch: commits/N comes only after the whole function returned
         try:
@@ -185,44 +200,65 @@ class TwoPhaseBatchWriter(_AttemptWriter, DataSourceArrowWriter):
 _HOOK_HOWTO = ("Call twophase.spark.register(spark) in the driver before starting the query, or start it with "
                "twophase.spark.write_stream(...)")
 _watched: set[tuple[str, str]] = set()  # (query znode, run) a hook was seen publishing, in this worker
-_verified: set[tuple[str, str, str, bytes]] = set()  # (zk, root, app, secret): its published sink verified
+_verified: set[tuple[str, str, str, bytes]] = set()  # (zk, root, app, secret): a published sink verified
 
 
 def check_secret(client: KazooClient, where: ExactlyOnce, secret: bytes, timeout: float) -> None:
-    """Wait until a driver hook published the app's sink, then check that ``secret`` verifies its signature;
-    once per app and secret in a process.
+    """Wait until the app's published sink verifies with ``secret``; once per app and secret in a process.
 
     A ``twophase-kafka`` writer finds its secret in a Python worker, whose environment is the JVM's: a
-    ``TWOPHASE_SECRET`` set in the driver after the session started reaches the hook but not the writer.
-    SecretMismatch then, before anything is written; DriverHookMissing after ``timeout`` without a hook.
+    ``TWOPHASE_SECRET`` set in the driver after the session started reaches the hook but not the writer. The
+    sink read may also be the one a driver hook is replacing (a first publication in progress, a restart's
+    hook with a new secret), so a sink that does not verify is read again as it changes, for ``timeout``
+    seconds; then SecretMismatch, before anything is written (DriverHookMissing if no hook published one).
     """
     key = (where.zk, where.root, where.app, secret)
     if key in _verified:
         return
-    paths = AppPaths(where.root, where.app)
-    _await_node(client, paths.sink, timeout, lambda: DriverHookMissing(
-        f"no twophase driver hook published app {where.app} within {timeout:.0f} s: nothing would commit its "
-        f"pre-commits. {_HOOK_HOWTO}"))
-    try:
-        verify_stored_sink(client, paths, Signer(secret))
-    except SignatureError:
-        raise SecretMismatch(
-            f"the twophase secret of this Spark Python worker is not the one app {where.app}'s driver hook signs "
-            "with. Spark's Python workers see the environment the JVM started with: set TWOPHASE_SECRET (or "
-            "TWOPHASE_SECRET_FILE) before the SparkSession starts, not later in os.environ") from None
+    paths, signer = AppPaths(where.root, where.app), Signer(secret)
+    stored = _await_data(client, paths.sink, timeout, lambda data: _verifies(signer, data, paths.sink))
+    if not _verifies(signer, stored, paths.sink):
+        if stored is None:
+            raise DriverHookMissing(f"no twophase driver hook published app {where.app} within {timeout:.0f} s: "
+                                    f"nothing would commit its pre-commits. {_HOOK_HOWTO}")
+        raise SecretMismatch(_secret_mismatch(where.app))
     _verified.add(key)
 
 
-def _await_node(client: KazooClient, path: str, timeout: float, missing: Callable[[], Exception]) -> None:
-    """Return once ``path`` exists; raise ``missing()`` after ``timeout`` seconds."""
-    appeared = threading.Event()
+def _secret_mismatch(app: str) -> str:
+    return (f"the twophase secret of this Spark Python worker is not the one app {app}'s driver hook signs with. "
+            "Spark's Python workers see the environment the JVM started with: set TWOPHASE_SECRET (or "
+            "TWOPHASE_SECRET_FILE) before the SparkSession starts, not later in os.environ")
+
+
+def _verifies(signer: Signer, data: bytes | None, path: str) -> bool:
+    try:
+        signer.verify(data or b"", path)
+    except SignatureError:
+        return False
+    return True
+
+
+def _await_data(client: KazooClient, path: str, timeout: float, accept: Callable[[bytes | None], bool]) -> bytes | None:
+    """Read ``path`` (None: no such node) until ``accept`` takes its data or ``timeout`` seconds passed; the last
+    read. Each read leaves a watch, so a change wakes the wait at once."""
+    changed = threading.Event()
+
+    def wake(_event: object) -> None:  # one watcher for every read: kazoo keeps each distinct one until it fires
+        changed.set()
+
     deadline = time.monotonic() + timeout
-    while client.retry(client.exists, path, watch=lambda _: appeared.set()) is None:
+    while True:
+        try:
+            data = client.retry(client.get, path, watch=wake)[0]
+        except NoNodeError:
+            # Made in between: an empty read, and the exists watch fires on its next change.
+            data = None if client.retry(client.exists, path, watch=wake) is None else b""
         left = deadline - time.monotonic()
-        if left <= 0:
-            raise missing()
-        appeared.wait(min(left, 1.0))
-        appeared.clear()
+        if accept(data) or left <= 0:
+            return data
+        changed.wait(min(left, 1.0))
+        changed.clear()
 
 
 def await_watched(client: KazooClient, query: QueryPaths, run_id: str, app: str, timeout: float) -> None:
@@ -237,9 +273,10 @@ def await_watched(client: KazooClient, query: QueryPaths, run_id: str, app: str,
         raise PhaseTwoHalted(f"twophase stopped run {run_id} of app {app}: {reason.decode()}")
     if (query.base, run_id) in _watched:
         return
-    _await_node(client, f"{query.run(run_id)}/alive", timeout, lambda: DriverHookMissing(
-        f"no twophase driver hook watches run {run_id} of query {query.base.rsplit('/', 1)[-1]} (app {app}): "
-        f"nothing would commit its pre-commits. {_HOOK_HOWTO}"))
+    if _await_data(client, f"{query.run(run_id)}/alive", timeout, lambda alive: alive is not None) is None:
+        raise DriverHookMissing(f"no twophase driver hook watches run {run_id} of query "
+                                f"{query.base.rsplit('/', 1)[-1]} (app {app}): nothing would commit its pre-commits. "
+                                f"{_HOOK_HOWTO}")
     _watched.add((query.base, run_id))
 
 
