@@ -42,6 +42,7 @@ from pyspark.sql.datasource import (
 from pyspark.sql.pandas.types import to_arrow_schema
 from pyspark.sql.types import StructType
 
+from coordinator.app import verify_stored_sink
 from coordinator.layout import AppPaths, QueryPaths
 from coordinator.precommits import PrecommitRegistry
 from coordinator.zk import dump, put_data, shared_client, watched_data
@@ -121,13 +122,10 @@ class _AttemptWriter:
 
     def _check_published_secret(self, client: KazooClient) -> None:
         """SecretMismatch unless the writer's secret verifies the sink the app's driver hook published."""
-        paths = AppPaths(self.where.root, self.where.app)
         try:
-            stored = client.retry(client.get, paths.sink)[0]
-        except NoNodeError:
-            stored = None
-        if not _verifies(Signer(self._secret), stored, paths.sink):
-            raise SecretMismatch(_secret_mismatch(self.where.app))
+            verify_stored_sink(client, AppPaths(self.where.root, self.where.app), Signer(self._secret))
+        except SignatureError:
+            raise SecretMismatch(_secret_mismatch(self.where.app)) from None
 
     def _check_watched(self, messages: list[AttemptReport | None], batch_id: int | None) -> None:
         """Check a driver hook publishes the run, then hint the coordinator that ``commits/<batch_id>``
