@@ -64,7 +64,7 @@ def test_a_halted_run_fails_with_its_reason(zk, zk_root):
 def test_a_writer_waits_for_its_apps_sink_until_its_secret_verifies_it(zk, zk_server, zk_root, tmp_path):
     """A first publication in progress (an empty znode), or a restart's hook replacing the last session's sink
     (signed with another secret): the task reads the sink again as it changes. A secret that never verifies
-    fails it, naming what to do."""
+    fails it once the sink stayed unverifiable for replace_wait, naming what to do."""
     where, paths = ExactlyOnce(zk_server.hosts, "secrets", zk_root), AppPaths(zk_root, "secrets")
     secret, other = b"twophase-test-secret-0123456789", Signer(b"the-last-sessions-secret-0123456789")
     with pytest.raises(DriverHookMissing, match=r"no twophase driver hook published app secrets.*register\(spark\)"):
@@ -73,7 +73,7 @@ def test_a_writer_waits_for_its_apps_sink_until_its_secret_verifies_it(zk, zk_se
     publishing = threading.Timer(0.2, zk.set, (paths.sink, other.dumps("sink", paths.sink)))
     publishing.start()
     with pytest.raises(SecretMismatch, match="set TWOPHASE_SECRET .* before the SparkSession starts"):
-        check_secret(zk, where, secret, timeout=1.0)
+        check_secret(zk, where, secret, timeout=30, replace_wait=0.5)  # the sink is there: no minute's wait
     publishing.join()
     republishing = threading.Timer(0.2, publish_app, (zk, paths, SIGNER, FileSink(str(tmp_path / "out")), "embedded"))
     republishing.start()

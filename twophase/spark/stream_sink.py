@@ -60,6 +60,10 @@ _CHECKED: set[tuple[str | None, str]] = set()  # (sink digest, schema) check_tar
 # How long commit() waits for the driver hook to publish a run it has not seen yet: the hook sees a
 # query within a poll (0.25 s) and publishes its run once the first task recorded it.
 HOOK_WAIT = 60.0
+# How long a task waits for a published sink its secret does not verify to be replaced (a restart's hook,
+# its secret rotated, stores its sink within a poll of the query's start) before it takes it as a mismatch:
+# each of Spark's task attempts waits again, so a mismatch fails the query in about maxFailures times this.
+REPLACE_WAIT = 10.0
 
 
 class DriverHookMissing(RuntimeError):
@@ -201,22 +205,35 @@ _watched: set[tuple[str, str]] = set()  # (query znode, run) a hook was seen pub
 _verified: set[tuple[str, str, str, bytes]] = set()  # (zk, root, app, secret): a published sink verified
 
 
-def check_secret(client: KazooClient, where: ExactlyOnce, secret: bytes, timeout: float) -> None:
+def check_secret(client: KazooClient, where: ExactlyOnce, secret: bytes, timeout: float,
+                 replace_wait: float = REPLACE_WAIT) -> None:
     """Wait until the app's published sink verifies with ``secret``; once per app and secret in a process.
 
     A ``twophase-kafka`` writer finds its secret in a Python worker, whose environment is the JVM's: a
     ``TWOPHASE_SECRET`` set in the driver after the session started reaches the hook but not the writer. The
-    sink read may also be the one a driver hook is replacing (a first publication in progress, a restart's
-    hook with a new secret), so a sink that does not verify is read again as it changes, for ``timeout``
-    seconds; then SecretMismatch, before anything is written (DriverHookMissing if no hook published one).
+    sink read may also be the one a driver hook is replacing (a restart's hook with a new secret), so a sink
+    that does not verify is read again as it changes, for ``replace_wait`` seconds; then SecretMismatch,
+    before anything is written. No sink yet (a first publication in progress) is waited for ``timeout``
+    seconds; then DriverHookMissing.
     """
     key = (where.zk, where.root, where.app, secret)
     if key in _verified:
         return
     paths, signer = AppPaths(where.root, where.app), Signer(secret)
-    stored = _await_data(client, paths.sink, timeout, lambda data: _verifies(signer, data, paths.sink))
+    unverified_since: float | None = None
+
+    def settled(data: bytes | None) -> bool:
+        nonlocal unverified_since
+        if _verifies(signer, data, paths.sink):
+            return True
+        if not data:  # no sink yet, or its node made empty just before the hook sets it
+            return False
+        unverified_since = unverified_since or time.monotonic()
+        return time.monotonic() - unverified_since >= replace_wait
+
+    stored = _await_data(client, paths.sink, timeout, settled)
     if not _verifies(signer, stored, paths.sink):
-        if stored is None:
+        if not stored:
             raise DriverHookMissing(f"no twophase driver hook published app {where.app} within {timeout:.0f} s: "
                                     f"nothing would commit its pre-commits. {_HOOK_HOWTO}")
         raise SecretMismatch(_secret_mismatch(where.app))
