@@ -41,11 +41,25 @@ def await_event(what: str, happened: Callable[[], bool], timeout: float,
         time.sleep(poll_s)
 
 
-def spawn(cmd: list[str], log_path: str) -> subprocess.Popen:
-    """Start cmd in its own process group (one killpg takes its children, a driver's JVM say), logging to log_path."""
+def spark_scratch_env(scratch: str) -> dict[str, str]:
+    """The environment that puts a Spark driver's scratch files under ``scratch`` instead of /tmp: its local dirs
+    (``spark-*``, ``blockmgr-*``), its JVM's temp dir (``artifacts-*``, native codec libraries) and its Python
+    workers'. Spark deletes them in a JVM shutdown hook, which a SIGKILLed driver never runs::
+
+        env = {**os.environ, **spark_scratch_env("/tmp/job/scratch")}
+    """
+    os.makedirs(scratch, exist_ok=True)
+    java = f"{os.environ.get('JAVA_TOOL_OPTIONS', '')} -Djava.io.tmpdir={scratch}".strip()
+    return {"SPARK_LOCAL_DIRS": scratch, "JAVA_TOOL_OPTIONS": java, "TMPDIR": scratch}
+
+
+def spawn(cmd: list[str], log_path: str, scratch: str | None = None) -> subprocess.Popen:
+    """Start cmd in its own process group (one killpg takes its children, a driver's JVM say), logging to log_path;
+    a Spark driver's scratch files go under ``scratch`` (:func:`spark_scratch_env`) if given."""
+    env = {**os.environ, **spark_scratch_env(scratch)} if scratch else None
     with open(log_path, "ab") as log:
         return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+                                start_new_session=True, env=env)
 
 
 def kill_group(proc: subprocess.Popen | None) -> None:

@@ -155,7 +155,7 @@ class Demo:
                "--enriched-topic", ENRICHED, "--totals-topic", TOTALS, "--trigger", trigger,
                "--max-offsets", str(self.args.max_offsets), "--fail-rate", str(self.args.fail_rate),
                "--slow-ms", str(self.args.slow_ms)]
-        self.driver = spawn(cmd, f"{self.work}/driver-run{run}.log")
+        self.driver = spawn(cmd, f"{self.work}/driver-run{run}.log", scratch=f"{self.work}/scratch")
         self.driver_should_run = trigger != "available-now"
         self.progress.driver = f"run {run} (pid {self.driver.pid}, trigger {trigger})"
         self.display.event(f"driver run {run} started: pid {self.driver.pid}, trigger {trigger}")

@@ -166,7 +166,7 @@ def run_demo(args: argparse.Namespace, zk_hosts: str, zk, bootstrap: str, t0: fl
 
 def run_twice(cmd: list[str], work: str, zk, visible: VisibleCount, args: argparse.Namespace, t0: float) -> bool:
     """Run the job, SIGKILL it once a third of the batches are committed, rerun it to the end; True if that exits 0."""
-    first = spawn(cmd, f"{work}/driver-run1.log")
+    first = spawn(cmd, f"{work}/driver-run1.log", scratch=f"{work}/scratch")
     try:
         if not watch(first, zk, visible, args, "run 1", t0, kill_at=max(args.batches // 3 - 1, 0)):
             print(f"warning: run 1 exited ({first.returncode}) before the kill point; "
@@ -174,7 +174,7 @@ def run_twice(cmd: list[str], work: str, zk, visible: VisibleCount, args: argpar
     finally:
         kill_group(first)
     print("restarting the same command on the same checkpoint\n")
-    second = spawn(cmd, f"{work}/driver-run2.log")
+    second = spawn(cmd, f"{work}/driver-run2.log", scratch=f"{work}/scratch")
     try:
         watch(second, zk, visible, args, "run 2", t0, kill_at=None)
     finally:

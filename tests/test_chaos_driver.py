@@ -29,6 +29,7 @@ from kazoo.client import KazooClient
 from kazoo.exceptions import NoNodeError
 
 from coordinator.layout import AppPaths, QueryPaths
+from examples.demo_processes import spark_scratch_env
 from examples.file_sink_query import write_input
 from sinks.files import read_committed_rows
 from tests.driver_job import POISON_ENV, POISON_EPOCH
@@ -113,6 +114,7 @@ class Job:
         full_env = dict(os.environ)
         full_env.pop(POISON_ENV, None)
         full_env.update({
+            **spark_scratch_env(str(self.tmp / "scratch")),  # a SIGKILLed driver's Spark scratch stays in tmp_path
             "PYTHONPATH": str(REPO),
             "PYSPARK_PYTHON": sys.executable,
             "PYSPARK_DRIVER_PYTHON": sys.executable,
